@@ -1,0 +1,521 @@
+"""``CacheManager``: local bookkeeping as plain calls, every data movement as a ``CacheTask``.
+
+Reference §8. Every argument check runs synchronously at the call, before a task exists.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._checks import (
+    UINT64_MAX,
+    check_int64,
+    check_isinstance,
+    check_uint32,
+    check_uint64,
+)
+from ._engine import Engine
+from ._enums import LLMStatusCode, Memtype, Placement
+from ._errors import LLMException, raise_if_false
+from ._memory import host_view
+from ._planner import Layout, Plan, mapping_arrays, plan_block_copies, plan_slots
+from ._registry import CacheEntry, SlotKey
+from ._task import CacheTask, TaskControl
+from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKey, MemInfo
+
+__all__ = ["CacheManager"]
+
+_POOL_OPTION = {Placement.DEVICE: "llm.MemPoolConfig", Placement.HOST: "llm.HostMemPoolConfig"}
+
+
+def slot_key_of(key: CacheKey) -> SlotKey | None:
+    """The engine identity of a key; None for a placeholder (neither id valid)."""
+    if key.req_id != UINT64_MAX:
+        return ("req", key.req_id, key.model_id)
+    if key.prefix_id != UINT64_MAX:
+        return ("prefix", key.prefix_id, key.model_id)
+    return None
+
+
+def _check_desc_for_memory(desc: CacheDesc) -> None:
+    shape = desc.shape
+    raise_if_false(1 <= len(shape) <= 32, f"shape must have 1 to 32 dims, got {len(shape)}")
+    raise_if_false(all(d > 0 for d in shape), f"shape dims must be > 0, got {shape}")
+    try:
+        desc.data_type.itemsize  # noqa: B018 - raises for DT_STRING
+    except ValueError as exc:
+        raise LLMException(str(exc), status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
+    raise_if_false(desc.num_tensors > 0, "num_tensors must be > 0")
+
+
+class CacheManager:
+    """Caches of one endpoint and the movements between them.
+
+    Obtained from ``LLMDataDist.cache_manager``; valid until the engine is finalized.
+    """
+
+    def __init__(self, engine: Engine, datadist: Any) -> None:
+        self._engine = engine
+        self._datadist = datadist
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def closed(self) -> bool:
+        """True once the engine behind this manager was finalized."""
+        return self._engine.closed
+
+    @property
+    def engine(self) -> Engine:
+        engine = self._engine
+        if engine.closed:
+            raise RuntimeError("llm datadist is not initialized")
+        engine.check_thread()
+        return engine
+
+    def _entry(self, cache: Cache, name: str) -> CacheEntry:
+        check_isinstance(name, cache, Cache)
+        raise_if_false(cache.valid, f"{name} ({cache}) is no longer valid")
+        entry = self.engine.registry.entries.get(cache.cache_id)
+        if entry is None or entry.id_released or cache._owner is not self:
+            raise LLMException(
+                f"{name}: cache {cache.cache_id} is not a cache of this endpoint",
+                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+            )
+        return entry
+
+    def _make_cache(
+        self, entry: CacheEntry, desc: CacheDesc, views: Callable[[], list[np.ndarray]]
+    ) -> Cache:
+        cache = Cache(
+            entry.cache_id,
+            desc,
+            [int(a) for a in entry.addrs],
+            entry.is_blocks,
+            is_registered=not entry.allocated,
+            _views=views,
+        )
+        cache._owner = self
+        return cache
+
+    def _typed_views(
+        self, desc: CacheDesc, raw: Callable[[int], np.ndarray]
+    ) -> Callable[[], list[np.ndarray]]:
+        dtype, shape, n = desc.data_type.numpy_dtype, tuple(desc.shape), desc.num_tensors
+        placement = desc.placement
+        adapter = self._engine.adapter
+
+        def views() -> list[np.ndarray]:
+            raise_if_false(
+                placement == Placement.HOST or adapter.host_addressable,
+                f"DEVICE memory of the {adapter.name} adapter is not host-addressable; "
+                "use your framework's tensors",
+            )
+            return [raw(i).view(dtype).reshape(shape) for i in range(n)]
+
+        return views
+
+    def _slot_keys(
+        self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey], registered: bool
+    ) -> list[SlotKey | None]:
+        check_isinstance("cache_desc", cache_desc, CacheDesc)
+        check_isinstance("cache_keys", cache_keys, (list, tuple))
+        for i, k in enumerate(cache_keys):
+            check_isinstance(f"cache_keys[{i}]", k, CacheKey)
+        # Registered caches skip keys whose req_id is unset (upstream); allocated caches treat
+        # them as prefix keys or empty-slot placeholders.
+        keys = [
+            None if registered and k.req_id == UINT64_MAX else slot_key_of(k) for k in cache_keys
+        ]
+        count = cache_desc.shape[0] if cache_desc.shape else 0
+        self.engine.registry.check_slot_keys(count, keys)
+        return keys
+
+    # ------------------------------------------------------------------ registration
+    def _register(
+        self,
+        cache_desc: CacheDesc,
+        addrs: Sequence[Any],
+        is_blocks: bool,
+        remote_accessible: bool | None,
+    ) -> tuple[CacheEntry, Callable[[], list[np.ndarray]]]:
+        engine = self.engine
+        check_isinstance("cache_desc", cache_desc, CacheDesc)
+        check_isinstance("addrs", addrs, (list, tuple))
+        check_isinstance("remote_accessible", remote_accessible, bool, optional=True)
+        raise_if_false(len(addrs) > 0, "addrs must not be empty")
+        raise_if_false(
+            len(addrs) == cache_desc.num_tensors,
+            f"{len(addrs)} addresses for {cache_desc.num_tensors} tensors",
+        )
+        _check_desc_for_memory(cache_desc)
+        if remote_accessible is None:
+            remote_accessible = cache_desc.placement == Placement.DEVICE and not engine.comm_linked
+        raise_if_false(
+            not (remote_accessible and engine.comm_linked),
+            "remote_accessible=True is not allowed after link()",
+        )
+        nbytes = cache_desc.size
+        resolved = []
+        for i, a in enumerate(addrs):
+            if cache_desc.placement == Placement.DEVICE:
+                resolved.append(engine.adapter.resolve(a, nbytes, f"addrs[{i}]"))
+            else:
+                from ._memory import resolve_host_memory
+
+                resolved.append(resolve_host_memory(a, nbytes, f"addrs[{i}]"))
+        entry = CacheEntry(
+            cache_id=0,
+            num_tensors=cache_desc.num_tensors,
+            tensor_bytes=nbytes,
+            count=cache_desc.shape[0],
+            is_blocks=is_blocks,
+            placement=cache_desc.placement,
+            dtype=cache_desc.data_type.value,
+            shape=tuple(cache_desc.shape),
+            addrs=np.array([r[0] for r in resolved], dtype=np.uint64),
+            remote_accessible=remote_accessible,
+            allocated=False,
+            keepalive=[r[1] for r in resolved],
+        )
+        entry.cache_id = engine.registry.new_id()
+        engine.registry.add(entry)
+
+        def raw(i: int) -> np.ndarray:
+            keep = resolved[i][1]
+            if keep is not None:
+                return keep[1].reshape(-1).view(np.uint8)[:nbytes]
+            return host_view(int(entry.addrs[i]), nbytes)
+
+        return entry, self._typed_views(cache_desc, raw)
+
+    def register_cache(
+        self,
+        cache_desc: CacheDesc,
+        addrs: Sequence[Any],
+        cache_keys: Sequence[CacheKey] = (),
+        remote_accessible: bool | None = None,
+    ) -> Cache:
+        """Register caller-owned memory as a contiguous cache; returns it with a new id.
+
+        ``addrs`` holds one raw address or one memory object (numpy array, CPU tensor, anything
+        with the buffer protocol / ``__array_interface__`` / ``__dlpack__``) per tensor; objects
+        are kept alive while registered. ``cache_keys[i]`` binds batch slot ``i``; keys of
+        registered caches are never consumed.
+
+        Raises:
+            TypeError / ValueError: wrong argument types.
+            LLMException: LLM_PARAM_INVALID for an empty or wrong-length ``addrs``, address 0,
+                overlapping memory, bad shape, too many or already-bound keys.
+        """
+        keys = self._slot_keys(cache_desc, cache_keys, registered=True)
+        entry, views = self._register(cache_desc, addrs, False, remote_accessible)
+        self._engine.registry.bind_slot_keys(entry, keys)
+        return self._make_cache(entry, cache_desc, views)
+
+    def register_blocks_cache(
+        self,
+        cache_desc: CacheDesc,
+        addrs: Sequence[Any],
+        blocks_cache_key: BlocksCacheKey | None = None,
+        remote_accessible: bool | None = None,
+    ) -> Cache:
+        """Register caller-owned memory as a paged cache (``shape[0]`` = number of blocks).
+
+        A key binds ``model_id``; a later registration with the same model_id takes it over.
+        Sets the hidden blocks flag on ``cache_desc`` as upstream does.
+
+        Raises:
+            TypeError / ValueError: wrong argument types.
+            LLMException: LLM_PARAM_INVALID as for :meth:`register_cache`.
+        """
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, optional=True)
+        entry, views = self._register(cache_desc, addrs, True, remote_accessible)
+        cache_desc._is_blocks = True
+        if blocks_cache_key is not None:
+            self._engine.registry.bind_blocks_key(entry, blocks_cache_key.model_id)
+        return self._make_cache(entry, cache_desc, views)
+
+    def unregister_cache(self, cache_id: int) -> None:
+        """Forget a registered cache; an unknown id is a no-op.
+
+        Raises:
+            TypeError / ValueError: ``cache_id`` is not an int64.
+            LLMException: LLM_PARAM_INVALID for a cache that was allocated (use deallocate).
+        """
+        check_int64("cache_id", cache_id)
+        registry = self.engine.registry
+        entry = registry.entries.get(cache_id)
+        if entry is None or entry.id_released:
+            return
+        raise_if_false(not entry.allocated, f"cache {cache_id} was allocated; use deallocate_cache")
+        registry.release_id(entry)
+
+    # ------------------------------------------------------------------ allocation
+    def _pool(self, placement: Placement) -> Any:
+        pools = self.engine.pools
+        if not pools:
+            raise LLMException(
+                "no memory pool is configured (llm.MemPoolConfig / llm.HostMemPoolConfig)",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        pool = pools.get(placement)
+        raise_if_false(
+            pool is not None,
+            f"no {placement.name} memory pool is configured ({_POOL_OPTION[placement]})",
+        )
+        return pool
+
+    def _allocate(
+        self, cache_desc: CacheDesc, is_blocks: bool
+    ) -> tuple[CacheEntry, Callable[[], list[np.ndarray]]]:
+        engine = self.engine
+        check_isinstance("cache_desc", cache_desc, CacheDesc)
+        _check_desc_for_memory(cache_desc)
+        pool = self._pool(cache_desc.placement)
+        nbytes = cache_desc.size
+        page = pool.config.page_size if hasattr(pool, "config") else 1
+        per_tensor = math.ceil(nbytes / page) * page
+        # One run for all tensors: whole-cache transfers then coalesce into one descriptor.
+        alloc = pool.allocate(per_tensor * cache_desc.num_tensors)
+        addrs = alloc.addr + np.arange(cache_desc.num_tensors, dtype=np.uint64) * np.uint64(
+            per_tensor
+        )
+        entry = CacheEntry(
+            cache_id=engine.registry.new_id(),
+            num_tensors=cache_desc.num_tensors,
+            tensor_bytes=nbytes,
+            count=cache_desc.shape[0],
+            is_blocks=is_blocks,
+            placement=cache_desc.placement,
+            dtype=cache_desc.data_type.value,
+            shape=tuple(cache_desc.shape),
+            addrs=addrs.astype(np.uint64),
+            remote_accessible=cache_desc.placement == Placement.DEVICE and not engine.comm_linked,
+            allocated=True,
+            release=lambda: pool.free(alloc),
+        )
+        try:
+            engine.registry.add(entry)
+        except BaseException:
+            pool.free(alloc)
+            raise
+
+        def raw(i: int) -> np.ndarray:
+            return pool.view(alloc, i * per_tensor, nbytes)
+
+        return entry, self._typed_views(cache_desc, raw)
+
+    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> Cache:
+        """Allocate a contiguous cache from the pool of its placement; ``cache_keys[i]`` binds
+        slot ``i`` (a key with neither id valid leaves that slot empty).
+
+        The memory is freed once the cache is deallocated AND every bound key is consumed or
+        removed.
+
+        Raises:
+            TypeError / ValueError: wrong argument types.
+            LLMException: LLM_FEATURE_NOT_ENABLED without any pool, LLM_PARAM_INVALID without a
+                pool of this placement or for bad keys, LLM_OUT_OF_MEMORY when the pool is full.
+        """
+        keys = self._slot_keys(cache_desc, cache_keys, registered=False)
+        entry, views = self._allocate(cache_desc, False)
+        self._engine.registry.bind_slot_keys(entry, keys)
+        return self._make_cache(entry, cache_desc, views)
+
+    def allocate_blocks_cache(
+        self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
+    ) -> Cache:
+        """Allocate a paged cache from the pool of its placement.
+
+        Raises:
+            TypeError: wrong argument types.
+            LLMException: as for :meth:`allocate_cache`.
+        """
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, optional=True)
+        entry, views = self._allocate(cache_desc, True)
+        cache_desc._is_blocks = True
+        if blocks_cache_key is not None:
+            self._engine.registry.bind_blocks_key(entry, blocks_cache_key.model_id)
+        return self._make_cache(entry, cache_desc, views)
+
+    def deallocate_cache(self, cache: Cache) -> None:
+        """Drop an allocated contiguous cache's id; memory goes when its keys are gone too.
+
+        Unknown, already freed or registered caches are a no-op.
+
+        Raises:
+            TypeError: not a Cache. LLMException: LLM_PARAM_INVALID for a blocks cache.
+        """
+        check_isinstance("cache", cache, Cache)
+        raise_if_false(not cache.is_blocks_cache, "use deallocate_blocks_cache for a blocks cache")
+        entry = self.engine.registry.entries.get(cache.cache_id)
+        if entry is None or not entry.allocated or cache._owner is not self:
+            return
+        cache._invalidate()
+        self._engine.registry.release_id(entry)
+
+    def deallocate_blocks_cache(self, cache: Cache) -> None:
+        """Free an allocated blocks cache (after in-flight transfers on it are fenced).
+
+        Raises:
+            TypeError: not a Cache. LLMException: LLM_PARAM_INVALID for a contiguous cache.
+        """
+        check_isinstance("cache", cache, Cache)
+        raise_if_false(cache.is_blocks_cache, "cache is not a blocks cache")
+        entry = self.engine.registry.entries.get(cache.cache_id)
+        if entry is None or not entry.allocated or cache._owner is not self:
+            return
+        cache._invalidate()
+        self._engine.registry.release_id(entry)
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        """Unbind a key of an allocated cache; unknown keys and registered caches: no-op.
+
+        Raises:
+            TypeError: not a CacheKey.
+        """
+        check_isinstance("cache_key", cache_key, CacheKey)
+        key = slot_key_of(cache_key)
+        if key is not None:
+            self.engine.registry.unbind_slot_key(key)
+
+    def remap_registered_memory(self, mem_infos: MemInfo | Sequence[MemInfo]) -> None:
+        """Re-register device memory after a memory fault (reserved upstream).
+
+        Raises:
+            TypeError: bad argument types.
+            LLMException: LLM_PARAM_INVALID for a non-device item, address 0 or size 0;
+                LLM_FEATURE_NOT_ENABLED otherwise: host and socket memory never needs remapping.
+        """
+        items = [mem_infos] if isinstance(mem_infos, MemInfo) else mem_infos
+        check_isinstance("mem_infos", items, (list, tuple))
+        for i, m in enumerate(items):
+            check_isinstance(f"mem_infos[{i}]", m, MemInfo)
+            raise_if_false(m.mem_type == Memtype.MEM_TYPE_DEVICE, "mem_type must be DEVICE")
+            raise_if_false(m.addr != 0 and m.size > 0, "addr must be != 0 and size > 0")
+        raise LLMException(
+            "remap_registered_memory is reserved upstream and not needed by this library's "
+            "transports",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+
+    # ------------------------------------------------------------------ local movement
+    def _local_task(self, kind: str, plan: Plan, entries: list[CacheEntry]) -> CacheTask:
+        engine = self.engine
+        registry = engine.registry
+        for e in entries:
+            registry.pin(e)
+
+        async def body(ctl: TaskControl) -> None:
+            try:
+                n = await engine.adapter.copy(plan, ctl.token)
+                ctl.add(n, len(plan))
+            finally:
+                for e in entries:
+                    registry.unpin(e)
+
+        return engine.start_task(CacheTask(kind, log=engine.log), body)
+
+    def copy_cache(
+        self,
+        dst: Cache,
+        src: Cache,
+        dst_batch_index: int = 0,
+        src_batch_index: int = 0,
+        offset: int = 0,
+        size: int = -1,
+        req_id: int | None = None,
+    ) -> CacheTask:
+        """Copy one batch slot between two local contiguous caches (note: dst first).
+
+        ``size`` bytes per tensor from ``offset`` (-1: the rest of the slot).
+
+        Raises:
+            TypeError / ValueError: wrong argument types.
+            LLMException: LLM_PARAM_INVALID for blocks caches, differing tensor counts, or
+                indices, offset or size outside the slots; LLM_KV_CACHE_NOT_EXIST for a cache
+                that is not this endpoint's.
+        """
+        check_uint32("dst_batch_index", dst_batch_index)
+        check_uint32("src_batch_index", src_batch_index)
+        check_uint64("offset", offset)
+        check_int64("size", size)
+        check_uint64("req_id", req_id, optional=True)
+        d, s = self._entry(dst, "dst"), self._entry(src, "src")
+        raise_if_false(not d.is_blocks and not s.is_blocks, "copy_cache needs contiguous caches")
+        raise_if_false(
+            d.num_tensors == s.num_tensors,
+            f"tensor counts differ ({d.num_tensors} vs {s.num_tensors})",
+        )
+        raise_if_false(src_batch_index < s.count, f"src_batch_index >= batch size {s.count}")
+        raise_if_false(dst_batch_index < d.count, f"dst_batch_index >= batch size {d.count}")
+        raise_if_false(offset < s.stride and offset < d.stride, "offset is outside the slot")
+        raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
+        if size == -1:
+            size = min(s.stride, d.stride) - offset
+        idx = np.arange(s.num_tensors, dtype=np.int64)
+        plan = plan_slots(
+            s.layout, d.layout, idx, idx, src_batch_index, dst_batch_index, size, offset, offset
+        )
+        return self._local_task("copy_cache", plan, [s, d])
+
+    def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> CacheTask:
+        """Inside one blocks cache, copy block ``src`` to every block in its list.
+
+        Raises:
+            TypeError / ValueError: wrong argument types.
+            LLMException: LLM_PARAM_INVALID for a contiguous cache, indices out of range, a
+                destination given twice, or a block that is both source and destination.
+        """
+        entry = self._entry(cache, "cache")
+        raise_if_false(entry.is_blocks, "copy_blocks needs a blocks cache")
+        src_b, dst_b = mapping_arrays("copy_block_info", copy_block_info)
+        raise_if_false(len(np.unique(dst_b)) == len(dst_b), "a destination block appears twice")
+        raise_if_false(
+            not np.isin(dst_b, src_b).any(), "a block cannot be both a source and a destination"
+        )
+        plan = plan_block_copies(entry.layout, entry.layout, src_b, dst_b)
+        return self._local_task("copy_blocks", plan, [entry])
+
+    def swap_blocks(
+        self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]
+    ) -> CacheTask:
+        """Swap blocks between a HOST and a DEVICE blocks cache (either direction).
+
+        The host side is usually ``Cache.create_cpu_cache(...)`` over your own memory.
+
+        Raises:
+            TypeError / ValueError: wrong argument types.
+            LLMException: LLM_PARAM_INVALID unless both are blocks caches of equal block size
+                and tensor count, one HOST and one DEVICE, with indices in range.
+        """
+        check_isinstance("src_cache", src_cache, Cache)
+        check_isinstance("dst_cache", dst_cache, Cache)
+        raise_if_false(
+            src_cache.is_blocks_cache and dst_cache.is_blocks_cache,
+            "swap_blocks needs blocks caches",
+        )
+        placements = {src_cache.cache_desc.placement, dst_cache.cache_desc.placement}
+        raise_if_false(
+            placements == {Placement.HOST, Placement.DEVICE},
+            "swap_blocks needs one HOST and one DEVICE cache",
+        )
+        sides = []
+        entries = []
+        for name, cache in (("src_cache", src_cache), ("dst_cache", dst_cache)):
+            if cache.cache_id == -1:
+                desc = cache.cache_desc
+                _check_desc_for_memory(desc)
+                sides.append(Layout.of(cache.tensor_addrs, desc.size, desc.shape[0], True))
+            else:
+                e = self._entry(cache, name)
+                entries.append(e)
+                sides.append(e.layout)
+        raise_if_false(sides[0].stride == sides[1].stride, "block sizes differ")
+        src_b, dst_b = mapping_arrays("src_to_dst", src_to_dst)
+        plan = plan_block_copies(sides[0], sides[1], src_b, dst_b)
+        return self._local_task("swap_blocks", plan, entries)

@@ -1,0 +1,180 @@
+"""``LLMDataDist``: the async endpoint (reference §6, DESIGN §2)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from ._checks import check_isinstance, check_uint64
+from ._config import LLMConfig
+from ._enums import LLMRole, LLMStatusCode
+from ._errors import LLMException, raise_param
+from ._options import parse_options
+
+__all__ = ["LLMDataDist"]
+
+
+class LLMDataDist:
+    """One endpoint ("cluster") that moves KV caches to and from linked peers.
+
+    Start it with ``async with LLMDataDist(role, cluster_id).running(options) as dd:`` (asyncio,
+    uvloop or trio), or ``await dd.init(options)`` / ``await dd.finalize()`` on asyncio.
+    Several endpoints may live in one process.
+
+    Raises:
+        TypeError: ``role`` is not an LLMRole. TypeError / ValueError: bad ``cluster_id``.
+    """
+
+    def __init__(self, role: LLMRole, cluster_id: int) -> None:
+        check_isinstance("role", role, LLMRole)
+        check_uint64("cluster_id", cluster_id)
+        self._role = role
+        self._cluster_id = int(cluster_id)
+        self._engine: Any = None
+        self._cache_manager: Any = None
+        self._holder: Any = None
+
+    @property
+    def cluster_id(self) -> int:
+        return self._cluster_id
+
+    @property
+    def role(self) -> LLMRole:
+        return self._role
+
+    def is_initialized(self) -> bool:
+        return self._engine is not None and not self._engine.closed
+
+    def _live_engine(self) -> Any:
+        if not self.is_initialized():
+            raise RuntimeError("llm datadist is not initialized")
+        self._engine.check_thread()
+        return self._engine
+
+    # ------------------------------------------------------------------ lifecycle
+    @contextlib.asynccontextmanager
+    async def running(self, options: Mapping[str, str] | LLMConfig) -> AsyncIterator[LLMDataDist]:
+        """Initialise, yield this endpoint, and finalize on exit (even on error or cancel).
+
+        ``options`` is the dict of ``LLMConfig.generate_options()`` (or the LLMConfig itself).
+
+        Raises:
+            TypeError: options not a dict of str.
+            LLMException: LLM_PARAM_INVALID for invalid options; LLM_OUT_OF_MEMORY when a pool
+                cannot be created; LLM_LINK_FAILED when the listen address cannot be bound.
+            RuntimeError: the endpoint is already initialised.
+        """
+        from ._engine import Engine
+
+        if isinstance(options, LLMConfig):
+            options = options.generate_options()
+        if self.is_initialized():
+            raise RuntimeError("llm datadist is already initialized")
+        opts = dict(options) if isinstance(options, dict) else options
+        parsed = parse_options(opts)  # type: ignore[arg-type]
+        parsed.raw["llm.Role"] = {1: "Prompt", 2: "Decoder", 3: "Mix"}[int(self._role)]
+        engine = Engine(self._role, self._cluster_id, parsed)
+        async with engine.run():
+            self._engine = engine
+            self._cache_manager = None
+            try:
+                yield self
+            finally:
+                self._engine = None
+                self._cache_manager = None
+
+    async def init(self, options: Mapping[str, str] | LLMConfig) -> None:
+        """Initialise in the background of the running asyncio loop (migration helper).
+
+        Returns at once if already initialised. On trio, use :meth:`running` instead: trio
+        has no tasks without a nursery.
+
+        Raises:
+            RuntimeError: not running on asyncio.
+            TypeError / LLMException: as :meth:`running`.
+        """
+        if self.is_initialized():
+            return
+        import asyncio
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                "init() runs the engine as a background asyncio task; on trio use "
+                "`async with LLMDataDist(...).running(options)`"
+            ) from None
+        started = asyncio.Event()
+        stop = asyncio.Event()
+        failure: list[BaseException] = []
+
+        async def holder() -> None:
+            try:
+                async with self.running(options):
+                    started.set()
+                    await stop.wait()
+            except BaseException as exc:
+                failure.append(exc)
+                started.set()
+                if not isinstance(exc, Exception):
+                    raise
+
+        task = loop.create_task(holder(), name=f"llmdd-{self._cluster_id}")
+        await started.wait()
+        if failure:
+            await asyncio.gather(task, return_exceptions=True)
+            raise failure[0]
+        self._holder = (task, stop)
+
+    async def finalize(self) -> None:
+        """Stop the engine: unlink, cancel and fence every task, free pools. Idempotent."""
+        holder, self._holder = self._holder, None
+        if holder is not None:
+            import asyncio
+
+            task, stop = holder
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+        elif self.is_initialized():
+            raise RuntimeError(
+                "this endpoint was started with running(); leave its `async with` block to stop it"
+            )
+
+    # ------------------------------------------------------------------ managers
+    @property
+    def cache_manager(self) -> Any:
+        """The :class:`CacheManager` (cache-manager mode only).
+
+        Raises:
+            RuntimeError: not initialised. LLMException: LLM_PARAM_INVALID in legacy mode.
+        """
+        engine = self._live_engine()
+        if not engine.options.cache_manager:
+            raise_param("cache_manager needs llm.EnableCacheManager=1 (cache-manager mode)")
+        if self._cache_manager is None:
+            from ._cache_manager import CacheManager
+
+            self._cache_manager = CacheManager(engine, self)
+        return self._cache_manager
+
+    @property
+    def kv_cache_manager(self) -> Any:
+        """The legacy KvCacheManager (legacy mode only).
+
+        Raises:
+            RuntimeError: not initialised. LLMException: LLM_PARAM_INVALID in cache-manager
+                mode; LLM_FEATURE_NOT_ENABLED because the legacy manager is not built yet.
+        """
+        engine = self._live_engine()
+        if engine.options.cache_manager:
+            raise_param("kv_cache_manager is only available when cache-manager mode is off")
+        raise LLMException(
+            "the legacy KvCacheManager API is not built yet in llmdd_async; set "
+            "llm.EnableCacheManager=1 and use cache_manager",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_initialized() else "stopped"
+        return f"<LLMDataDist {self._role} cluster_id={self._cluster_id} {state}>"

@@ -1,0 +1,121 @@
+"""The running engine behind one initialised ``LLMDataDist``: memory, registry and tasks.
+
+It lives exactly as long as the task group of ``LLMDataDist.running()``; nothing here is global.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ._devices import DeviceAdapter, DevicePool, load_adapter
+from ._enums import LLMRole, Placement
+from ._log import get_logger
+from ._options import EngineOptions
+from ._registry import Registry
+from ._task import CacheTask, TaskControl
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """State and task group of one initialised endpoint."""
+
+    def __init__(self, role: LLMRole, cluster_id: int, options: EngineOptions) -> None:
+        self.role = role
+        self.cluster_id = cluster_id
+        self.options = options
+        self.log = get_logger("engine", cluster_id=cluster_id)
+        self.registry = Registry()
+        self.adapter: DeviceAdapter = load_adapter(
+            options.raw.get("llm.DeviceAdapter", "host"), dict(options.raw)
+        )
+        self.pools: dict[Placement, DevicePool] = {}
+        self._tg: TaskGroup | None = None
+        self._thread: int | None = None
+        self.closed = False
+        #: set by ``link()`` (comm-domain links): later registrations default to not accessible.
+        self.comm_linked = False
+
+    @property
+    def sync_kv_timeout_s(self) -> float:
+        return self.options.sync_kv_timeout_ms / 1000
+
+    def _create_pools(self) -> None:
+        from ._memory import MemoryPool
+
+        if self.options.device_pool is not None:
+            self.pools[Placement.DEVICE] = self.adapter.create_pool(
+                self.options.device_pool, "device"
+            )
+        if self.options.host_pool is not None:
+            self.pools[Placement.HOST] = MemoryPool(self.options.host_pool, "host")
+
+    @contextlib.asynccontextmanager
+    async def run(self) -> AsyncIterator[Engine]:
+        """Open the engine's task group; on exit every task is cancelled and fenced."""
+        self._thread = threading.get_ident()
+        self._create_pools()
+        body_error: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                try:
+                    await self.start_services(tg)
+                    self.log.info("engine.up", role=str(self.role))
+                    yield self
+                except BaseException as exc:
+                    # Re-raised below, outside the task group, so that callers see their own
+                    # exception rather than an ExceptionGroup around it.
+                    body_error = exc
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self.stop_services()
+                    tg.cancel_scope.cancel()
+        finally:
+            self._tg = None
+            self.closed = True
+            self.registry.close()
+            for pool in self.pools.values():
+                pool.close()
+            self.pools.clear()
+            self.adapter.close()
+            self.log.info("engine.down")
+        if body_error is not None:
+            raise body_error
+
+    async def start_services(self, tg: TaskGroup) -> None:
+        """Hook for the link layer (listener); the local engine has none."""
+
+    async def stop_services(self) -> None:
+        """Hook for the link layer (close links)."""
+
+    def check_thread(self) -> None:
+        """Raises RuntimeError when called off the engine's event-loop thread."""
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                "llmdd_async engine calls must be made from the event loop thread that runs "
+                "it; from other threads use llmdd_async.sync"
+            )
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the engine's task group."""
+        if self._tg is None:
+            raise RuntimeError("llm datadist is not initialized")
+        self._tg.start_soon(fn, *args)
+
+    def start_task(
+        self,
+        task: CacheTask,
+        body: Callable[[TaskControl], Awaitable[None]],
+        deadline_s: float | None = None,
+    ) -> CacheTask:
+        """Schedule ``body`` as ``task`` and return it (already running)."""
+        self.check_thread()
+        self.spawn(task._run, body, deadline_s)
+        return task

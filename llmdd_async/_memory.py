@@ -1,0 +1,249 @@
+"""Host memory: views of raw addresses, user objects as memory, and shareable memory pools.
+
+Pools are ``memfd`` files mapped into this process. A peer on the same host maps the very same
+pages through ``/proc/<pid>/fd/<fd>``, which is what makes same-host transfers a single copy.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import dataclasses
+import mmap
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from ._enums import LLMStatusCode
+from ._errors import LLMException, raise_if_false
+from ._options import PoolConfig
+
+__all__ = [
+    "CancelToken",
+    "CopyCancelled",
+    "MemoryPool",
+    "PoolAllocation",
+    "copy_ranges",
+    "host_view",
+    "resolve_host_memory",
+]
+
+
+def host_view(addr: int, nbytes: int) -> np.ndarray:
+    """A writable uint8 numpy view of ``nbytes`` at ``addr`` in this process (no copy).
+
+    The caller guarantees that the memory stays mapped while the view is used.
+    """
+    if nbytes == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(addr))
+
+
+def resolve_host_memory(obj: Any, nbytes: int, name: str) -> tuple[int, Any]:
+    """Turn a registration argument into ``(address, keepalive)``.
+
+    Accepts a raw integer address (the caller owns the memory), or any object exposing
+    ``__dlpack__``, ``__array_interface__`` or the buffer protocol (numpy arrays, CPU torch
+    tensors, bytearray, mmap...). Objects must be C-contiguous, writable and hold at least
+    ``nbytes`` bytes; they are kept alive by the returned keepalive.
+
+    Raises:
+        TypeError: an object that exposes no memory.
+        LLMException: LLM_PARAM_INVALID for address 0, or memory that is too small,
+            not contiguous, read-only or not in host memory.
+    """
+    if isinstance(obj, int | np.integer) and not isinstance(obj, bool):
+        raise_if_false(int(obj) != 0, f"{name} is address 0")
+        raise_if_false(int(obj) > 0, f"{name} is a negative address")
+        return int(obj), None
+    arr: np.ndarray | None = None
+    if hasattr(obj, "__dlpack__") and not isinstance(obj, np.ndarray):
+        try:
+            arr = np.from_dlpack(obj)
+        except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+            raise LLMException(
+                f"{name}: {type(obj).__name__} is not in host memory ({exc}); accelerator "
+                "tensors need the torch device adapter (llm.DeviceAdapter=torch)",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            ) from None
+    if arr is None:
+        try:
+            arr = np.asarray(obj) if hasattr(obj, "__array_interface__") else None
+            if arr is None:
+                arr = np.frombuffer(memoryview(obj), dtype=np.uint8)
+        except TypeError:
+            raise TypeError(
+                f"{name} must be an int address or an object with the buffer protocol, "
+                f"__array_interface__ or __dlpack__, got {type(obj).__name__}"
+            ) from None
+    raise_if_false(arr.flags.c_contiguous, f"{name} is not C-contiguous")
+    raise_if_false(arr.flags.writeable, f"{name} is read-only")
+    raise_if_false(
+        arr.nbytes >= nbytes, f"{name} holds {arr.nbytes} bytes but the tensor needs {nbytes}"
+    )
+    raise_if_false(arr.nbytes > 0, f"{name} is empty")
+    return int(arr.ctypes.data), (obj, arr)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolAllocation:
+    """A run of pages handed out by a :class:`MemoryPool`."""
+
+    offset: int
+    nbytes: int
+    addr: int
+
+
+class MemoryPool:
+    """A page allocator over one shareable memory mapping.
+
+    First fit over a sorted free list; freed runs merge with their neighbours. Thread-safe.
+    """
+
+    def __init__(self, config: PoolConfig, name: str) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.pages = config.memory_size // self.page_size
+        raise_if_false(self.pages > 0, f"{name} pool is smaller than one page")
+        self.nbytes = self.pages * self.page_size
+        try:
+            self.fd = os.memfd_create(f"llmdd-{name}", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, self.nbytes)
+            self._map = mmap.mmap(self.fd, self.nbytes)
+        except OSError as exc:
+            raise LLMException(
+                f"cannot create the {name} memory pool of {self.nbytes} bytes: {exc}",
+                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
+            ) from None
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.base = int(self.array.ctypes.data)
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._free_starts: list[int] = [0]
+        self._free_len: dict[int, int] = {0: self.pages}
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(self._free_len.values()) * self.page_size
+
+    def allocate(self, nbytes: int) -> PoolAllocation:
+        """Take ``nbytes`` rounded up to whole pages.
+
+        Raises:
+            LLMException: LLM_OUT_OF_MEMORY when no free run is large enough.
+        """
+        need = max(1, -(-nbytes // self.page_size))
+        with self._lock:
+            for start in self._free_starts:
+                run = self._free_len[start]
+                if run >= need:
+                    i = bisect.bisect_left(self._free_starts, start)
+                    del self._free_starts[i]
+                    del self._free_len[start]
+                    if run > need:
+                        bisect.insort(self._free_starts, start + need)
+                        self._free_len[start + need] = run - need
+                    off = start * self.page_size
+                    return PoolAllocation(off, need * self.page_size, self.base + off)
+        raise LLMException(
+            f"memory pool exhausted: {nbytes} bytes requested, {self.free_bytes} free "
+            f"(fragmented into runs of at most {self._largest_run()} bytes)",
+            status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
+        )
+
+    def _largest_run(self) -> int:
+        with self._lock:
+            return max(self._free_len.values(), default=0) * self.page_size
+
+    def free(self, alloc: PoolAllocation) -> None:
+        """Return an allocation's pages to the pool."""
+        start = alloc.offset // self.page_size
+        n = alloc.nbytes // self.page_size
+        with self._lock:
+            i = bisect.bisect_left(self._free_starts, start)
+            if i > 0:
+                prev = self._free_starts[i - 1]
+                if prev + self._free_len[prev] == start:
+                    start, n = prev, n + self._free_len.pop(prev)
+                    del self._free_starts[i - 1]
+                    i -= 1
+            if i < len(self._free_starts) and self._free_starts[i] == start + n:
+                n += self._free_len.pop(self._free_starts[i])
+                del self._free_starts[i]
+            self._free_starts.insert(i, start)
+            self._free_len[start] = n
+
+    def view(self, alloc: PoolAllocation, offset: int, nbytes: int) -> np.ndarray:
+        """A uint8 view inside ``alloc``; it keeps the mapping alive while it exists."""
+        lo = alloc.offset + offset
+        return self.array[lo : lo + nbytes]
+
+    def contains(self, addr: int, nbytes: int) -> bool:
+        return self.base <= addr and addr + nbytes <= self.base + self.nbytes
+
+    def close(self) -> None:
+        """Drop this pool. Views still held by users keep the pages mapped until they go."""
+        self.array = np.zeros(0, dtype=np.uint8)
+        # With user views still alive the mapping stays until the last of them goes.
+        with contextlib.suppress(BufferError):
+            self._map.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class CancelToken:
+    """A thread-safe flag that worker threads check between chunks of work."""
+
+    __slots__ = ("_event", "reason")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason: BaseException | None = None
+
+    def cancel(self, reason: BaseException | None = None) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+
+class CopyCancelled(Exception):
+    """A worker stopped between chunks because its token was cancelled."""
+
+
+# Splitting big copies hurts: glibc switches to non-temporal stores only for very large
+# memmoves (machine_limits.md), so only copies above this size are cut for cancellation checks.
+_MAX_PIECE = 256 << 20
+_CHECK_EVERY = 64
+
+
+def copy_ranges(
+    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, token: CancelToken | None = None
+) -> int:
+    """memmove every descriptor in order, in the calling (worker) thread; returns bytes copied.
+
+    ctypes releases the GIL during each memmove, so other threads and the event loop run.
+
+    Raises:
+        CopyCancelled: ``token`` was cancelled; descriptors after the current one are untouched.
+    """
+    memmove = ctypes.memmove
+    done = 0
+    for i, (s, d, n) in enumerate(zip(src.tolist(), dst.tolist(), nbytes.tolist(), strict=True)):
+        if token is not None and (n > _MAX_PIECE or i % _CHECK_EVERY == 0) and token.cancelled:
+            raise CopyCancelled
+        while n > _MAX_PIECE:
+            memmove(d, s, _MAX_PIECE)
+            s, d, n, done = s + _MAX_PIECE, d + _MAX_PIECE, n - _MAX_PIECE, done + _MAX_PIECE
+            if token is not None and token.cancelled:
+                raise CopyCancelled
+        memmove(d, s, n)
+        done += n
+    return done

@@ -1,0 +1,157 @@
+"""Parse and validate the engine option dict (reference §4, §6 ``init``) into typed settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+from collections.abc import Mapping
+
+from ._errors import raise_if_false, raise_param
+
+__all__ = ["EngineOptions", "PoolConfig", "parse_options", "TRANSPORTS"]
+
+TRANSPORTS = ("auto", "tcp", "same-host")
+DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """A memory pool: ``memory_size`` bytes in pages of ``2**page_shift`` bytes."""
+
+    memory_size: int
+    page_shift: int = 16
+
+    @property
+    def page_size(self) -> int:
+        return 1 << self.page_shift
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Everything ``init`` derives from its options, validated."""
+
+    raw: Mapping[str, str]
+    cache_manager: bool
+    remote_accessible: bool
+    listen: tuple[str, int] | None
+    sync_kv_timeout_ms: int
+    device_pool: PoolConfig | None
+    host_pool: PoolConfig | None
+    local_comm_res: str | None
+    transport: str
+    auth_key: bytes | None
+    device_id: int
+    enable_switch_role: bool
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """Split ``"ip:port"``.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID unless it is one IPv4 ``ip:port`` with a valid port.
+    """
+    raise_if_false(
+        isinstance(value, str) and value.count(":") == 1 and ";" not in value,
+        f"llm.listenIpInfo must be a single 'ip:port', got {value!r}",
+    )
+    ip, _, port_s = value.partition(":")
+    try:
+        ipaddress.IPv4Address(ip)
+    except ValueError:
+        raise_param(f"llm.listenIpInfo has an invalid IPv4 address: {ip!r}")
+    raise_if_false(port_s.isdigit() and 0 <= int(port_s) <= 65535, f"bad port in {value!r}")
+    return ip, int(port_s)
+
+
+def parse_pool(key: str, value: str) -> PoolConfig | None:
+    """Parse a pool JSON ``{"memory_size": int > 0, "page_shift": int in [10, 31)}``.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for malformed JSON or values out of range.
+    """
+    if not value:
+        return None
+    try:
+        cfg = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise_param(f"{key} is not valid JSON: {exc}")
+    raise_if_false(isinstance(cfg, dict), f"{key} must be a JSON object")
+    size = cfg.get("memory_size")
+    shift = cfg.get("page_shift", 16)
+    raise_if_false(
+        isinstance(size, int) and not isinstance(size, bool) and size > 0,
+        f"{key}.memory_size must be an int > 0",
+    )
+    raise_if_false(
+        isinstance(shift, int) and not isinstance(shift, bool) and 10 <= shift < 31,
+        f"{key}.page_shift must be an int in [10, 31)",
+    )
+    raise_if_false((size >> shift) < 2**32, f"{key}: too many pages")
+    return PoolConfig(size, shift)
+
+
+def parse_options(options: Mapping[str, str]) -> EngineOptions:
+    """Apply upstream's defaults and checks to ``options``.
+
+    Raises:
+        TypeError: ``options`` is not a dict, or holds non-str keys or values.
+        LLMException: LLM_PARAM_INVALID for any inconsistent or malformed option.
+    """
+    if not isinstance(options, dict):
+        raise TypeError(f"options must be dict, got {type(options).__name__}")
+    for k, v in options.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"options must map str to str, got {k!r}: {v!r}")
+    opts = dict(options)
+    mem = opts.get("ge.flowGraphMemMaxSize")
+    if mem is not None:
+        raise_if_false(mem.isdigit(), "ge.flowGraphMemMaxSize must be a single number")
+    has_comm_res = "llm.LocalCommRes" in opts
+    if has_comm_res:
+        opts.setdefault("llm.EnableCacheManager", "1")
+        opts.setdefault("llm.EnableRemoteCacheAccessible", "1")
+    cache_manager = opts.get("llm.EnableCacheManager") == "1"
+    raise_if_false(not has_comm_res or cache_manager, "llm.LocalCommRes needs cache-manager mode")
+    if "llm.TransferBackend" in opts:
+        raise_if_false(cache_manager, "llm.TransferBackend needs cache-manager mode")
+        opts.setdefault("llm.EnableRemoteCacheAccessible", "1")
+        raise_if_false(
+            opts["llm.EnableRemoteCacheAccessible"] == "1",
+            "llm.TransferBackend needs llm.EnableRemoteCacheAccessible=1",
+        )
+        raise_if_false("llm.listenIpInfo" in opts, "llm.TransferBackend needs llm.listenIpInfo")
+    listen = None
+    if opts.get("llm.listenIpInfo"):
+        if cache_manager:
+            listen = parse_listen(opts["llm.listenIpInfo"])
+            opts["llm.ListenIp"], opts["llm.ListenPort"] = listen[0], str(listen[1])
+        else:
+            # Legacy mode accepts one address per device; this library serves one device.
+            listen = parse_listen(opts["llm.listenIpInfo"].split(";")[0])
+    timeout_s = opts.get("llm.SyncKvCacheWaitTime", str(DEFAULT_SYNC_KV_TIMEOUT_MS))
+    raise_if_false(
+        timeout_s.isdigit() and 0 < int(timeout_s) < 2**31,
+        f"llm.SyncKvCacheWaitTime must be a positive integer, got {timeout_s!r}",
+    )
+    transport = opts.get("llm.Transport", "auto")
+    raise_if_false(
+        transport in TRANSPORTS, f"llm.Transport must be one of {TRANSPORTS}, got {transport!r}"
+    )
+    device_s = opts.get("ge.exec.deviceId", "0").split(";")[0]
+    raise_if_false(device_s.isdigit(), f"ge.exec.deviceId must be a number, got {device_s!r}")
+    auth = opts.get("llm.AuthKey")
+    return EngineOptions(
+        raw=opts,
+        cache_manager=cache_manager,
+        remote_accessible=opts.get("llm.EnableRemoteCacheAccessible") == "1",
+        listen=listen,
+        sync_kv_timeout_ms=int(timeout_s),
+        device_pool=parse_pool("llm.MemPoolConfig", opts.get("llm.MemPoolConfig", "")),
+        host_pool=parse_pool("llm.HostMemPoolConfig", opts.get("llm.HostMemPoolConfig", "")),
+        local_comm_res=opts.get("llm.LocalCommRes"),
+        transport=transport,
+        auth_key=auth.encode() if auth else None,
+        device_id=int(device_s),
+        enable_switch_role=opts.get("llm.EnableSwitchRole") == "1",
+    )

@@ -1,0 +1,408 @@
+"""The planner: cache layouts + selections -> coalesced copy descriptors (pure numpy, no I/O).
+
+A plan is three equal-length uint64 arrays ``(src, dst, nbytes)`` of absolute addresses in the
+two address spaces involved (local, or the peer's as published). Everything is vectorised:
+a 4096-block x 80-tensor request is a handful of numpy operations, never a loop per block.
+Validation follows reference §8.1, §8.2 and §9.1-§9.3 and raises
+``LLMException(LLM_PARAM_INVALID)`` (or ``LLM_KV_CACHE_NOT_EXIST`` for a missing slot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ._enums import LLMStatusCode
+from ._errors import raise_if_false
+
+__all__ = [
+    "Layout",
+    "Plan",
+    "check_within",
+    "coalesce",
+    "plan_block_copies",
+    "plan_blocks",
+    "plan_slot_to_blocks",
+    "plan_slots",
+    "tensor_windows",
+]
+
+_U64 = np.uint64
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Memory layout of one cache: ``len(addrs)`` tensors of ``tensor_bytes`` each.
+
+    Dim 0 of every tensor has ``count`` entries (batch slots or blocks) of ``stride`` bytes.
+    """
+
+    addrs: np.ndarray
+    tensor_bytes: int
+    count: int
+    is_blocks: bool
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.addrs)
+
+    @property
+    def stride(self) -> int:
+        return self.tensor_bytes // self.count
+
+    @classmethod
+    def of(
+        cls, addrs: Sequence[int] | np.ndarray, tensor_bytes: int, count: int, is_blocks: bool
+    ) -> Layout:
+        return cls(np.asarray(addrs, dtype=_U64), int(tensor_bytes), int(count), bool(is_blocks))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Copy descriptors: copy ``nbytes[i]`` bytes from ``src[i]`` to ``dst[i]``."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum(dtype=_U64))
+
+    @classmethod
+    def empty(cls) -> Plan:
+        z = np.zeros(0, dtype=_U64)
+        return cls(z, z, z)
+
+    @classmethod
+    def concat(cls, plans: Sequence[Plan]) -> Plan:
+        if not plans:
+            return cls.empty()
+        return cls(
+            np.concatenate([p.src for p in plans]),
+            np.concatenate([p.dst for p in plans]),
+            np.concatenate([p.nbytes for p in plans]),
+        )
+
+    def swapped(self) -> Plan:
+        """The same ranges with source and destination exchanged."""
+        return Plan(self.dst, self.src, self.nbytes)
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Plan:
+    """Merge consecutive descriptors that are contiguous on both sides (order is kept)."""
+    src = np.asarray(src, dtype=_U64).ravel()
+    dst = np.asarray(dst, dtype=_U64).ravel()
+    nbytes = np.asarray(nbytes, dtype=_U64).ravel()
+    if len(nbytes) <= 1:
+        return Plan(src, dst, nbytes)
+    ends_s = src[:-1] + nbytes[:-1]
+    ends_d = dst[:-1] + nbytes[:-1]
+    brk = (src[1:] != ends_s) | (dst[1:] != ends_d)
+    starts = np.flatnonzero(np.concatenate(([True], brk)))
+    return Plan(src[starts], dst[starts], np.add.reduceat(nbytes, starts).astype(_U64))
+
+
+def tensor_windows(
+    src_count: int,
+    dst_count: int,
+    src_layer_range: range | None,
+    dst_layer_range: range | None,
+    tensor_num_per_layer: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tensor indices selected by layer ranges (reference §9.2).
+
+    Layer ``l`` is tensors ``[l*N, (l+1)*N)`` with ``N = tensor_num_per_layer``. None means
+    every tensor of that side.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID when N is 0 or does not divide a tensor count that a
+            range refers to, a window leaves its cache, or the two sides' counts differ.
+    """
+    n = tensor_num_per_layer
+    raise_if_false(n > 0, f"tensor_num_per_layer must be > 0, got {n}")
+    if src_layer_range is not None or dst_layer_range is not None:
+        raise_if_false(
+            src_count % n == 0 and dst_count % n == 0,
+            f"tensor_num_per_layer {n} must divide the tensor counts ({src_count}, {dst_count})",
+        )
+
+    def window(r: range | None, count: int, side: str) -> np.ndarray:
+        if r is None:
+            return np.arange(count, dtype=np.int64)
+        raise_if_false(r.step == 1 and 0 <= r.start < r.stop, f"bad {side}_layer_range {r}")
+        raise_if_false(
+            r.stop * n <= count,
+            f"{side}_layer_range {r} exceeds the {count // n} layers of the {side} cache",
+        )
+        return np.arange(r.start * n, r.stop * n, dtype=np.int64)
+
+    src_idx = window(src_layer_range, src_count, "src")
+    dst_idx = window(dst_layer_range, dst_count, "dst")
+    raise_if_false(
+        len(src_idx) == len(dst_idx),
+        f"source selects {len(src_idx)} tensors but destination selects {len(dst_idx)}",
+    )
+    return src_idx, dst_idx
+
+
+def _outer(
+    src_bases: np.ndarray,
+    dst_bases: np.ndarray,
+    src_offs: np.ndarray,
+    dst_offs: np.ndarray,
+    nbytes: np.ndarray,
+) -> Plan:
+    # Tensor-major, piece-minor order: consecutive pieces of one tensor end up adjacent, which is
+    # what lets contiguous block runs (and whole tensors) merge.
+    s = (src_bases[:, None] + src_offs[None, :].astype(_U64)).ravel()
+    d = (dst_bases[:, None] + dst_offs[None, :].astype(_U64)).ravel()
+    n = np.broadcast_to(nbytes.astype(_U64)[None, :], (len(src_bases), len(nbytes))).ravel()
+    return coalesce(s, d, n)
+
+
+def plan_slots(
+    src: Layout,
+    dst: Layout,
+    src_tensors: np.ndarray,
+    dst_tensors: np.ndarray,
+    src_slot: int,
+    dst_slot: int,
+    size: int = -1,
+    src_offset: int = 0,
+    dst_offset: int = 0,
+) -> Plan:
+    """Contiguous slot -> contiguous slot, ``size`` bytes per tensor.
+
+    ``size == -1`` means the rest of the destination slot after ``dst_offset``.
+
+    Raises:
+        LLMException: LLM_KV_CACHE_NOT_EXIST for a source slot outside the source cache;
+            LLM_PARAM_INVALID for a bad destination slot, size or offset.
+    """
+    raise_if_false(
+        0 <= src_slot < src.count,
+        f"source batch index {src_slot} is outside its {src.count} slots",
+        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+    )
+    raise_if_false(0 <= dst_slot < dst.count, f"batch_index {dst_slot} >= batch size {dst.count}")
+    raise_if_false(0 <= src_offset < src.stride, f"src offset {src_offset} >= slot {src.stride}")
+    raise_if_false(0 <= dst_offset < dst.stride, f"dst offset {dst_offset} >= slot {dst.stride}")
+    if size == -1:
+        size = dst.stride - dst_offset
+    raise_if_false(size > 0, f"size must be -1 or > 0, got {size}")
+    raise_if_false(
+        size <= src.stride - src_offset and size <= dst.stride - dst_offset,
+        f"size {size} exceeds the slot (source {src.stride - src_offset} bytes, "
+        f"destination {dst.stride - dst_offset} bytes after the offsets)",
+    )
+    s0 = np.array([src_slot * src.stride + src_offset], dtype=_U64)
+    d0 = np.array([dst_slot * dst.stride + dst_offset], dtype=_U64)
+    return _outer(
+        src.addrs[src_tensors], dst.addrs[dst_tensors], s0, d0, np.array([size], dtype=_U64)
+    )
+
+
+def _check_blocks(blocks: np.ndarray, count: int, side: str, code: LLMStatusCode) -> None:
+    if len(blocks):
+        raise_if_false(
+            int(blocks.max()) < count,
+            f"{side} block index {int(blocks.max())} >= its {count} blocks",
+            code,
+        )
+
+
+def plan_blocks(
+    src: Layout,
+    dst: Layout,
+    src_tensors: np.ndarray,
+    dst_tensors: np.ndarray,
+    src_blocks: np.ndarray,
+    dst_blocks: np.ndarray,
+    dst_block_bytes: int | None = None,
+) -> Plan:
+    """Blocks -> blocks: block ``src_blocks[i]`` of every selected tensor to ``dst_blocks[i]``.
+
+    Destination blocks are ``dst_block_bytes`` apart (default: the destination's own block
+    size, which must then equal the source's); each copy is one source block.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for unequal or empty lists, indices out of range, or
+            block sizes that do not fit.
+    """
+    raise_if_false(src.is_blocks, "source must be a blocks cache")
+    raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
+    raise_if_false(
+        len(src_blocks) == len(dst_blocks),
+        f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length",
+    )
+    piece = src.stride
+    if dst_block_bytes is None:
+        raise_if_false(dst.is_blocks, "destination must be a blocks cache")
+        raise_if_false(
+            dst.stride == piece,
+            f"block sizes differ (source {piece} bytes, destination {dst.stride} bytes)",
+        )
+        dst_unit = dst.stride
+    else:
+        dst_unit = dst_block_bytes
+        raise_if_false(
+            piece <= dst_unit,
+            f"source block of {piece} bytes does not fit a destination block of {dst_unit} bytes",
+        )
+    _check_blocks(src_blocks, src.count, "src", LLMStatusCode.LLM_PARAM_INVALID)
+    _check_blocks(dst_blocks, dst.tensor_bytes // dst_unit, "dst", LLMStatusCode.LLM_PARAM_INVALID)
+    return _outer(
+        src.addrs[src_tensors],
+        dst.addrs[dst_tensors],
+        src_blocks.astype(_U64) * _U64(piece),
+        dst_blocks.astype(_U64) * _U64(dst_unit),
+        np.full(len(src_blocks), piece, dtype=_U64),
+    )
+
+
+def plan_slot_to_blocks(
+    src: Layout,
+    dst: Layout,
+    src_tensors: np.ndarray,
+    dst_tensors: np.ndarray,
+    src_slot: int,
+    dst_blocks: np.ndarray,
+    dst_block_bytes: int | None = None,
+) -> Plan:
+    """Contiguous slot -> blocks: piece ``i`` of the slot (block-sized) lands in ``dst_blocks[i]``.
+
+    The slot must need exactly ``len(dst_blocks)`` pieces; the last piece may be partial.
+    Blocks are ``dst_block_bytes`` apart (default: the destination's block size).
+
+    Raises:
+        LLMException: LLM_KV_CACHE_NOT_EXIST for a missing source slot; LLM_PARAM_INVALID for
+            a destination that is not blocks, a wrong number of blocks or indices out of range.
+    """
+    raise_if_false(
+        dst_block_bytes is not None or dst.is_blocks, "destination must be a blocks cache"
+    )
+    raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
+    raise_if_false(
+        0 <= src_slot < src.count,
+        f"source batch index {src_slot} is outside its {src.count} slots",
+        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+    )
+    bb = dst.stride if dst_block_bytes is None else dst_block_bytes
+    raise_if_false(bb > 0, "block size must be > 0")
+    pieces = -(-src.stride // bb)
+    raise_if_false(
+        len(dst_blocks) == pieces,
+        f"a source slot of {src.stride} bytes fills {pieces} blocks of {bb} bytes, "
+        f"but {len(dst_blocks)} dst_blocks were given",
+    )
+    _check_blocks(dst_blocks, dst.tensor_bytes // bb, "dst", LLMStatusCode.LLM_PARAM_INVALID)
+    k = np.arange(pieces, dtype=_U64)
+    lengths = np.minimum(_U64(bb), _U64(src.stride) - k * _U64(bb))
+    return _outer(
+        src.addrs[src_tensors],
+        dst.addrs[dst_tensors],
+        _U64(src_slot * src.stride) + k * _U64(bb),
+        dst_blocks.astype(_U64) * _U64(bb),
+        lengths,
+    )
+
+
+def mapping_arrays(name: str, mapping: Mapping[int, object]) -> tuple[np.ndarray, np.ndarray]:
+    """Flatten ``{src: dst}`` or ``{src: [dst, ...]}`` into two index arrays (in dict order).
+
+    Raises:
+        TypeError: not a dict, or keys/values that are not ints (or lists of ints).
+        ValueError: a negative index.
+    """
+    if not isinstance(mapping, dict):
+        raise TypeError(f"{name} must be dict, got {type(mapping).__name__}")
+    srcs: list[int] = []
+    dsts: list[int] = []
+    for k, v in mapping.items():
+        if not isinstance(k, int):
+            raise TypeError(f"{name} keys must be int, got {type(k).__name__}")
+        targets = v if isinstance(v, list | tuple) else [v]
+        for t in targets:
+            if not isinstance(t, int):
+                raise TypeError(f"{name} values must be int, got {type(t).__name__}")
+            srcs.append(k)
+            dsts.append(t)
+    s = np.asarray(srcs, dtype=np.int64)
+    d = np.asarray(dsts, dtype=np.int64)
+    if (len(s) and s.min() < 0) or (len(d) and d.min() < 0):
+        raise ValueError(f"{name} holds a negative block index")
+    return s, d
+
+
+def plan_block_copies(
+    src: Layout, dst: Layout, src_blocks: np.ndarray, dst_blocks: np.ndarray
+) -> Plan:
+    """Every tensor's block ``src_blocks[i]`` -> block ``dst_blocks[i]`` (same tensor index).
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for differing tensor counts or block sizes, or an
+            index out of range.
+    """
+    raise_if_false(
+        src.num_tensors == dst.num_tensors,
+        f"tensor counts differ ({src.num_tensors} vs {dst.num_tensors})",
+    )
+    idx = np.arange(src.num_tensors, dtype=np.int64)
+    if len(src_blocks) == 0:
+        return Plan.empty()
+    return plan_blocks(src, dst, idx, idx, src_blocks, dst_blocks)
+
+
+def check_within(
+    addrs: np.ndarray, nbytes: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> bool:
+    """True if every ``[addrs[i], addrs[i]+nbytes[i])`` lies inside one ``[starts[j], ends[j])``.
+
+    ``starts`` must be sorted and the regions must not overlap.
+    """
+    if len(addrs) == 0:
+        return True
+    if len(starts) == 0:
+        return False
+    a = np.asarray(addrs, dtype=_U64)
+    n = np.asarray(nbytes, dtype=_U64)
+    j = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
+    if int(j.min()) < 0:
+        return False
+    end = a + n
+    return bool(np.all((end >= a) & (end <= ends[j])))
+
+
+def split_plan(plan: Plan, parts: int) -> list[Plan]:
+    """Cut a plan into at most ``parts`` pieces of about equal bytes, in order.
+
+    A descriptor that straddles a cut is divided, so the pieces can run on separate threads.
+    """
+    total = plan.total_bytes
+    if parts <= 1 or len(plan) == 0 or total == 0:
+        return [plan]
+    ends = np.cumsum(plan.nbytes, dtype=_U64)
+    starts = ends - plan.nbytes
+    out = []
+    lo = 0
+    for k in range(1, parts + 1):
+        hi = total * k // parts
+        if hi <= lo:
+            continue
+        # descriptors overlapping [lo, hi)
+        i0 = int(np.searchsorted(ends, _U64(lo), side="right"))
+        i1 = int(np.searchsorted(starts, _U64(hi), side="left"))
+        sel = slice(i0, i1)
+        s_start, s_end = starts[sel], ends[sel]
+        cut_lo = np.maximum(s_start, _U64(lo))
+        cut_hi = np.minimum(s_end, _U64(hi))
+        shift = cut_lo - s_start
+        out.append(Plan(plan.src[sel] + shift, plan.dst[sel] + shift, cut_hi - cut_lo))
+        lo = hi
+    return out

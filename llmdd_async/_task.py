@@ -1,0 +1,271 @@
+"""``CacheTask``: the awaitable handle of one scheduled data movement (DESIGN §2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import Any
+
+import anyio
+
+from ._checks import check_uint32
+from ._enums import LLMStatusCode
+from ._errors import LLMException, TransferCancelled, status_from_exception
+from ._log import get_logger
+from ._memory import CancelToken
+
+__all__ = ["CacheTask", "LayerTiming", "TaskStatistics"]
+
+_log = get_logger("transfer")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTiming:
+    """When one layer became ready, started moving and landed (seconds on the task's clock)."""
+
+    layer: int
+    ready: float
+    started: float
+    finished: float
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskStatistics:
+    """What a task moved and how fast. ``descriptors`` counts copies after coalescing."""
+
+    kind: str
+    bytes: int
+    descriptors: int
+    seconds: float
+    layers: tuple[LayerTiming, ...] = ()
+
+    @property
+    def gbps(self) -> float:
+        """Decimal gigabytes per second over the task's whole duration."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class TaskControl:
+    """What a running task body uses to report progress and observe cancellation."""
+
+    def __init__(self, task: CacheTask) -> None:
+        self._task = task
+        self.token = task._token
+        self.t0 = time.perf_counter()
+
+    def add(self, nbytes: int, descriptors: int) -> None:
+        self._task._bytes += nbytes
+        self._task._descriptors += descriptors
+
+    def layer_done(self, timing: LayerTiming) -> None:
+        self._task._layers.append(timing)
+
+    def start_slot(self, slot: int) -> None:
+        """A result slot (destination) started moving data."""
+        self._task._started.add(slot)
+
+    def set_result(self, slot: int, code: LLMStatusCode) -> None:
+        self._task._started.add(slot)
+        if self._task._results[slot] in (None, LLMStatusCode.LLM_SUCCESS):
+            self._task._results[slot] = code
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+class CacheTask:
+    """A data movement that is already scheduled.
+
+    ``await task`` returns on success and raises ``LLMException(status_code)`` on failure.
+    Cancelling the scope that awaits it, or calling :meth:`cancel`, *fences* it: once the await
+    returns, no worker of this task touches its buffers again. ``synchronize`` and
+    ``get_results`` only observe: their timeouts do not cancel the task (as upstream).
+
+    All methods must be called from the event loop thread that runs the engine.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        result_slots: Sequence[int] = (0,),
+        timeout_code: LLMStatusCode = LLMStatusCode.LLM_TIMEOUT,
+        log: Any = None,
+    ) -> None:
+        self.kind = kind
+        self._slots = list(result_slots)
+        self._results: list[LLMStatusCode | None] = [None] * (max(self._slots, default=-1) + 1)
+        self._started: set[int] = set()
+        self._timeout_code = timeout_code
+        self._done = anyio.Event()
+        self._token = CancelToken()
+        self._scope: anyio.CancelScope | None = None
+        self._cancel_requested = False
+        self._status: LLMStatusCode | None = None
+        self._error: BaseException | None = None
+        self._bytes = 0
+        self._descriptors = 0
+        self._layers: list[LayerTiming] = []
+        self._seconds = 0.0
+        self._log = log if log is not None else _log
+
+    # ------------------------------------------------------------------ running
+    async def _run(
+        self, body: Callable[[TaskControl], Awaitable[None]], deadline_s: float | None
+    ) -> None:
+        ctl = TaskControl(self)
+        cancelled_exc = anyio.get_cancelled_exc_class()
+        self._log.debug("transfer.started", kind=self.kind)
+        status = LLMStatusCode.LLM_SUCCESS
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                if self._cancel_requested:
+                    scope.cancel()
+                if deadline_s is None:
+                    await body(ctl)
+                else:
+                    with anyio.fail_after(deadline_s):
+                        await body(ctl)
+            if scope.cancelled_caught or self._cancel_requested:
+                status = LLMStatusCode.LLM_FAILED
+                self._error = TransferCancelled(f"{self.kind} was cancelled")
+        except cancelled_exc:
+            # The engine itself is shutting down: record and let the cancellation go on.
+            self._finish(LLMStatusCode.LLM_FAILED, TransferCancelled("engine finalized"), ctl)
+            raise
+        except TimeoutError:
+            status = LLMStatusCode.LLM_TIMEOUT
+            self._error = LLMException(
+                f"{self.kind} did not finish within {deadline_s:.3f} s (sync_kv_timeout)",
+                status_code=status,
+            )
+        except Exception as exc:
+            if self._cancel_requested:
+                # A worker noticed the cancel token before the scope's cancellation arrived.
+                status = LLMStatusCode.LLM_FAILED
+                self._error = TransferCancelled(f"{self.kind} was cancelled")
+                self._finish(status, self._error, ctl)
+                return
+            status = status_from_exception(exc)
+            self._error = (
+                exc
+                if isinstance(exc, LLMException)
+                else LLMException(f"{self.kind} failed: {exc!r}", status_code=status)
+            )
+        self._finish(status, self._error, ctl)
+
+    def _finish(self, status: LLMStatusCode, error: BaseException | None, ctl: TaskControl) -> None:
+        if self._done.is_set():
+            return
+        self._seconds = ctl.now()
+        self._status = status
+        self._error = error
+        if len(set(self._slots)) == 1:
+            self._started.add(self._slots[0])
+        for slot in self._started:
+            # Slots that were running when the task ended take its final status; slots whose
+            # layers never started stay None (upstream's get_results contract).
+            if self._results[slot] is None:
+                self._results[slot] = status
+        if status == LLMStatusCode.LLM_SUCCESS:
+            self._log.debug(
+                "transfer.complete", kind=self.kind, bytes=self._bytes, seconds=self._seconds
+            )
+        else:
+            self._log.info("transfer.failed", kind=self.kind, status=str(status), error=str(error))
+        self._done.set()
+
+    # ------------------------------------------------------------------ public API
+    def done(self) -> bool:
+        """True once the task finished (successfully or not) and is fenced."""
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Ask the task to stop. ``await task`` then waits for the fence and raises
+        :class:`TransferCancelled`. Has no effect on a finished task."""
+        if self._done.is_set() or self._cancel_requested:
+            return
+        self._cancel_requested = True
+        self._token.cancel()
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def wait(self) -> None:
+        """Wait for completion; raise ``LLMException`` on failure.
+
+        If the awaiting scope is cancelled, the task is cancelled and fenced before the
+        cancellation propagates.
+        """
+        try:
+            await self._done.wait()
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                self.cancel()
+                await self._done.wait()
+            raise
+        if self._error is not None:
+            raise self._error
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.wait().__await__()
+
+    async def _wait_for(self, timeout_in_millis: int | None) -> bool:
+        check_uint32("timeout_in_millis", timeout_in_millis, optional=True)
+        if timeout_in_millis is None:
+            await self._done.wait()
+            return True
+        with anyio.move_on_after(timeout_in_millis / 1000):
+            await self._done.wait()
+        return self._done.is_set()
+
+    async def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
+        """Wait (forever when None) and return the first failing code, or SUCCESS.
+
+        Returns the default timeout code if the task is still running after the timeout; the
+        task keeps running.
+
+        Raises:
+            TypeError / ValueError: ``timeout_in_millis`` is not a uint32.
+        """
+        if not await self._wait_for(timeout_in_millis):
+            return self._timeout_code
+        for r in self._results:
+            if r is not None and r != LLMStatusCode.LLM_SUCCESS:
+                return r
+        return self._status or LLMStatusCode.LLM_SUCCESS
+
+    async def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
+        """One code per transfer config, in order; None for configs whose layers never started.
+
+        Raises:
+            TypeError / ValueError: ``timeout_in_millis`` is not a uint32.
+        """
+        if not await self._wait_for(timeout_in_millis):
+            return [self._timeout_code] * len(self._slots)
+        return [self._results[s] for s in self._slots]
+
+    @property
+    def status(self) -> LLMStatusCode | None:
+        """The final status, or None while running."""
+        return self._status
+
+    @property
+    def layers_done(self) -> int:
+        """How many layers have landed so far (layer-wise transfers)."""
+        return len(self._layers)
+
+    def statistics(self) -> TaskStatistics:
+        """Bytes, descriptors, duration and per-layer timings (final once ``done()``)."""
+        return TaskStatistics(
+            kind=self.kind,
+            bytes=self._bytes,
+            descriptors=self._descriptors,
+            seconds=self._seconds,
+            layers=tuple(self._layers),
+        )
+
+    def __repr__(self) -> str:
+        state = "running" if self._status is None else str(self._status)
+        return f"<CacheTask {self.kind} {state}>"
