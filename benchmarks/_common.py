@@ -44,6 +44,7 @@ def raw_socket_gbps(nbytes: int, repeat: int = 3, chunk: int = 4 << 20) -> float
     sink = np.empty(nbytes, np.uint8)
     results = []
     for _ in range(repeat + 1):
+
         def send() -> None:
             with socket.create_connection(("127.0.0.1", port)) as s:
                 left = nbytes

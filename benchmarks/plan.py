@@ -139,8 +139,16 @@ def main() -> None:
     print_table(
         "Local copies (ratio = GB/s / numpy.copyto of the same buffers, same run)",
         copy_rows,
-        ["case", "GB/s", "copyto same buffers", "ratio", "memcpy GB/s", "descriptors", "target",
-         "ok"],
+        [
+            "case",
+            "GB/s",
+            "copyto same buffers",
+            "ratio",
+            "memcpy GB/s",
+            "descriptors",
+            "target",
+            "ok",
+        ],
     )
     out = write_json("plan", {"planning": plan_rows, "copies": copy_rows}, args.json)
     print(f"\nwrote {out}")

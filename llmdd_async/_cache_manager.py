@@ -13,8 +13,10 @@ import numpy as np
 
 from ._checks import (
     UINT64_MAX,
+    check_index_list,
     check_int64,
     check_isinstance,
+    check_range,
     check_uint32,
     check_uint64,
 )
@@ -25,7 +27,8 @@ from ._memory import host_view
 from ._planner import Layout, Plan, mapping_arrays, plan_block_copies, plan_slots
 from ._registry import CacheEntry, SlotKey
 from ._task import CacheTask, TaskControl
-from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKey, MemInfo
+from ._transfer import XferSpec, initiate
+from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, MemInfo
 
 __all__ = ["CacheManager"]
 
@@ -519,3 +522,409 @@ class CacheManager:
         src_b, dst_b = mapping_arrays("src_to_dst", src_to_dst)
         plan = plan_block_copies(sides[0], sides[1], src_b, dst_b)
         return self._local_task("swap_blocks", plan, entries)
+
+    # ------------------------------------------------------------------ remote movement
+    def _check_layer_args(
+        self,
+        entry: CacheEntry,
+        src_layer_range: Any,
+        dst_layer_range: Any,
+        tensor_num_per_layer: Any,
+        local_is_dst: bool,
+    ) -> tuple[range | None, range | None, int]:
+        """Checks that need only local knowledge (the peer checks its own side)."""
+        src_r = check_range("src_layer_range", src_layer_range)
+        dst_r = check_range("dst_layer_range", dst_layer_range)
+        check_uint32("tensor_num_per_layer", tensor_num_per_layer)
+        n = int(tensor_num_per_layer)
+        raise_if_false(n > 0, "tensor_num_per_layer must be > 0")
+        local_r, other_r = (dst_r, src_r) if local_is_dst else (src_r, dst_r)
+        if src_r is not None or dst_r is not None:
+            raise_if_false(
+                n <= entry.num_tensors,
+                f"tensor_num_per_layer {n} exceeds the cache's {entry.num_tensors} tensors",
+            )
+            raise_if_false(
+                entry.num_tensors % n == 0,
+                f"tensor_num_per_layer {n} must divide the local tensor count {entry.num_tensors}",
+            )
+        if local_r is not None:
+            raise_if_false(
+                local_r.stop * n <= entry.num_tensors,
+                f"layer range {local_r} exceeds the {entry.num_tensors // n} local layers",
+            )
+        if src_r is not None and dst_r is not None:
+            raise_if_false(
+                len(src_r) == len(dst_r),
+                f"src_layer_range {src_r} and dst_layer_range {dst_r} differ in length",
+            )
+        elif other_r is not None:
+            raise_if_false(
+                len(other_r) * n == entry.num_tensors,
+                f"the peer's layer range {other_r} selects {len(other_r) * n} tensors but the "
+                f"local cache has {entry.num_tensors}",
+            )
+        return src_r, dst_r, n
+
+    def _peer_check(self, cluster_id: int) -> Any:
+        raise_if_false(
+            cluster_id != self.engine.cluster_id,
+            f"cannot transfer with own cluster id {cluster_id}",
+        )
+        return self.engine.links.get(cluster_id)
+
+    def _target_of(self, key: Any) -> dict[str, Any]:
+        if isinstance(key, BlocksCacheKey):
+            return {"by": "blocks_key", "model_id": key.model_id}
+        if isinstance(key, CacheKeyByIdAndIndex):
+            return {"by": "cache_id", "cache_id": key.cache_id, "index": key.batch_index}
+        sk = slot_key_of(key)
+        assert sk is not None  # check_pullable ran
+        return {"by": f"{sk[0]}_key", "id": sk[1], "model_id": sk[2]}
+
+    def _remote_task(self, kind: str, link: Any, spec: XferSpec, steps: int = 1) -> CacheTask:
+        engine = self.engine
+        registry = engine.registry
+        entry = spec.local
+        registry.pin(entry)
+        timeout = engine.sync_kv_timeout_s
+
+        async def body(ctl: TaskControl) -> None:
+            try:
+                async with link.transfer_lock:
+                    # The deadline runs from when the link is ours, not while queueing.
+                    ctl.set_deadline(timeout * steps)
+                    link.check_alive()
+                    if engine.options.remote_accessible:
+                        table = await link.fetch_table(timeout)
+                        spec.target = _resolve_in_table(table, spec.target, link.peer_cluster_id)
+                    await initiate(engine, link, spec, ctl)
+            finally:
+                registry.unpin(entry)
+
+        return engine.start_task(CacheTask(kind, log=engine.log), body)
+
+    def _pull_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(kwargs) - _PULL_KWARGS
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+        out = dict(_PULL_DEFAULTS)
+        out.update(kwargs)
+        for name in ("src_cache_offset", "dst_cache_offset"):
+            check_int64(name, out[name])
+            raise_if_false(out[name] >= -1, f"{name} must be >= 0 (or -1 for none)")
+            out[name] = max(0, int(out[name]))
+        return out
+
+    def pull_cache(
+        self,
+        cache_key: CacheKey | CacheKeyByIdAndIndex,
+        cache: Cache,
+        batch_index: int = 0,
+        size: int = -1,
+        **kwargs: Any,
+    ) -> CacheTask:
+        """Pull one contiguous batch slot of a linked peer into local slot ``batch_index``.
+
+        ``size`` bytes per tensor (-1: the local slot after ``dst_cache_offset``). Keyword
+        arguments: ``src_layer_range``, ``dst_layer_range``, ``tensor_num_per_layer`` (2),
+        ``src_cache_offset``, ``dst_cache_offset``. A req key of a cache the peer allocated is
+        consumed once this pull succeeded (request/response mode).
+
+        Raises:
+            TypeError / ValueError: wrong argument types (a CacheKey in remote-accessible mode).
+            LLMException: LLM_PARAM_INVALID for a blocks cache, bad size, slot, ranges or
+                offsets, an invalid key, or the own cluster id; LLM_NOT_YET_LINK without a
+                link. The task fails with LLM_KV_CACHE_NOT_EXIST when the peer has no such
+                key/cache/slot, LLM_TIMEOUT after ``sync_kv_timeout``, LLM_LINK_FAILED when the
+                peer dies.
+        """
+        engine = self.engine
+        kw = self._pull_kwargs(kwargs)
+        allowed = (
+            (CacheKeyByIdAndIndex,)
+            if engine.options.remote_accessible
+            else (CacheKey, CacheKeyByIdAndIndex)
+        )
+        check_isinstance("cache_key", cache_key, allowed)
+        entry = self._entry(cache, "cache")
+        check_uint32("batch_index", batch_index)
+        check_int64("size", size)
+        raise_if_false(not entry.is_blocks, "pull_cache needs a contiguous (non-blocks) cache")
+        raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
+        raise_if_false(batch_index < entry.count, f"batch_index {batch_index} >= {entry.count}")
+        raise_if_false(
+            kw["dst_cache_offset"] < entry.stride, "dst_cache_offset is outside the slot"
+        )
+        raise_if_false(
+            size <= entry.stride - kw["dst_cache_offset"],
+            f"size {size} exceeds the local slot of {entry.stride} bytes",
+        )
+        if isinstance(cache_key, CacheKey):
+            cache_key.check_pullable()
+        src_r, dst_r, n = self._check_layer_args(
+            entry, kw["src_layer_range"], kw["dst_layer_range"], kw["tensor_num_per_layer"], True
+        )
+        self._check_remote_accessible(entry)
+        link = self._peer_check(cache_key.cluster_id)
+        spec = XferSpec(
+            "pull",
+            self._target_of(cache_key),
+            "slot",
+            entry,
+            local_slot=batch_index,
+            size=size,
+            src_offset=kw["src_cache_offset"],
+            dst_offset=kw["dst_cache_offset"],
+            src_range=src_r,
+            dst_range=dst_r,
+            tensor_num_per_layer=n,
+        )
+        return self._remote_task("pull_cache", link, spec)
+
+    def pull_blocks(
+        self,
+        src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
+        dst_cache: Cache,
+        src_blocks: Sequence[int] = (),
+        dst_blocks: Sequence[int] = (),
+        **kwargs: Any,
+    ) -> CacheTask:
+        """Pull blocks of a linked peer into local blocks.
+
+        With a BlocksCacheKey: block ``src_blocks[i]`` lands in ``dst_blocks[i]`` (runs that are
+        consecutive on both sides move as one copy). With a CacheKey / CacheKeyByIdAndIndex:
+        the peer's contiguous slot is cut into block-sized pieces, piece ``i`` landing in
+        ``dst_blocks[i]`` (``src_blocks`` must be empty). Keyword arguments as
+        :meth:`pull_cache` (layer ranges, ``tensor_num_per_layer``).
+
+        Raises:
+            TypeError / ValueError: wrong argument types.
+            LLMException: LLM_PARAM_INVALID for a contiguous destination, empty or unequal
+                block lists, local indices out of range, bad ranges or the own cluster id;
+                LLM_NOT_YET_LINK without a link. The task fails as for :meth:`pull_cache`
+                (LLM_PARAM_INVALID for remote indices out of range).
+        """
+        engine = self.engine
+        kw = self._pull_kwargs(kwargs)
+        allowed: tuple[type, ...] = (
+            (BlocksCacheKey, CacheKeyByIdAndIndex)
+            if engine.options.remote_accessible
+            else (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex)
+        )
+        check_isinstance("src_cache_key", src_cache_key, allowed)
+        entry = self._entry(dst_cache, "dst_cache")
+        src_b = check_index_list("src_blocks", src_blocks)
+        dst_b = check_index_list("dst_blocks", dst_blocks)
+        assert src_b is not None
+        assert dst_b is not None
+        raise_if_false(entry.is_blocks, "pull_blocks needs a blocks destination cache")
+        raise_if_false(len(dst_b) > 0, "dst_blocks must not be empty")
+        raise_if_false(
+            int(dst_b.max()) < entry.count,
+            f"dst block {int(dst_b.max())} >= the local {entry.count} blocks",
+        )
+        if isinstance(src_cache_key, BlocksCacheKey):
+            raise_if_false(len(src_b) > 0, "src_blocks must not be empty with a BlocksCacheKey")
+            raise_if_false(
+                len(src_b) == len(dst_b),
+                f"src_blocks ({len(src_b)}) and dst_blocks ({len(dst_b)}) differ in length",
+            )
+            shape = "blocks"
+        else:
+            raise_if_false(
+                len(src_b) == 0, "src_blocks must be empty when pulling a contiguous slot"
+            )
+            if isinstance(src_cache_key, CacheKey):
+                src_cache_key.check_pullable()
+            shape = "slot_to_blocks"
+        src_r, dst_r, n = self._check_layer_args(
+            entry, kw["src_layer_range"], kw["dst_layer_range"], kw["tensor_num_per_layer"], True
+        )
+        self._check_remote_accessible(entry)
+        link = self._peer_check(src_cache_key.cluster_id)
+        spec = XferSpec(
+            "pull",
+            self._target_of(src_cache_key),
+            shape,
+            entry,
+            src_range=src_r,
+            dst_range=dst_r,
+            tensor_num_per_layer=n,
+            src_blocks=src_b if shape == "blocks" else None,
+            dst_blocks=dst_b,
+        )
+        return self._remote_task("pull_blocks", link, spec)
+
+    def _check_remote_accessible(self, entry: CacheEntry) -> None:
+        if self.engine.options.remote_accessible:
+            raise_if_false(
+                entry.remote_accessible,
+                f"cache {entry.cache_id} is not remote accessible (register it with "
+                "remote_accessible=True)",
+            )
+
+    def _push_ranges(
+        self, entry: CacheEntry, src_layer_range: Any, dst_layer_range: Any, tnpl: Any
+    ) -> tuple[range, range, int]:
+        check_uint32("tensor_num_per_layer", tnpl)
+        n = int(tnpl)
+        raise_if_false(n > 0, "tensor_num_per_layer must be > 0")
+        layers = entry.num_tensors // n
+        src_r = check_range("src_layer_range", src_layer_range) or range(0, layers)
+        dst_r = check_range("dst_layer_range", dst_layer_range) or range(0, layers)
+        raise_if_false(
+            len(src_r) == len(dst_r),
+            f"src_layer_range {src_r} and dst_layer_range {dst_r} differ in length",
+        )
+        raise_if_false(
+            entry.num_tensors % n == 0 and src_r.stop <= layers,
+            f"src_layer_range {src_r} exceeds the {layers} local layers",
+        )
+        return src_r, dst_r, n
+
+    def push_cache(
+        self,
+        dst_cache_key: CacheKeyByIdAndIndex,
+        src_cache: Cache,
+        src_batch_index: int = 0,
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        size: int = -1,
+        tensor_num_per_layer: int = 2,
+    ) -> CacheTask:
+        """Push a local contiguous slot into a peer's slot (remote-accessible mode).
+
+        The peer's cache is found in its published table (snapshotted on first use). The
+        budget is ``sync_kv_timeout`` per layer, as upstream's per-layer calls.
+
+        Raises:
+            TypeError / ValueError: wrong argument types.
+            LLMException: LLM_PARAM_INVALID outside remote-accessible mode, for a blocks
+                cache, ``size != -1``, bad or unequal ranges; LLM_NOT_YET_LINK without a link.
+        """
+        engine = self.engine
+        raise_if_false(
+            engine.options.remote_accessible,
+            "push_cache needs llm.EnableRemoteCacheAccessible=1",
+        )
+        check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
+        entry = self._entry(src_cache, "src_cache")
+        check_uint32("src_batch_index", src_batch_index)
+        check_int64("size", size)
+        raise_if_false(not entry.is_blocks, "push_cache needs a contiguous (non-blocks) cache")
+        raise_if_false(size == -1, f"push_cache only supports size=-1, got {size}")
+        raise_if_false(src_batch_index < entry.count, "src_batch_index is outside the cache")
+        src_r, dst_r, n = self._push_ranges(
+            entry, src_layer_range, dst_layer_range, tensor_num_per_layer
+        )
+        self._check_remote_accessible(entry)
+        link = self._peer_check(dst_cache_key.cluster_id)
+        spec = XferSpec(
+            "push",
+            self._target_of(dst_cache_key),
+            "slot",
+            entry,
+            local_slot=src_batch_index,
+            src_range=src_r,
+            dst_range=dst_r,
+            tensor_num_per_layer=n,
+        )
+        return self._remote_task("push_cache", link, spec, steps=len(src_r))
+
+    def push_blocks(
+        self,
+        dst_cache_key: BlocksCacheKey,
+        src_cache: Cache,
+        src_blocks: Sequence[int] = (),
+        dst_blocks: Sequence[int] = (),
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+    ) -> CacheTask:
+        """Push local blocks into a peer's blocks cache (remote-accessible mode).
+
+        Raises:
+            TypeError / ValueError: wrong argument types.
+            LLMException: LLM_PARAM_INVALID outside remote-accessible mode, for a contiguous
+                source, empty or unequal block lists, local indices out of range, bad ranges;
+                LLM_NOT_YET_LINK without a link. The task fails with LLM_PARAM_INVALID for
+                remote indices out of range.
+        """
+        engine = self.engine
+        raise_if_false(
+            engine.options.remote_accessible,
+            "push_blocks needs llm.EnableRemoteCacheAccessible=1",
+        )
+        check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey)
+        entry = self._entry(src_cache, "src_cache")
+        src_b = check_index_list("src_blocks", src_blocks)
+        dst_b = check_index_list("dst_blocks", dst_blocks)
+        assert src_b is not None
+        assert dst_b is not None
+        raise_if_false(entry.is_blocks, "push_blocks needs a blocks source cache")
+        raise_if_false(len(dst_b) > 0, "dst_blocks must not be empty")
+        raise_if_false(len(src_b) > 0, "src_blocks must not be empty")
+        raise_if_false(
+            len(src_b) == len(dst_b),
+            f"src_blocks ({len(src_b)}) and dst_blocks ({len(dst_b)}) differ in length",
+        )
+        raise_if_false(
+            int(src_b.max()) < entry.count,
+            f"src block {int(src_b.max())} >= the local {entry.count} blocks",
+        )
+        src_r, dst_r, n = self._push_ranges(
+            entry, src_layer_range, dst_layer_range, tensor_num_per_layer
+        )
+        self._check_remote_accessible(entry)
+        link = self._peer_check(dst_cache_key.cluster_id)
+        spec = XferSpec(
+            "push",
+            self._target_of(dst_cache_key),
+            "blocks",
+            entry,
+            src_range=src_r,
+            dst_range=dst_r,
+            tensor_num_per_layer=n,
+            src_blocks=src_b,
+            dst_blocks=dst_b,
+        )
+        return self._remote_task("push_blocks", link, spec, steps=len(src_r))
+
+
+_PULL_DEFAULTS: dict[str, Any] = {
+    "src_layer_range": None,
+    "dst_layer_range": None,
+    "tensor_num_per_layer": 2,
+    "src_cache_offset": -1,
+    "dst_cache_offset": -1,
+}
+_PULL_KWARGS = set(_PULL_DEFAULTS)
+
+
+def _resolve_in_table(table: dict[str, Any], target: dict[str, Any], peer: int) -> dict[str, Any]:
+    """Resolve a target against the peer's table snapshot (remote-accessible mode).
+
+    Raises:
+        LLMException: LLM_KV_CACHE_NOT_EXIST when the snapshot has no such cache or key;
+            LLM_PARAM_INVALID when that cache is not remote accessible.
+    """
+    by = target["by"]
+    if by == "blocks_key":
+        cid = table.get("blocks_keys", {}).get(str(target["model_id"]))
+        index = 0
+    elif by == "cache_id":
+        cid, index = target["cache_id"], target.get("index", 0)
+    else:
+        return target
+    entry = next((c for c in table.get("caches", []) if c.get("cache_id") == cid), None)
+    if cid is None or entry is None:
+        raise LLMException(
+            f"cluster {peer} published no cache for {target} (its table is snapshotted at the "
+            "first transfer of a link: register before that, or re-link)",
+            status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+        )
+    raise_if_false(
+        entry.get("remote_accessible"), f"cache {cid} of cluster {peer} is not remote accessible"
+    )
+    return {"by": "cache_id", "cache_id": cid, "index": index}

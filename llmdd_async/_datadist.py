@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+import dataclasses
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from ._checks import check_isinstance, check_uint64
+from ._checks import check_int32, check_isinstance, check_uint64
 from ._config import LLMConfig
 from ._enums import LLMRole, LLMStatusCode
-from ._errors import LLMException, raise_param
-from ._options import parse_options
+from ._errors import LLMException, raise_if_false, raise_param
+from ._options import parse_listen, parse_options
+from ._types import LLMClusterInfo
 
 __all__ = ["LLMDataDist"]
 
@@ -141,6 +143,101 @@ class LLMDataDist:
                 "this endpoint was started with running(); leave its `async with` block to stop it"
             )
 
+    # ------------------------------------------------------------------ links
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """``(ip, port)`` this endpoint listens on (the real port when 0 was asked), or None."""
+        engine = self._live_engine()
+        return engine.links.listen_address
+
+    def _check_clusters(self, clusters: Any, timeout: Any) -> None:
+        check_isinstance("clusters", clusters, (list, tuple))
+        for i, c in enumerate(clusters):
+            check_isinstance(f"clusters[{i}]", c, LLMClusterInfo)
+            if c.remote_cluster_id is None:
+                raise TypeError(f"clusters[{i}].remote_cluster_id must be set (uint64)")
+            check_uint64(f"clusters[{i}].remote_cluster_id", c.remote_cluster_id)
+        check_int32("timeout", timeout)
+        raise_if_false(timeout > 0, f"timeout must be > 0 ms, got {timeout}")
+
+    async def link_clusters(
+        self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Connect to each cluster's listener and handshake (this side is the client).
+
+        Link failures never raise: the result is ``(overall, per_cluster)`` where overall is
+        SUCCESS only if every cluster linked, else one of the failing codes. Per-cluster codes:
+        LLM_ALREADY_LINK, LLM_LINK_FAILED (connect, handshake, authentication, timeout),
+        LLM_PARAM_INVALID (own cluster id, not exactly one remote address, mismatched
+        remote-accessible mode), LLM_PROCESSING_LINK (a link to it is being set up).
+
+        Raises:
+            RuntimeError: not initialised. TypeError / ValueError: bad argument types (a
+                ``remote_cluster_id`` left None included). LLMException: LLM_PARAM_INVALID for
+                ``timeout <= 0`` or a cluster without a local address (unless local_comm_res).
+        """
+        engine = self._live_engine()
+        self._check_clusters(clusters, timeout)
+        if not clusters:
+            return LLMStatusCode.LLM_PARAM_INVALID, []
+        if not engine.options.local_comm_res:
+            for i, c in enumerate(clusters):
+                raise_if_false(
+                    len(c.local_ip_info_list) > 0,
+                    f"clusters[{i}] needs a local ip info (append_local_ip_info)",
+                )
+        codes = await engine.links.link_clusters(list(clusters), timeout / 1000)
+        return _overall(codes), codes
+
+    async def unlink_clusters(
+        self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Drop links. Without ``force`` the peer is told first (over the link itself);
+        failing that gives LLM_NOTIFY_PROMPT_UNLINK_FAILED, and the local side is dropped
+        anyway. No link gives LLM_NOT_YET_LINK. Transfers still running on a dropped link fail
+        with LLM_NOT_YET_LINK. Never raises for link failures.
+
+        Raises:
+            RuntimeError / TypeError / ValueError / LLMException: as :meth:`link_clusters`.
+        """
+        engine = self._live_engine()
+        self._check_clusters(clusters, timeout)
+        check_isinstance("force", force, bool)
+        if not clusters:
+            return LLMStatusCode.LLM_PARAM_INVALID, []
+        codes = await engine.links.unlink_clusters(list(clusters), timeout / 1000, force)
+        return _overall(codes), codes
+
+    async def switch_role(
+        self, role: LLMRole, switch_options: Mapping[str, str] | None = None
+    ) -> None:
+        """Change the role label and the listener: with ``llm.listenIpInfo`` in
+        ``switch_options`` the endpoint (re)listens there, without it it stops listening.
+
+        Raises:
+            RuntimeError: not initialised. TypeError: bad argument types.
+            LLMException: LLM_EXIST_LINK while links exist; LLM_PARAM_INVALID for a bad
+                address; LLM_LINK_FAILED when the new address cannot be bound.
+        """
+        engine = self._live_engine()
+        check_isinstance("role", role, LLMRole)
+        check_isinstance("switch_options", switch_options, dict, optional=True)
+        if engine.links.links:
+            raise LLMException(
+                f"switch_role needs all links removed first ({len(engine.links.links)} remain)",
+                status_code=LLMStatusCode.LLM_EXIST_LINK,
+            )
+        listen_s = (switch_options or {}).get("llm.listenIpInfo")
+        new = parse_listen(listen_s) if listen_s else None
+        links = engine.links
+        if new != engine.options.listen or (new is not None and links.listen_address is None):
+            await links.stop_listening()
+            if new is not None:
+                await links.listen(new)
+            engine.options = dataclasses.replace(engine.options, listen=new)
+        self._role = role
+        engine.role = role
+
     # ------------------------------------------------------------------ managers
     @property
     def cache_manager(self) -> Any:
@@ -178,3 +275,10 @@ class LLMDataDist:
     def __repr__(self) -> str:
         state = "running" if self.is_initialized() else "stopped"
         return f"<LLMDataDist {self._role} cluster_id={self._cluster_id} {state}>"
+
+
+def _overall(codes: list[LLMStatusCode]) -> LLMStatusCode:
+    for c in codes:
+        if c != LLMStatusCode.LLM_SUCCESS:
+            return c
+    return LLMStatusCode.LLM_SUCCESS

@@ -41,6 +41,9 @@ class Engine:
         self.closed = False
         #: set by ``link()`` (comm-domain links): later registrations default to not accessible.
         self.comm_linked = False
+        from ._links import LinkManager
+
+        self.links = LinkManager(self)
 
     @property
     def sync_kv_timeout_s(self) -> float:
@@ -90,10 +93,36 @@ class Engine:
             raise body_error
 
     async def start_services(self, tg: TaskGroup) -> None:
-        """Hook for the link layer (listener); the local engine has none."""
+        """Start listening when ``llm.listenIpInfo`` was given."""
+        if self.options.listen is not None:
+            await self.links.listen(self.options.listen)
 
     async def stop_services(self) -> None:
-        """Hook for the link layer (close links)."""
+        """Close every link (telling peers) and the listener."""
+        await self.links.close_all()
+
+    @property
+    def stall_timeout_s(self) -> float:
+        """How long a worker waits on a silent peer when no request deadline applies."""
+        return max(10.0, self.sync_kv_timeout_s)
+
+    def published_table(self) -> dict[str, Any]:
+        """This endpoint's cache table, as a peer snapshots it (remote-accessible mode)."""
+        return self.registry.published_table()
+
+    def identity_for_link(self) -> dict[str, Any]:
+        return self.links.identity()
+
+    def reachable_by_peer(self, caps: Any, ranges: Any, nbytes: Any) -> bool:
+        return self.links.reachable_by_peer(caps, ranges, nbytes)
+
+    async def serve_request(self, link: Any, req: Any, msg: Any) -> None:
+        from ._transfer import serve_request
+
+        await serve_request(self, link, req, msg)
+
+    def drop_link(self, link: Any) -> None:
+        self.links.forget(link)
 
     def check_thread(self) -> None:
         """Raises RuntimeError when called off the engine's event-loop thread."""
@@ -104,10 +133,17 @@ class Engine:
             )
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Run ``fn(*args)`` in the engine's task group."""
+        """Run ``fn(*args)`` in the engine's task group; a crash is logged, never propagated
+        (one failing background job must not take the endpoint down)."""
         if self._tg is None:
             raise RuntimeError("llm datadist is not initialized")
-        self._tg.start_soon(fn, *args)
+        self._tg.start_soon(self._guarded, fn, args)
+
+    async def _guarded(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+        try:
+            await fn(*args)
+        except Exception:
+            self.log.exception("engine.job_crashed", job=getattr(fn, "__qualname__", repr(fn)))
 
     def start_task(
         self,
@@ -117,5 +153,7 @@ class Engine:
     ) -> CacheTask:
         """Schedule ``body`` as ``task`` and return it (already running)."""
         self.check_thread()
-        self.spawn(task._run, body, deadline_s)
+        if self._tg is None:
+            raise RuntimeError("llm datadist is not initialized")
+        self._tg.start_soon(task._run, body, deadline_s)
         return task

@@ -13,6 +13,7 @@ import dataclasses
 import mmap
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -196,13 +197,18 @@ class MemoryPool:
 
 
 class CancelToken:
-    """A thread-safe flag that worker threads check between chunks of work."""
+    """A thread-safe flag that worker threads check between chunks of work.
 
-    __slots__ = ("_event", "reason")
+    It also trips by itself once ``deadline`` (``time.monotonic()`` seconds) has passed, so
+    workers stop at a task's deadline without the event loop having to reach them.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_event", "deadline", "reason")
+
+    def __init__(self, deadline: float | None = None) -> None:
         self._event = threading.Event()
         self.reason: BaseException | None = None
+        self.deadline = deadline
 
     def cancel(self, reason: BaseException | None = None) -> None:
         if self.reason is None:
@@ -211,7 +217,14 @@ class CancelToken:
 
     @property
     def cancelled(self) -> bool:
-        return self._event.is_set()
+        if self._event.is_set():
+            return True
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    @property
+    def expired(self) -> bool:
+        """True when the deadline (not an explicit cancel) stopped the work."""
+        return not self._event.is_set() and self.cancelled
 
 
 class CopyCancelled(Exception):

@@ -141,6 +141,16 @@ class Registry:
                 self._regions = (starts[order], starts[order] + sizes[order], ids[order])
         return self._regions
 
+    def published_table(self) -> dict[str, Any]:
+        """The cache table a peer snapshots in remote-accessible mode (JSON-able)."""
+        return {
+            "caches": [e.describe() for e in self.iter_live()],
+            "blocks_keys": {str(m): cid for m, cid in self._blocks_keys.items()},
+            "slot_keys": [
+                [k[0], k[1], k[2], cid, slot] for k, (cid, slot) in self._slot_keys.items()
+            ],
+        }
+
     def iter_live(self) -> Iterator[CacheEntry]:
         return (e for e in self.entries.values() if not e.id_released and not e.freed)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any
@@ -13,7 +14,7 @@ from ._checks import check_uint32
 from ._enums import LLMStatusCode
 from ._errors import LLMException, TransferCancelled, status_from_exception
 from ._log import get_logger
-from ._memory import CancelToken
+from ._memory import CancelToken, CopyCancelled
 
 __all__ = ["CacheTask", "LayerTiming", "TaskStatistics"]
 
@@ -50,10 +51,21 @@ class TaskStatistics:
 class TaskControl:
     """What a running task body uses to report progress and observe cancellation."""
 
-    def __init__(self, task: CacheTask) -> None:
+    def __init__(self, task: CacheTask, deadline: float | None) -> None:
         self._task = task
         self.token = task._token
+        #: ``time.monotonic()`` at which the task times out, or None
+        self.deadline = deadline
         self.t0 = time.perf_counter()
+
+    def set_deadline(self, seconds: float | None) -> None:
+        """(Re)start the deadline: ``seconds`` from now, or none. Applies to the task's scope
+        and, through the token, to its worker threads."""
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.token.deadline = self.deadline
+        scope = self._task._scope
+        if scope is not None:
+            scope.deadline = math.inf if seconds is None else anyio.current_time() + seconds
 
     def add(self, nbytes: int, descriptors: int) -> None:
         self._task._bytes += nbytes
@@ -114,46 +126,49 @@ class CacheTask:
     async def _run(
         self, body: Callable[[TaskControl], Awaitable[None]], deadline_s: float | None
     ) -> None:
-        ctl = TaskControl(self)
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        # Worker threads see the deadline through the token, the loop through the scope.
+        self._token.deadline = deadline
+        ctl = TaskControl(self, deadline)
         cancelled_exc = anyio.get_cancelled_exc_class()
         self._log.debug("transfer.started", kind=self.kind)
-        status = LLMStatusCode.LLM_SUCCESS
+        error: BaseException | None = None
         try:
             with anyio.CancelScope() as scope:
                 self._scope = scope
+                if deadline_s is not None:
+                    scope.deadline = anyio.current_time() + deadline_s
                 if self._cancel_requested:
                     scope.cancel()
-                if deadline_s is None:
-                    await body(ctl)
-                else:
-                    with anyio.fail_after(deadline_s):
-                        await body(ctl)
-            if scope.cancelled_caught or self._cancel_requested:
-                status = LLMStatusCode.LLM_FAILED
-                self._error = TransferCancelled(f"{self.kind} was cancelled")
+                await body(ctl)
         except cancelled_exc:
             # The engine itself is shutting down: record and let the cancellation go on.
             self._finish(LLMStatusCode.LLM_FAILED, TransferCancelled("engine finalized"), ctl)
             raise
-        except TimeoutError:
+        except Exception as exc:
+            error = exc
+        if self._cancel_requested:
+            status = LLMStatusCode.LLM_FAILED
+            self._error = TransferCancelled(f"{self.kind} was cancelled")
+        elif (
+            ctl.deadline is not None
+            and (scope.cancelled_caught or time.monotonic() >= ctl.deadline)
+            and (error is None or isinstance(error, CopyCancelled | TimeoutError))
+        ):
             status = LLMStatusCode.LLM_TIMEOUT
             self._error = LLMException(
-                f"{self.kind} did not finish within {deadline_s:.3f} s (sync_kv_timeout)",
+                f"{self.kind} did not finish within its deadline (sync_kv_timeout)",
                 status_code=status,
             )
-        except Exception as exc:
-            if self._cancel_requested:
-                # A worker noticed the cancel token before the scope's cancellation arrived.
-                status = LLMStatusCode.LLM_FAILED
-                self._error = TransferCancelled(f"{self.kind} was cancelled")
-                self._finish(status, self._error, ctl)
-                return
-            status = status_from_exception(exc)
+        elif error is not None:
+            status = status_from_exception(error)
             self._error = (
-                exc
-                if isinstance(exc, LLMException)
-                else LLMException(f"{self.kind} failed: {exc!r}", status_code=status)
+                error
+                if isinstance(error, LLMException)
+                else LLMException(f"{self.kind} failed: {error!r}", status_code=status)
             )
+        else:
+            status = LLMStatusCode.LLM_SUCCESS
         self._finish(status, self._error, ctl)
 
     def _finish(self, status: LLMStatusCode, error: BaseException | None, ctl: TaskControl) -> None:

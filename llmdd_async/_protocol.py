@@ -1,0 +1,271 @@
+"""The wire protocol, sans-IO: bytes in, events out. No sockets, no anyio, no numpy.
+
+Every frame starts with a fixed 32-byte little-endian header::
+
+    magic u32 | version u16 | type u16 | req_id u64 | meta_len u32 | flags u32 | payload_len u64
+
+``meta`` follows: a u32 length-prefixed UTF-8 JSON object of scalar fields, then the raw bytes
+of the arrays it names (``"arrays": [[name, nbytes], ...]``; arrays hold little-endian u64 or
+i64 integers, so their sizes are multiples of 8). ``payload_len`` bytes of bulk data follow
+the meta; the decoder hands them out without copying them into messages, so the I/O layer can
+receive them straight into their destination. There is no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import struct
+from typing import Any
+
+__all__ = [
+    "HEADER",
+    "MAGIC",
+    "MAX_META",
+    "MT",
+    "NEED_DATA",
+    "PROTOCOL_VERSION",
+    "Decoder",
+    "Message",
+    "PayloadBytes",
+    "ProtocolError",
+    "encode",
+]
+
+MAGIC = 0x3144444C  # b"LDD1" little-endian
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<IHHQIIQ")
+MAX_META = 256 << 20  # descriptor arrays of very large requests; anything larger is hostile
+MAX_PAYLOAD = 1 << 40
+
+
+class ProtocolError(Exception):
+    """The peer sent bytes that are not a valid frame. The connection must be closed."""
+
+
+class MT(enum.IntEnum):
+    """Message types."""
+
+    HELLO = 1  # client -> server: version, nonce
+    CHALLENGE = 2  # server -> client: nonce, whether auth is required
+    LINK_REQ = 3  # client -> server: identity (+ MAC)
+    LINK_ACK = 4  # server -> client: status, identity (+ MAC)
+    XFER_REQ = 10  # initiator -> target: what to move
+    GRANT = 11  # target -> initiator: status and the resolved plan
+    DATA = 12  # either way: a chunk of a granted plan's bytes (payload)
+    DONE = 13  # initiator -> target: the initiator finished (status)
+    RESULT = 14  # target -> initiator: the target received everything (push over the stream)
+    ABORT = 15  # either way: stop this request (status)
+    TABLE_REQ = 20
+    TABLE = 21
+    UNLINK = 30
+    UNLINK_ACK = 31
+    PING = 40
+    PONG = 41
+    BYE = 50  # orderly close (finalize)
+
+
+@dataclasses.dataclass
+class Message:
+    """One frame: its type, request id, JSON fields, raw arrays and announced payload size."""
+
+    type: MT
+    req_id: int = 0
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    arrays: dict[str, bytes | memoryview] = dataclasses.field(default_factory=dict)
+    payload_len: int = 0
+    flags: int = 0
+
+
+@dataclasses.dataclass
+class PayloadBytes:
+    """Payload bytes that were already buffered by the decoder (a view into its buffer)."""
+
+    data: memoryview
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA = _NeedData()
+
+
+def encode(msg: Message) -> bytes:
+    """Header and meta of ``msg``; its payload (``payload_len`` bytes) is sent after it.
+
+    Raises:
+        ProtocolError: an array whose size is not a multiple of 8, or meta over the limit.
+    """
+    arrays = [(name, memoryview(a).cast("B")) for name, a in msg.arrays.items()]
+    for name, a in arrays:
+        if a.nbytes % 8:
+            raise ProtocolError(f"array {name!r} is {a.nbytes} bytes, not a multiple of 8")
+    fields = dict(msg.fields)
+    if arrays:
+        fields["arrays"] = [[name, a.nbytes] for name, a in arrays]
+    js = json.dumps(fields, separators=(",", ":")).encode()
+    meta_len = 4 + len(js) + sum(a.nbytes for _, a in arrays)
+    if meta_len > MAX_META:
+        raise ProtocolError(f"meta of {meta_len} bytes exceeds {MAX_META}")
+    parts = [
+        HEADER.pack(
+            MAGIC,
+            PROTOCOL_VERSION,
+            int(msg.type),
+            msg.req_id,
+            meta_len,
+            msg.flags,
+            msg.payload_len,
+        ),
+        struct.pack("<I", len(js)),
+        js,
+    ]
+    parts.extend(bytes(a) for _, a in arrays)
+    return b"".join(parts)
+
+
+def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: bytes) -> Message:
+    if len(meta) < 4:
+        raise ProtocolError("meta shorter than its length prefix")
+    (js_len,) = struct.unpack_from("<I", meta)
+    if 4 + js_len > len(meta):
+        raise ProtocolError("JSON length runs past the meta")
+    try:
+        fields = json.loads(bytes(meta[4 : 4 + js_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ProtocolError(f"malformed JSON fields: {exc}") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError("fields must be a JSON object")
+    arrays: dict[str, bytes | memoryview] = {}
+    spec = fields.pop("arrays", [])
+    if not isinstance(spec, list):
+        raise ProtocolError("arrays must be a list")
+    pos = 4 + js_len
+    view = memoryview(meta)
+    for item in spec:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], int)
+            or isinstance(item[1], bool)
+            or item[1] < 0
+            or item[1] % 8
+        ):
+            raise ProtocolError(f"bad array entry {item!r}")
+        name, nbytes = item
+        if pos + nbytes > len(meta):
+            raise ProtocolError(f"array {name!r} runs past the meta")
+        arrays[name] = view[pos : pos + nbytes]
+        pos += nbytes
+    if pos != len(meta):
+        raise ProtocolError(f"{len(meta) - pos} unexplained bytes after the arrays")
+    return Message(mtype, req_id, fields, arrays, payload_len, flags)
+
+
+class Decoder:
+    """Incremental frame parser.
+
+    Feed it bytes with :meth:`receive_data`; call :meth:`next_event` until it returns
+    :data:`NEED_DATA`. A frame with a payload is returned as a :class:`Message` first; then the
+    decoder is in payload mode: :meth:`next_event` yields the buffered part as
+    :class:`PayloadBytes`, and the I/O layer may instead receive ``payload_remaining`` bytes
+    itself and report them with :meth:`payload_consumed`. After a :class:`ProtocolError` the
+    decoder is unusable.
+    """
+
+    def __init__(self, max_meta: int = MAX_META) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+        self._max_meta = max_meta
+        self._payload_left = 0
+        self._broken: ProtocolError | None = None
+
+    def set_max_meta(self, max_meta: int) -> None:
+        """Change the meta size limit (small during a handshake, larger afterwards)."""
+        self._max_meta = max_meta
+
+    @property
+    def payload_remaining(self) -> int:
+        """Payload bytes of the current frame not yet handed out or consumed."""
+        return self._payload_left
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if self._pos and self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        self._buf += data
+
+    def payload_consumed(self, n: int) -> None:
+        """The I/O layer read ``n`` payload bytes directly (none were buffered).
+
+        Raises:
+            ProtocolError: more than the frame's remaining payload, or bytes are still buffered.
+        """
+        if n > self._payload_left or (n and self.buffered):
+            raise ProtocolError("payload accounting error")
+        self._payload_left -= n
+
+    def _fail(self, message: str) -> ProtocolError:
+        self._broken = ProtocolError(message)
+        return self._broken
+
+    def next_event(self) -> Message | PayloadBytes | _NeedData:
+        """The next complete event, or NEED_DATA.
+
+        Raises:
+            ProtocolError: the bytes are not a valid frame (bad magic, version, type, sizes, or
+                malformed meta).
+        """
+        if self._broken is not None:
+            raise self._broken
+        avail = len(self._buf) - self._pos
+        if self._payload_left:
+            if not avail:
+                return NEED_DATA
+            n = min(avail, self._payload_left)
+            chunk = memoryview(self._buf)[self._pos : self._pos + n]
+            # The view must not outlive the next receive_data (which may grow the buffer).
+            data = memoryview(bytes(chunk))
+            chunk.release()
+            self._pos += n
+            self._payload_left -= n
+            return PayloadBytes(data)
+        if avail < HEADER.size:
+            return NEED_DATA
+        magic, version, mtype, req_id, meta_len, flags, payload_len = HEADER.unpack_from(
+            self._buf, self._pos
+        )
+        if magic != MAGIC:
+            raise self._fail(f"bad magic {magic:#x}")
+        if version != PROTOCOL_VERSION:
+            raise self._fail(f"unsupported protocol version {version}")
+        try:
+            mt = MT(mtype)
+        except ValueError:
+            raise self._fail(f"unknown message type {mtype}") from None
+        if meta_len > self._max_meta:
+            raise self._fail(f"meta of {meta_len} bytes exceeds {self._max_meta}")
+        if payload_len > MAX_PAYLOAD:
+            raise self._fail(f"payload of {payload_len} bytes is absurd")
+        if avail < HEADER.size + meta_len:
+            return NEED_DATA
+        start = self._pos + HEADER.size
+        meta = bytes(self._buf[start : start + meta_len])
+        self._pos = start + meta_len
+        try:
+            msg = _decode_meta(mt, req_id, flags, payload_len, meta)
+        except ProtocolError as exc:
+            self._broken = exc
+            raise
+        self._payload_left = payload_len
+        return msg

@@ -1,0 +1,412 @@
+"""One transfer over a link, seen from both ends.
+
+The *initiator* (the side whose API call it is) sends one request: how to address the target's
+cache, the selection (slots, blocks, layer ranges, offsets) and its own cache layout. The
+*target* resolves the request against its own registry, plans it with the shared planner,
+checks every range, and grants it:
+
+* ``local`` mode: the initiator copies straight from/to the target's memory (same host or same
+  process) and then sends DONE;
+* ``stream`` mode: the bytes travel as DATA frames on the link (TCP).
+
+Keys are consumed by the target only after DONE reports success, so a failed pull leaves the
+key pullable (reference §8.1, §9.4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+
+from ._enums import LLMStatusCode
+from ._errors import LLMException, raise_if_false, status_from_exception
+from ._link import FLAG_TO_INITIATOR, Link, LinkBroken, Pending, Serving
+from ._memory import CopyCancelled
+from ._planner import (
+    Layout,
+    Plan,
+    check_within,
+    plan_blocks,
+    plan_slot_to_blocks,
+    plan_slots,
+    tensor_windows,
+)
+from ._protocol import MT, Message, ProtocolError
+from ._registry import CacheEntry
+from ._task import TaskControl
+from ._transports.tcp import StreamPlan
+
+__all__ = ["XferSpec", "initiate", "serve_request"]
+
+_U64 = np.uint64
+
+
+@dataclasses.dataclass
+class XferSpec:
+    """What the initiator asks for, in source/destination terms."""
+
+    op: str  # "pull" (target is the source) or "push" (target is the destination)
+    target: dict[str, Any]  # how to find the target's cache
+    shape: str  # "slot", "blocks" or "slot_to_blocks"
+    local: CacheEntry
+    local_slot: int = 0
+    size: int = -1
+    src_offset: int = 0
+    dst_offset: int = 0
+    src_range: range | None = None
+    dst_range: range | None = None
+    tensor_num_per_layer: int = 2
+    src_blocks: np.ndarray | None = None
+    dst_blocks: np.ndarray | None = None
+    dst_block_bytes: int | None = None
+    raw_addrs: np.ndarray | None = None  # the target's tensor addresses (TransferConfig)
+    raw_tensor_bytes: int = 0
+    raw_count: int = 1
+    raw_is_blocks: bool = False
+
+    def encode(self, req_id: int, caps: dict[str, bool], timeout_ms: int) -> Message:
+        e = self.local
+        fields: dict[str, Any] = {
+            "op": self.op,
+            "target": self.target,
+            "shape": self.shape,
+            "layout": [e.tensor_bytes, e.count, e.is_blocks],
+            "local_slot": self.local_slot,
+            "size": self.size,
+            "src_offset": self.src_offset,
+            "dst_offset": self.dst_offset,
+            "src_range": _r(self.src_range),
+            "dst_range": _r(self.dst_range),
+            "tnpl": self.tensor_num_per_layer,
+            "dst_block_bytes": self.dst_block_bytes,
+            "raw": [self.raw_tensor_bytes, self.raw_count, self.raw_is_blocks],
+            "caps": caps,
+            "timeout_ms": timeout_ms,
+        }
+        arrays: dict[str, bytes | memoryview] = {"local_addrs": _u64(e.addrs)}
+        for name, arr in (
+            ("src_blocks", self.src_blocks),
+            ("dst_blocks", self.dst_blocks),
+            ("raw_addrs", self.raw_addrs),
+        ):
+            if arr is not None:
+                arrays[name] = _u64(arr)
+        return Message(MT.XFER_REQ, req_id, fields, arrays)
+
+
+def _r(r: range | None) -> list[int] | None:
+    return None if r is None else [r.start, r.stop]
+
+
+def _u64(arr: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(arr, dtype="<u8")).cast("B")
+
+
+def _arr(msg: Message, name: str) -> np.ndarray | None:
+    raw = msg.arrays.get(name)
+    return None if raw is None else np.frombuffer(raw, dtype="<u8").astype(_U64)
+
+
+def _entry_regions(entry: CacheEntry) -> tuple[np.ndarray, np.ndarray]:
+    starts = np.sort(entry.addrs.astype(_U64))
+    return starts, starts + _U64(entry.tensor_bytes)
+
+
+# ====================================================================== initiator
+async def initiate(engine: Any, link: Link, spec: XferSpec, ctl: TaskControl) -> int:
+    """Run one request to completion; returns the bytes moved. The caller holds the link's
+    transfer lock and a pin on ``spec.local``.
+
+    Raises:
+        LLMException: the target refused (its status code), the link failed
+            (LLM_LINK_FAILED / LLM_NOT_YET_LINK), or the transfer was stopped.
+    """
+    req = link.open_pending(ctl.deadline)
+    req.token = ctl.token
+    starts, ends = _entry_regions(spec.local)
+    grant_info: dict[str, Any] = {}
+
+    def on_grant(msg: Message) -> None:
+        # Runs in the reader before any DATA of this request can be read: set up where the
+        # stream lands, after checking that every range lies inside our own cache.
+        status = LLMStatusCode.from_wire(int(msg.fields.get("status", -1)))
+        if status != LLMStatusCode.LLM_SUCCESS:
+            return
+        local, nbytes = _arr(msg, "local"), _arr(msg, "nbytes")
+        if local is None or nbytes is None or len(local) != len(nbytes):
+            raise ProtocolError("GRANT without a plan")
+        if not check_within(local, nbytes, starts, ends):
+            raise ProtocolError("GRANT points outside the local cache")
+        grant_info["local"], grant_info["nbytes"] = local, nbytes
+        if msg.fields.get("mode") == "stream" and spec.op == "pull":
+            req.stream = StreamPlan(local, nbytes)
+
+    req.on_grant = on_grant
+    caps = link.caps()
+    timeout_ms = max(1, int((ctl.deadline - time.monotonic()) * 1000)) if ctl.deadline else 0
+    try:
+        await link.send(spec.encode(req.req_id, caps, timeout_ms))
+        grant = await req.wait_grant()
+        status = LLMStatusCode.from_wire(int(grant.fields.get("status", -1)))
+        if status != LLMStatusCode.LLM_SUCCESS:
+            raise LLMException(
+                str(grant.fields.get("message", "refused by peer")), status_code=status
+            )
+        local, nbytes = grant_info["local"], grant_info["nbytes"]
+        total = int(nbytes.sum(dtype=_U64))
+        mode = grant.fields.get("mode")
+        if mode == "local":
+            remote = _arr(grant, "remote")
+            if remote is None or len(remote) != len(nbytes) or link.access is None:
+                raise ProtocolError("local-mode GRANT without remote ranges")
+            try:
+                if spec.op == "pull":
+                    await link.access.read(remote, local, nbytes, ctl.token)
+                else:
+                    await link.access.write(local, remote, nbytes, ctl.token)
+            except CopyCancelled:
+                raise req.error or CopyCancelled() from None
+            await link.send(Message(MT.DONE, req.req_id, {"status": 0}))
+        elif spec.op == "pull":
+            await req.wait_data()
+            await link.send(Message(MT.DONE, req.req_id, {"status": 0}))
+        else:
+            stream = StreamPlan(local, nbytes)
+            if not await link.send_stream(req, stream, to_initiator=False, token=ctl.token):
+                raise req.error or CopyCancelled()
+            result = await req.wait_result()
+            status = LLMStatusCode.from_wire(int(result.fields.get("status", -1)))
+            if status != LLMStatusCode.LLM_SUCCESS:
+                raise LLMException(
+                    str(result.fields.get("message", "peer failed")), status_code=status
+                )
+        ctl.add(total, len(nbytes))
+        link.stats_transfers += 1
+        return total
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            await link.release(req)  # fence: no worker touches our memory after this
+            if link.alive and not isinstance(exc, LinkBroken):
+                code = status_from_exception(exc)
+                with contextlib.suppress(Exception), anyio.move_on_after(1):
+                    await link.send(
+                        Message(MT.ABORT, req.req_id, {"status": int(code), "message": str(exc)})
+                    )
+        if isinstance(exc, ProtocolError):
+            link.fail(exc)
+            raise LinkBroken(f"peer sent an invalid answer: {exc}") from exc
+        raise
+    finally:
+        link.close_pending(req)
+
+
+# ====================================================================== target
+async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> None:
+    """Handle one request from the peer: resolve, check, plan, grant, move, finish."""
+    entry: CacheEntry | None = None
+    registry = engine.registry
+    try:
+        try:
+            entry, plan, slot_info, mode = _resolve_and_plan(engine, msg)
+        except (LLMException, ProtocolError, KeyError, TypeError, ValueError, IndexError) as exc:
+            code = (
+                exc.status_code
+                if isinstance(exc, LLMException)
+                else LLMStatusCode.LLM_PARAM_INVALID
+            )
+            await link.send(
+                Message(MT.GRANT, req.req_id, {"status": int(code), "message": str(exc)})
+            )
+            return
+        if entry is not None:
+            registry.pin(entry)
+        op = msg.fields["op"]
+        local_side, target_side = (plan.dst, plan.src) if op == "pull" else (plan.src, plan.dst)
+        arrays: dict[str, bytes | memoryview] = {
+            "local": _u64(local_side),
+            "nbytes": _u64(plan.nbytes),
+        }
+        if mode == "local":
+            arrays["remote"] = _u64(target_side)
+        elif op == "push":
+            req.stream = StreamPlan(plan.dst, plan.nbytes)
+        if (
+            op == "pull"
+            and entry is not None
+            and slot_info is not None
+            and not engine.options.remote_accessible
+        ):
+            consumed_entry, (slot, tensors) = entry, slot_info
+
+            def consume(done: Message) -> None:
+                if int(done.fields.get("status", -1)) == 0:
+                    registry.note_pulled(consumed_entry, slot, tensors)
+
+            req.on_done = consume
+        await link.send(
+            Message(
+                MT.GRANT,
+                req.req_id,
+                {"status": 0, "mode": mode, "total": plan.total_bytes},
+                arrays,
+            )
+        )
+        remaining = max(0.0, (req.deadline or 0) - time.monotonic())
+        with anyio.move_on_after(remaining):
+            if mode == "stream" and op == "pull":
+                sent = await link.send_stream(
+                    req, StreamPlan(plan.src, plan.nbytes), to_initiator=True, token=req.token
+                )
+                if not sent:
+                    return
+                await req.done_event.wait()
+            elif mode == "stream":
+                await req.data_event.wait()
+                if req.error is None:
+                    await link.send(Message(MT.RESULT, req.req_id, {"status": 0}))
+                return
+            else:
+                await req.done_event.wait()
+    except LinkBroken:
+        pass
+    finally:
+        link.serving.pop(req.req_id, None)
+        if entry is not None and entry.pins > 0:
+            registry.unpin(entry)
+
+
+def _resolve_and_plan(
+    engine: Any, msg: Message
+) -> tuple[CacheEntry | None, Plan, tuple[int, np.ndarray] | None, str]:
+    """Find the target's cache, plan the request, and check every range.
+
+    Returns ``(entry, plan, (slot, tensor indices) for key consumption, mode)``.
+
+    Raises:
+        LLMException: LLM_KV_CACHE_NOT_EXIST for a missing cache/key, LLM_PARAM_INVALID for
+            anything that does not fit.
+        ProtocolError / KeyError / TypeError / ValueError: a malformed request.
+    """
+    f = msg.fields
+    registry = engine.registry
+    op = f["op"]
+    if op not in ("pull", "push"):
+        raise ProtocolError(f"bad op {op!r}")
+    target = f["target"]
+    by = target["by"]
+    entry: CacheEntry | None = None
+    slot = 0
+    if by in ("req_key", "prefix_key"):
+        kind = "req" if by == "req_key" else "prefix"
+        entry, slot = registry.lookup_slot_key((kind, int(target["id"]), int(target["model_id"])))
+    elif by == "blocks_key":
+        entry = registry.lookup_blocks_key(int(target["model_id"]))
+    elif by == "cache_id":
+        entry = registry.get(int(target["cache_id"]))
+        slot = int(target.get("index", 0))
+        raise_if_false(
+            0 <= slot < (1 if entry.is_blocks else entry.count),
+            f"batch index {slot} is outside cache {entry.cache_id}",
+            LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+        )
+    elif by != "addrs":
+        raise ProtocolError(f"bad addressing {by!r}")
+    if entry is not None and engine.options.remote_accessible:
+        raise_if_false(
+            entry.remote_accessible,
+            f"cache {entry.cache_id} of cluster {engine.cluster_id} is not remote accessible",
+        )
+    tb, count, is_blocks = f["layout"]
+    local_addrs = _arr(msg, "local_addrs")
+    if local_addrs is None or not len(local_addrs):
+        raise ProtocolError("request without the initiator's layout")
+    init_layout = Layout(local_addrs, int(tb), int(count), bool(is_blocks))
+    if entry is not None:
+        tgt_layout = entry.layout
+    else:
+        raw = _arr(msg, "raw_addrs")
+        rtb, rcount, rblocks = f["raw"]
+        if raw is None or not len(raw):
+            raise ProtocolError("addressing by addresses without addresses")
+        tgt_layout = Layout(raw, int(rtb), int(rcount), bool(rblocks))
+    src, dst = (tgt_layout, init_layout) if op == "pull" else (init_layout, tgt_layout)
+    local_slot = int(f.get("local_slot", 0))
+    src_slot, dst_slot = (slot, local_slot) if op == "pull" else (local_slot, slot)
+    rng = [
+        None if r is None else range(int(r[0]), int(r[1])) for r in (f["src_range"], f["dst_range"])
+    ]
+    src_idx, dst_idx = tensor_windows(
+        src.num_tensors, dst.num_tensors, rng[0], rng[1], int(f["tnpl"])
+    )
+    shape = f["shape"]
+    dbb = f.get("dst_block_bytes")
+    if shape == "slot":
+        raise_if_false(
+            not src.is_blocks and not dst.is_blocks, "slot transfers need contiguous caches"
+        )
+        plan = plan_slots(
+            src,
+            dst,
+            src_idx,
+            dst_idx,
+            src_slot,
+            dst_slot,
+            int(f["size"]),
+            int(f["src_offset"]),
+            int(f["dst_offset"]),
+        )
+    elif shape == "blocks":
+        sb, db = _arr(msg, "src_blocks"), _arr(msg, "dst_blocks")
+        if sb is None or db is None:
+            raise ProtocolError("blocks request without block lists")
+        plan = plan_blocks(
+            src,
+            dst,
+            src_idx,
+            dst_idx,
+            sb.astype(np.int64),
+            db.astype(np.int64),
+            None if dbb is None else int(dbb),
+        )
+    elif shape == "slot_to_blocks":
+        raise_if_false(not src.is_blocks, "source must be a contiguous cache")
+        db = _arr(msg, "dst_blocks")
+        if db is None:
+            raise ProtocolError("slot_to_blocks request without dst_blocks")
+        plan = plan_slot_to_blocks(
+            src,
+            dst,
+            src_idx,
+            dst_idx,
+            src_slot,
+            db.astype(np.int64),
+            None if dbb is None else int(dbb),
+        )
+    else:
+        raise ProtocolError(f"bad shape {shape!r}")
+    target_side = plan.src if op == "pull" else plan.dst
+    if entry is None:
+        # Raw addresses: every range must lie inside memory this endpoint registered.
+        starts, ends, _ = registry.regions()
+        raise_if_false(
+            check_within(target_side, plan.nbytes, starts, ends),
+            "destination addresses are outside the registered memory of cluster "
+            f"{engine.cluster_id}",
+        )
+    slot_info = None
+    if entry is not None and op == "pull" and not entry.is_blocks:
+        slot_info = (src_slot, src_idx)
+    mode = (
+        "local"
+        if engine.reachable_by_peer(f.get("caps", {}), target_side, plan.nbytes)
+        else "stream"
+    )
+    return entry, plan, slot_info, mode
+
+
+__all__ += ["FLAG_TO_INITIATOR", "Pending"]

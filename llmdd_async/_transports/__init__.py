@@ -1,0 +1,46 @@
+"""Transports: how the bytes of a granted plan move between two endpoints.
+
+* ``tcp``: the bytes travel on the link's socket as DATA frames, received straight into the
+  destination blocks with ``recvmsg_into`` and sent from the source blocks with ``sendmsg``.
+* ``same_host``: the initiator copies straight from/to the peer's memory: pool memory through
+  a shared mapping of the peer's ``memfd``, other memory with ``process_vm_readv/writev``.
+* ``in_process``: both endpoints share an address space; one memmove.
+
+The link picks per transfer; ``llm.Transport`` (``auto``, ``tcp``, ``same-host``) constrains it.
+An adapter over an RDMA transfer engine would be another module here, offering the same
+:class:`PeerAccess` shape.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from .._memory import CancelToken
+
+__all__ = ["PeerAccess"]
+
+
+class PeerAccess(Protocol):
+    """One-copy access to a linked peer's memory, used by the initiator of a transfer."""
+
+    name: str
+
+    def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
+        """True if every remote range can be copied directly."""
+        ...
+
+    async def read(
+        self, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, token: CancelToken
+    ) -> int:
+        """Copy peer memory into local memory; returns bytes. Raises CopyCancelled, OSError."""
+        ...
+
+    async def write(
+        self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, token: CancelToken
+    ) -> int:
+        """Copy local memory into peer memory; returns bytes. Raises CopyCancelled, OSError."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,225 @@
+"""Same host: one copy straight from/to the peer's memory.
+
+Pool memory (``allocate_cache``) is a ``memfd`` that we map through ``/proc/<pid>/fd/<fd>``;
+other registered memory is reached with ``process_vm_readv`` / ``process_vm_writev`` when the
+kernel allows it (same user, ptrace permission), which a probe checks at link time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import mmap
+import os
+import socket
+from typing import Any
+
+import anyio.to_thread
+import numpy as np
+
+from .._memory import CancelToken, CopyCancelled
+from .._planner import Plan
+
+__all__ = ["SameHostAccess", "host_identity", "on_same_host", "pvr_probe"]
+
+_IOV_MAX = 1024
+_BATCH_BYTES = 64 << 20
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def host_identity() -> dict[str, Any]:
+    """What two processes compare to know they share a kernel and a pid namespace."""
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = 0
+    return {
+        "hostname": socket.gethostname(),
+        "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+        "pidns": pidns,
+        "pid": os.getpid(),
+    }
+
+
+def on_same_host(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (
+        bool(a.get("boot_id"))
+        and a.get("boot_id") == b.get("boot_id")
+        and a.get("pidns") == b.get("pidns")
+    )
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc: Any = None
+
+
+def _vm_call(name: str) -> Any:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    fn = getattr(_libc, name)
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
+    return fn
+
+
+def _vm_copy(
+    name: str,
+    pid: int,
+    local: np.ndarray,
+    remote: np.ndarray,
+    nbytes: np.ndarray,
+    token: CancelToken | None,
+) -> int:
+    """process_vm_readv/writev over descriptor arrays, up to IOV_MAX ranges per call."""
+    fn = _vm_call(name)
+    done = 0
+    n = len(nbytes)
+    i = 0
+    while i < n:
+        if token is not None and token.cancelled:
+            raise CopyCancelled
+        # Batches bounded in count and bytes, so cancellation is checked regularly.
+        j = min(n, i + _IOV_MAX)
+        csum = np.cumsum(nbytes[i:j])
+        cut = int(np.searchsorted(csum, _BATCH_BYTES, side="right")) + 1
+        j = min(j, i + max(1, cut))
+        liov = np.empty((j - i, 2), dtype=np.uint64)
+        riov = np.empty((j - i, 2), dtype=np.uint64)
+        liov[:, 0], riov[:, 0] = local[i:j], remote[i:j]
+        liov[:, 1] = riov[:, 1] = nbytes[i:j]
+        want = int(nbytes[i:j].sum())
+        got = fn(pid, liov.ctypes.data, j - i, riov.ctypes.data, j - i, 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{name} from pid {pid}: {os.strerror(err)}")
+        if got != want:
+            raise OSError(f"{name} moved {got} of {want} bytes (peer memory went away?)")
+        done += got
+        i = j
+    return done
+
+
+def pvr_probe(pid: int, addr: int, expect: bytes) -> bool:
+    """True if ``process_vm_readv`` of the peer's probe buffer returns the expected token."""
+    buf = (ctypes.c_ubyte * len(expect))()
+    try:
+        _vm_copy(
+            "process_vm_readv",
+            pid,
+            np.array([ctypes.addressof(buf)], np.uint64),
+            np.array([addr], np.uint64),
+            np.array([len(expect)], np.uint64),
+            None,
+        )
+    except OSError:
+        return False
+    return bytes(buf) == expect
+
+
+class _MappedPool:
+    def __init__(self, pid: int, fd: int, base: int, size: int) -> None:
+        self.remote_base, self.size = base, size
+        fd_local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd_local, size)
+        finally:
+            os.close(fd_local)
+        self.local_base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):
+            self.map.close()
+
+
+class SameHostAccess:
+    """Initiator-side access to a peer process on this host."""
+
+    name = "same-host"
+
+    def __init__(self, pid: int, pools: list[dict[str, int]], pvr: bool, copy: Any) -> None:
+        self.pid = pid
+        self.pvr = pvr
+        self._copy = copy  # async (Plan, token) -> int, the device adapter's memmove runner
+        self.pools: list[_MappedPool] = []
+        for p in pools:
+            try:
+                self.pools.append(_MappedPool(pid, p["fd"], p["base"], p["size"]))
+            except OSError:
+                continue  # not mappable here: those ranges go through pvr or the stream
+        self._bases = np.array([p.remote_base for p in self.pools], dtype=np.uint64)
+        self._ends = np.array([p.remote_base + p.size for p in self.pools], dtype=np.uint64)
+        self._delta = np.array([p.local_base - p.remote_base for p in self.pools], dtype=np.int64)
+
+    def _pool_index(self, remote: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Index of the mapped pool holding each range, or -1."""
+        if not len(self.pools):
+            return np.full(len(remote), -1, dtype=np.int64)
+        j = np.searchsorted(self._bases, remote, side="right").astype(np.int64) - 1
+        jj = np.maximum(j, 0)
+        inside = (j >= 0) & (remote + nbytes <= self._ends[jj])
+        return np.where(inside, j, -1)
+
+    def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
+        return self.pvr or bool(np.all(self._pool_index(remote, nbytes) >= 0))
+
+    async def _move(
+        self,
+        local: np.ndarray,
+        remote: np.ndarray,
+        nbytes: np.ndarray,
+        token: CancelToken,
+        read: bool,
+    ) -> int:
+        where = self._pool_index(remote, nbytes)
+        mapped = where >= 0
+        done = 0
+        if mapped.any():
+            translated = (remote[mapped].astype(np.int64) + self._delta[where[mapped]]).astype(
+                np.uint64
+            )
+            plan = (
+                Plan(translated, local[mapped], nbytes[mapped])
+                if read
+                else Plan(local[mapped], translated, nbytes[mapped])
+            )
+            done += await self._copy(plan, token)
+        if (~mapped).any():
+            name = "process_vm_readv" if read else "process_vm_writev"
+            done += await anyio.to_thread.run_sync(
+                _vm_copy, name, self.pid, local[~mapped], remote[~mapped], nbytes[~mapped], token
+            )
+        return done
+
+    async def read(
+        self, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, token: CancelToken
+    ) -> int:
+        return await self._move(local, remote, nbytes, token, read=True)
+
+    async def write(
+        self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, token: CancelToken
+    ) -> int:
+        return await self._move(local, remote, nbytes, token, read=False)
+
+    def close(self) -> None:
+        for p in self.pools:
+            p.close()
+        self.pools = []

@@ -1,0 +1,195 @@
+"""TCP: sockets, and zero-copy blocking send/receive of plan bytes for worker threads.
+
+The link's socket stays in blocking mode. The event loop only uses it with ``MSG_DONTWAIT``
+(headers and control frames); bulk payload moves in worker threads with blocking
+``sendmsg`` / ``recvmsg_into`` over many buffers at once. ``SO_SNDTIMEO``/``SO_RCVTIMEO`` make
+those calls return every few tens of milliseconds, so a worker notices cancellation and
+deadlines even when the peer stalls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import threading
+import time
+
+import numpy as np
+
+from .._memory import CancelToken
+
+__all__ = [
+    "CHUNK_BYTES",
+    "Fence",
+    "StreamPlan",
+    "configure_socket",
+    "recv_views",
+    "send_views",
+]
+
+#: Payload bytes per DATA frame: big enough to amortise a thread hop, small enough that a
+#: cancel or an abort takes effect quickly.
+CHUNK_BYTES = 8 << 20
+_SLICE_S = 0.05
+_IOV_MAX = 1024
+_SCRATCH = 4 << 20
+
+
+def configure_socket(sock: socket.socket) -> None:
+    """Blocking mode with short kernel timeouts, no Nagle delay, keepalive on."""
+    sock.setblocking(True)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    tv = np.array([0, int(_SLICE_S * 1e6)], dtype=np.int64).tobytes()  # struct timeval
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+class Fence:
+    """Shared between a worker and the task that owns the buffers it touches.
+
+    ``token`` asks the worker to stop touching user memory; the worker then keeps the stream in
+    step with scratch memory and sets ``released``. ``deadline`` (monotonic) is when the worker
+    gives up on a silent peer (the link is then broken).
+    """
+
+    __slots__ = ("deadline", "released", "token")
+
+    def __init__(self, token: CancelToken, deadline: float) -> None:
+        self.token = token
+        self.deadline = deadline
+        self.released = threading.Event()
+
+
+class StreamPlan:
+    """One side of a plan as an ordered byte stream: stream offsets -> local memory ranges."""
+
+    def __init__(self, addrs: np.ndarray, nbytes: np.ndarray) -> None:
+        self.addrs = np.asarray(addrs, dtype=np.uint64)
+        self.nbytes = np.asarray(nbytes, dtype=np.uint64)
+        self.ends = np.cumsum(self.nbytes, dtype=np.uint64)
+        self.total = int(self.ends[-1]) if len(self.ends) else 0
+        self._base = 0
+        self._span: memoryview | None = None
+        if self.total:
+            lo = int(self.addrs.min())
+            hi = int((self.addrs + self.nbytes).max())
+            self._base = lo
+            # One view over the whole span; descriptors become cheap slices of it. Gaps in the
+            # span are never touched: every range was validated against registered memory.
+            self._span = memoryview((ctypes.c_ubyte * (hi - lo)).from_address(lo)).cast("B")
+
+    def views(self, offset: int, n: int) -> list[memoryview]:
+        """Memory views covering stream bytes ``[offset, offset + n)`` in order."""
+        if n <= 0 or self._span is None:
+            return []
+        ends = self.ends
+        i0 = int(np.searchsorted(ends, np.uint64(offset), side="right"))
+        i1 = int(np.searchsorted(ends, np.uint64(offset + n), side="left"))
+        starts = (ends[i0 : i1 + 1] - self.nbytes[i0 : i1 + 1]).tolist()
+        addrs = self.addrs[i0 : i1 + 1].tolist()
+        lens = self.nbytes[i0 : i1 + 1].tolist()
+        span, base = self._span, self._base
+        out = []
+        lo, hi = offset, offset + n
+        for st, a, ln in zip(starts, addrs, lens, strict=True):
+            a0 = max(lo, st)
+            a1 = min(hi, st + ln)
+            if a1 > a0:
+                p = a - base + (a0 - st)
+                out.append(span[p : p + (a1 - a0)])
+        return out
+
+
+def _advance(bufs: list[memoryview], idx: int, n: int) -> int:
+    while n > 0:
+        first = bufs[idx]
+        if n >= first.nbytes:
+            n -= first.nbytes
+            idx += 1
+        else:
+            bufs[idx] = first[n:]
+            n = 0
+    return idx
+
+
+def _scratch_like(bufs: list[memoryview], idx: int, scratch: memoryview) -> list[memoryview]:
+    """Replace the remaining buffers by scratch slices of the same total length."""
+    left = sum(b.nbytes for b in bufs[idx:])
+    out = []
+    while left > 0:
+        n = min(left, scratch.nbytes)
+        out.append(scratch[:n])
+        left -= n
+    return out
+
+
+def _check_deadline(fence: Fence, what: str) -> None:
+    if time.monotonic() >= fence.deadline:
+        raise TimeoutError(f"peer made no progress on {what} before the deadline")
+
+
+def send_views(sock: socket.socket, header: bytes, views: list[memoryview], fence: Fence) -> None:
+    """Send ``header`` then every view, blocking. Runs in a worker thread.
+
+    If the fence's token trips mid-frame, the rest of the frame is sent as zeros (so the
+    stream stays in step) and the source memory is not read again; ``released`` is set.
+
+    Raises:
+        TimeoutError: the peer stopped reading before the fence's deadline.
+        OSError: the connection failed.
+    """
+    bufs: list[memoryview] = [memoryview(header), *views]
+    idx = 0
+    padded = False
+    zeros = memoryview(bytearray(min(_SCRATCH, max((v.nbytes for v in views), default=0) or 1)))
+    try:
+        while idx < len(bufs):
+            if not padded and fence.token.cancelled:
+                keep = max(idx, 1)  # the header always goes out as it is
+                bufs = bufs[:keep] + _scratch_like(bufs, keep, zeros)
+                padded = True
+                fence.released.set()
+            try:
+                n = sock.sendmsg(bufs[idx : idx + _IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                _check_deadline(fence, "a send")
+                continue
+            idx = _advance(bufs, idx, n)
+    finally:
+        fence.released.set()
+
+
+def recv_views(
+    sock: socket.socket, views: list[memoryview], fence: Fence, scratch: memoryview
+) -> bool:
+    """Receive exactly the views' bytes into them, blocking. Runs in a worker thread.
+
+    If the fence's token trips, the rest goes to ``scratch`` instead (the stream stays in step)
+    and ``released`` is set at once. Returns True when every byte landed in ``views``.
+
+    Raises:
+        EOFError: the peer closed the connection mid-frame.
+        TimeoutError: the peer stopped sending before the fence's deadline.
+        OSError: the connection failed.
+    """
+    bufs = list(views)
+    idx = 0
+    diverted = False
+    try:
+        while idx < len(bufs):
+            if not diverted and fence.token.cancelled:
+                bufs = bufs[:idx] + _scratch_like(bufs, idx, scratch)
+                diverted = True
+                fence.released.set()
+            try:
+                n = sock.recvmsg_into(bufs[idx : idx + _IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            except (BlockingIOError, InterruptedError):
+                _check_deadline(fence, "a receive")
+                continue
+            if n == 0:
+                raise EOFError("peer closed the connection in the middle of a frame")
+            idx = _advance(bufs, idx, n)
+    finally:
+        fence.released.set()
+    return not diverted

@@ -1,0 +1,194 @@
+"""A scriptable endpoint in its own process: JSON commands on stdin, JSON replies on stdout.
+
+Started by :class:`llmdd_async.testing.PeerProcess`; not meant to be run by hand.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import sys
+from typing import Any
+
+import anyio
+import numpy as np
+
+import llmdd_async as dd
+from llmdd_async.testing import decode_key, pattern
+
+
+class Peer:
+    def __init__(self) -> None:
+        self.dd: dd.LLMDataDist | None = None
+        self.caches: dict[int, dd.Cache] = {}
+        self.keep: dict[int, list[np.ndarray]] = {}
+        self.tasks: dict[int, dd.CacheTask] = {}
+        self.stop = anyio.Event()
+
+    # Commands -------------------------------------------------------------------
+    async def start(self, role: int, cluster_id: int, options: dict[str, str]) -> Any:
+        self.dd = dd.LLMDataDist(dd.LLMRole(role), cluster_id)
+        started = anyio.Event()
+        error: list[BaseException] = []
+
+        async def run() -> None:
+            try:
+                async with self.dd.running(options):  # type: ignore[union-attr]
+                    started.set()
+                    await self.stop.wait()
+            except Exception as exc:
+                error.append(exc)
+                started.set()
+
+        self.tg.start_soon(run)
+        await started.wait()
+        if error:
+            raise error[0]
+        return self.dd.listen_address
+
+    def _desc(self, a: dict[str, Any]) -> dd.CacheDesc:
+        return dd.CacheDesc(
+            a["num_tensors"],
+            a["shape"],
+            dd.DataType[a.get("dtype", "DT_UINT8")],
+            dd.Placement[a.get("placement", "DEVICE")],
+        )
+
+    def _fill(self, cache: dd.Cache, seed: int | None) -> None:
+        if seed is None:
+            return
+        for i, t in enumerate(cache.tensors):
+            t.reshape(-1).view(np.uint8)[:] = pattern(seed + i, t.nbytes)
+
+    async def alloc(self, **a: Any) -> int:
+        cm = self.dd.cache_manager  # type: ignore[union-attr]
+        desc = self._desc(a)
+        if a.get("kind") == "blocks":
+            key = decode_key(a.get("blocks_key"))
+            cache = cm.allocate_blocks_cache(desc, key)
+        else:
+            cache = cm.allocate_cache(desc, [decode_key(k) for k in a.get("keys", [])])
+        self.caches[cache.cache_id] = cache
+        self._fill(cache, a.get("seed"))
+        return cache.cache_id
+
+    async def register(self, **a: Any) -> int:
+        cm = self.dd.cache_manager  # type: ignore[union-attr]
+        desc = self._desc(a)
+        arrays = [np.zeros(desc.size, np.uint8) for _ in range(desc.num_tensors)]
+        ra = a.get("remote_accessible")
+        if a.get("kind") == "blocks":
+            cache = cm.register_blocks_cache(desc, arrays, decode_key(a.get("blocks_key")), ra)
+        else:
+            keys = [decode_key(k) for k in a.get("keys", [])]
+            cache = cm.register_cache(desc, arrays, keys, ra)
+        self.caches[cache.cache_id] = cache
+        self.keep[cache.cache_id] = arrays
+        self._fill(cache, a.get("seed"))
+        return cache.cache_id
+
+    async def fill(self, cache_id: int, seed: int) -> None:
+        self._fill(self.caches[cache_id], seed)
+
+    async def read(self, cache_id: int, tensor: int) -> str:
+        t = self.caches[cache_id].tensors[tensor]
+        return base64.b64encode(t.tobytes()).decode()
+
+    async def digest(self, cache_id: int) -> list[str]:
+        return [hashlib.sha256(t.tobytes()).hexdigest() for t in self.caches[cache_id].tensors]
+
+    async def link(self, cluster_id: int, ip: str, port: int, timeout: int = 3000) -> Any:
+        ci = dd.LLMClusterInfo()
+        ci.remote_cluster_id = cluster_id
+        ci.append_local_ip_info("127.0.0.1", 0)
+        ci.append_remote_ip_info(ip, port)
+        code, codes = await self.dd.link_clusters([ci], timeout)  # type: ignore[union-attr]
+        return [int(code), [int(c) for c in codes]]
+
+    async def unlink(self, cluster_id: int, force: bool = False, timeout: int = 3000) -> Any:
+        ci = dd.LLMClusterInfo()
+        ci.remote_cluster_id = cluster_id
+        code, codes = await self.dd.unlink_clusters([ci], timeout, force)  # type: ignore
+        return [int(code), [int(c) for c in codes]]
+
+    async def call(
+        self, method: str, args: list[Any], kwargs: dict[str, Any], wait: bool = True
+    ) -> Any:
+        """Run a CacheManager method; caches and keys given as {"cache": id} / {"key": ...}."""
+        cm = self.dd.cache_manager  # type: ignore[union-attr]
+
+        def conv(v: Any) -> Any:
+            if isinstance(v, dict) and "cache" in v:
+                return self.caches[v["cache"]]
+            if isinstance(v, dict) and "key" in v:
+                return decode_key(v["key"])
+            if isinstance(v, dict) and "range" in v:
+                return range(*v["range"])
+            return v
+
+        result = getattr(cm, method)(
+            *[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()}
+        )
+        if isinstance(result, dd.CacheTask):
+            if not wait:
+                self.tasks[id(result)] = result
+                return id(result)
+            try:
+                await result
+            except dd.LLMException as exc:
+                return int(exc.status_code)
+            return 0
+        if isinstance(result, dd.Cache):
+            self.caches[result.cache_id] = result
+            return result.cache_id
+        return None
+
+    async def wait_task(self, task: int) -> int:
+        t = self.tasks.pop(task)
+        try:
+            await t
+        except dd.LLMException as exc:
+            return int(exc.status_code)
+        return 0
+
+    async def exit(self) -> None:
+        self.stop.set()
+
+    # Loop -----------------------------------------------------------------------
+    async def serve(self) -> None:
+        stdin = anyio.wrap_file(sys.stdin)
+        async with anyio.create_task_group() as tg:
+            self.tg = tg
+            async for line in stdin:
+                if not line.strip():
+                    continue
+                req = json.loads(line)
+                tg.start_soon(self._one, req)
+                if req["op"] == "exit":
+                    break
+
+    async def _one(self, req: dict[str, Any]) -> None:
+        try:
+            result = await getattr(self, req["op"])(**req.get("args", {}))
+            reply = {"id": req["id"], "ok": True, "result": result}
+        except dd.LLMException as exc:
+            reply = {
+                "id": req["id"],
+                "ok": False,
+                "error": str(exc),
+                "type": "LLMException",
+                "code": int(exc.status_code),
+            }
+        except Exception as exc:
+            reply = {"id": req["id"], "ok": False, "error": repr(exc), "type": type(exc).__name__}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+def main() -> None:
+    anyio.run(Peer().serve)
+
+
+if __name__ == "__main__":
+    main()
