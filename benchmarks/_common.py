@@ -7,7 +7,8 @@ import os
 import platform
 import socket
 import statistics
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,38 +37,50 @@ def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
     return nbytes / median_time(lambda: np.copyto(dst, src), repeat) / 1e9
 
 
+_SENDER = """
+import socket, sys
+import numpy as np
+port, nbytes, repeat, chunk = map(int, sys.argv[1:])
+payload = memoryview(np.ones(chunk, np.uint8))
+for _ in range(repeat):
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        left = nbytes
+        while left:
+            n = min(chunk, left)
+            s.sendall(payload[:n])
+            left -= n
+"""
+
+
 def raw_socket_gbps(nbytes: int, repeat: int = 3, chunk: int = 4 << 20) -> float:
-    """A raw blocking loopback TCP stream of ``nbytes`` (sender in a thread, receiver here)."""
+    """A raw blocking loopback TCP stream of ``nbytes`` from another process into this one.
+
+    The same topology as the library's transfers (two processes), with nothing but
+    ``sendall`` on one side and ``recv_into`` into one buffer on the other.
+    """
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    payload = memoryview(np.ones(chunk, np.uint8))
     sink = np.empty(nbytes, np.uint8)
+    sender = subprocess.Popen(
+        [sys.executable, "-c", _SENDER, str(port), str(nbytes), str(repeat + 1), str(chunk)]
+    )
     results = []
-    for _ in range(repeat + 1):
-
-        def send() -> None:
-            with socket.create_connection(("127.0.0.1", port)) as s:
-                left = nbytes
-                while left:
-                    n = min(chunk, left)
-                    s.sendall(payload[:n])
-                    left -= n
-
-        t = threading.Thread(target=send)
-        t.start()
-        conn, _ = listener.accept()
-        view = memoryview(sink)
-        got = 0
-        t0 = time.perf_counter()
-        while got < nbytes:
-            n = conn.recv_into(view[got:], min(nbytes - got, chunk))
-            if n == 0:
-                break
-            got += n
-        results.append(time.perf_counter() - t0)
-        conn.close()
-        t.join()
-    listener.close()
+    try:
+        for _ in range(repeat + 1):
+            conn, _ = listener.accept()
+            view = memoryview(sink)
+            got = 0
+            t0 = time.perf_counter()
+            while got < nbytes:
+                n = conn.recv_into(view[got:], min(nbytes - got, chunk))
+                if n == 0:
+                    break
+                got += n
+            results.append(time.perf_counter() - t0)
+            conn.close()
+    finally:
+        sender.wait(timeout=60)
+        listener.close()
     return nbytes / statistics.median(results[1:]) / 1e9
 
 

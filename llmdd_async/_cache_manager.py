@@ -766,13 +766,22 @@ class CacheManager:
 
     def _push_ranges(
         self, entry: CacheEntry, src_layer_range: Any, dst_layer_range: Any, tnpl: Any
-    ) -> tuple[range, range, int]:
+    ) -> tuple[range | None, range | None, int, int]:
+        """Ranges of a push and its number of layers (the deadline budget).
+
+        Both None means every tensor, as for pulls (so a one-tensor cache with the default
+        ``tensor_num_per_layer=2`` still moves its tensor).
+        """
         check_uint32("tensor_num_per_layer", tnpl)
         n = int(tnpl)
         raise_if_false(n > 0, "tensor_num_per_layer must be > 0")
+        src_r = check_range("src_layer_range", src_layer_range)
+        dst_r = check_range("dst_layer_range", dst_layer_range)
         layers = entry.num_tensors // n
-        src_r = check_range("src_layer_range", src_layer_range) or range(0, layers)
-        dst_r = check_range("dst_layer_range", dst_layer_range) or range(0, layers)
+        if src_r is None and dst_r is None:
+            return None, None, n, max(1, layers)
+        src_r = src_r or range(0, layers)
+        dst_r = dst_r or range(0, layers)
         raise_if_false(
             len(src_r) == len(dst_r),
             f"src_layer_range {src_r} and dst_layer_range {dst_r} differ in length",
@@ -781,7 +790,7 @@ class CacheManager:
             entry.num_tensors % n == 0 and src_r.stop <= layers,
             f"src_layer_range {src_r} exceeds the {layers} local layers",
         )
-        return src_r, dst_r, n
+        return src_r, dst_r, n, len(src_r)
 
     def push_cache(
         self,
@@ -815,7 +824,7 @@ class CacheManager:
         raise_if_false(not entry.is_blocks, "push_cache needs a contiguous (non-blocks) cache")
         raise_if_false(size == -1, f"push_cache only supports size=-1, got {size}")
         raise_if_false(src_batch_index < entry.count, "src_batch_index is outside the cache")
-        src_r, dst_r, n = self._push_ranges(
+        src_r, dst_r, n, steps = self._push_ranges(
             entry, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
         self._check_remote_accessible(entry)
@@ -830,7 +839,7 @@ class CacheManager:
             dst_range=dst_r,
             tensor_num_per_layer=n,
         )
-        return self._remote_task("push_cache", link, spec, steps=len(src_r))
+        return self._remote_task("push_cache", link, spec, steps=steps)
 
     def push_blocks(
         self,
@@ -873,7 +882,7 @@ class CacheManager:
             int(src_b.max()) < entry.count,
             f"src block {int(src_b.max())} >= the local {entry.count} blocks",
         )
-        src_r, dst_r, n = self._push_ranges(
+        src_r, dst_r, n, steps = self._push_ranges(
             entry, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
         self._check_remote_accessible(entry)
@@ -889,7 +898,7 @@ class CacheManager:
             src_blocks=src_b,
             dst_blocks=dst_b,
         )
-        return self._remote_task("push_blocks", link, spec, steps=len(src_r))
+        return self._remote_task("push_blocks", link, spec, steps=steps)
 
 
 _PULL_DEFAULTS: dict[str, Any] = {

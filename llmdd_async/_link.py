@@ -143,9 +143,10 @@ class Link:
         self.log = get_logger(
             "link", cluster_id=engine.cluster_id, peer_cluster_id=self.peer_cluster_id
         )
-        self.send_lock = anyio.Lock()
+        # fast_acquire: an uncontended lock costs no trip through the event loop.
+        self.send_lock = anyio.Lock(fast_acquire=True)
         #: FIFO lock that keeps this side's transfers on the link from interleaving.
-        self.transfer_lock = anyio.Lock()
+        self.transfer_lock = anyio.Lock(fast_acquire=True)
         self.pending: dict[int, Pending] = {}
         self.serving: dict[int, Serving] = {}
         self._ids = itertools.count(1)

@@ -22,6 +22,11 @@ def desc(n=4, shape=(2, 256), dtype=dd.DataType.DT_FLOAT, placement=dd.Placement
     return dd.CacheDesc(n, list(shape), dtype, placement)
 
 
+def big_desc(n=4):
+    """Big enough (1 MiB per tensor) that copies go to worker threads, not inline."""
+    return desc(n, (2, 1 << 17))
+
+
 def code_of(excinfo: pytest.ExceptionInfo) -> dd.LLMStatusCode:
     return excinfo.value.status_code
 
@@ -341,7 +346,7 @@ async def test_swap_blocks_both_ways(datadist) -> None:
 async def test_copies_run_off_the_event_loop(datadist, monkeypatch) -> None:
     """The copy waits for an event that only the event loop sets: on the loop it would hang."""
     cm = datadist.cache_manager
-    src, dst = cm.allocate_cache(desc()), cm.allocate_cache(desc())
+    src, dst = cm.allocate_cache(big_desc()), cm.allocate_cache(big_desc())
     started, release = threading.Event(), threading.Event()
     real = _host.copy_ranges
 
@@ -360,7 +365,7 @@ async def test_copies_run_off_the_event_loop(datadist, monkeypatch) -> None:
 
 async def test_cancel_fences_the_worker(datadist, monkeypatch) -> None:
     cm = datadist.cache_manager
-    src, dst = cm.allocate_cache(desc()), cm.allocate_cache(desc())
+    src, dst = cm.allocate_cache(big_desc()), cm.allocate_cache(big_desc())
     started, exited = threading.Event(), threading.Event()
 
     def slow(src_a, dst_a, n, token):
@@ -386,7 +391,7 @@ async def test_cancel_fences_the_worker(datadist, monkeypatch) -> None:
 
 async def test_cancelling_the_awaiting_scope_cancels_and_fences(datadist, monkeypatch) -> None:
     cm = datadist.cache_manager
-    src, dst = cm.allocate_cache(desc()), cm.allocate_cache(desc())
+    src, dst = cm.allocate_cache(big_desc()), cm.allocate_cache(big_desc())
     exited = threading.Event()
 
     def slow(src_a, dst_a, n, token):
@@ -408,7 +413,7 @@ async def test_cancelling_the_awaiting_scope_cancels_and_fences(datadist, monkey
 
 async def test_synchronize_timeout_does_not_cancel(datadist, monkeypatch) -> None:
     cm = datadist.cache_manager
-    src, dst = cm.allocate_cache(desc()), cm.allocate_cache(desc())
+    src, dst = cm.allocate_cache(big_desc()), cm.allocate_cache(big_desc())
     release = threading.Event()
     real = _host.copy_ranges
 
@@ -431,7 +436,7 @@ async def test_synchronize_timeout_does_not_cancel(datadist, monkeypatch) -> Non
 async def test_deallocate_during_a_copy_defers_the_free(datadist, monkeypatch) -> None:
     cm = datadist.cache_manager
     pool = cm.engine.pools[dd.Placement.DEVICE]
-    src, dst = cm.allocate_blocks_cache(desc()), cm.allocate_blocks_cache(desc())
+    src, dst = cm.allocate_blocks_cache(big_desc()), cm.allocate_blocks_cache(big_desc())
     release = threading.Event()
     real = _host.copy_ranges
 

@@ -201,7 +201,7 @@ async def test_prefix_keys_and_registered_caches_are_never_consumed(transport) -
 
 # ------------------------------------------------------------------ errors
 async def test_errors_known_at_the_call_raise_at_once(transport) -> None:
-    async with pair(transport) as (p, d):
+    async with pair(transport) as (_, d):
         cm = d.cache_manager
         blocks = cm.allocate_blocks_cache(dd.CacheDesc(2, [8, 64], dd.DataType.DT_UINT8))
         cont = cm.allocate_cache(dd.CacheDesc(2, [2, 64], dd.DataType.DT_UINT8))

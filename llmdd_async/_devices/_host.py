@@ -15,21 +15,28 @@ from .._planner import Plan, split_plan
 __all__ = ["HostAdapter", "create"]
 
 
+#: Plans up to this size are copied on the calling thread (the event loop).
+INLINE_MAX_BYTES = 256 << 10
 #: Only plans at least this big are worth extra threads.
 PARALLEL_MIN_BYTES = 16 << 20
+#: Copies this big run with non-temporal stores on one thread at full speed.
+_HUGE_COPY = 64 << 20
 
 
 def wants_threads(plan: Plan) -> bool:
-    """True when one memmove thread would be slow for most of the plan's bytes.
+    """True when one memmove thread would stay well below the memory bandwidth.
 
-    glibc's large-copy path avoids "4K aliasing" by falling back to a loop that runs at a third
-    of memory bandwidth when ``(dst - src) mod 4096`` is in (0, 1024), which is exactly the
-    case of malloc'd numpy arrays (16 bytes into a page) against page-aligned pools. Measured
-    here: 3.4-6 GB/s on one thread, 10-11 GB/s on two; for other offsets one thread is as fast
-    (11-14 GB/s) and two only add contention.
+    Measured here (machine_limits.md and this module's history): one thread copies 64 KiB
+    blocks at ~7 GB/s and two at ~10 GB/s, while a single huge memmove reaches ~12 GB/s on one
+    thread (glibc switches to non-temporal stores above ~100 MiB) and gains nothing from two.
+    glibc's "4K aliasing" fallback also runs at a third of the bandwidth when
+    ``(dst - src) mod 4096`` is in (0, 1024) -- malloc'd numpy arrays against page-aligned
+    pools -- and two threads recover most of it.
     """
     if plan.total_bytes < PARALLEL_MIN_BYTES:
         return False
+    if int(plan.nbytes.max()) < _HUGE_COPY:
+        return True
     rel = (plan.dst - plan.src) & np.uint64(4095)
     bad = (rel > 0) & (rel < 1024)
     return int(plan.nbytes[bad].sum(dtype=np.uint64)) * 2 > plan.total_bytes
@@ -43,6 +50,9 @@ async def copy_plan(plan: Plan, token: CancelToken, threads: int) -> int:
     """
     if len(plan) == 0:
         return 0
+    if plan.total_bytes <= INLINE_MAX_BYTES and len(plan) <= 64:
+        # A thread hop costs more than this copy (tens of microseconds at most).
+        return copy_ranges(plan.src, plan.dst, plan.nbytes, token)
     parts = split_plan(plan, threads if wants_threads(plan) else 1)
     if len(parts) == 1:
         return await anyio.to_thread.run_sync(copy_ranges, plan.src, plan.dst, plan.nbytes, token)

@@ -29,7 +29,7 @@ __all__ = [
 
 #: Payload bytes per DATA frame: big enough to amortise a thread hop, small enough that a
 #: cancel or an abort takes effect quickly.
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 32 << 20
 _SLICE_S = 0.05
 _IOV_MAX = 1024
 _SCRATCH = 4 << 20

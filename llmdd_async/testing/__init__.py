@@ -80,14 +80,15 @@ class PeerProcess:
     @classmethod
     @contextlib.asynccontextmanager
     async def start(
-        cls, role: dd.LLMRole, cluster_id: int, options: dict[str, str]
+        cls, role: dd.LLMRole, cluster_id: int, options: dict[str, str], loop: str = "asyncio"
     ) -> AsyncIterator[PeerProcess]:
-        """Start the child, initialise its endpoint, and stop it on exit.
+        """Start the child (its event loop: ``asyncio``, ``uvloop`` or ``trio``), initialise
+        its endpoint, and stop it on exit.
 
         Raises:
             PeerError: the endpoint failed to start.
         """
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", LLMDD_PEER_LOOP=loop)
         process = await anyio.open_process(
             [sys.executable, "-m", "llmdd_async.testing._peer_main"], env=env
         )

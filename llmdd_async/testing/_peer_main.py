@@ -98,18 +98,18 @@ class Peer:
     async def digest(self, cache_id: int) -> list[str]:
         return [hashlib.sha256(t.tobytes()).hexdigest() for t in self.caches[cache_id].tensors]
 
-    async def link(self, cluster_id: int, ip: str, port: int, timeout: int = 3000) -> Any:
+    async def link(self, cluster_id: int, ip: str, port: int, timeout_ms: int = 3000) -> Any:
         ci = dd.LLMClusterInfo()
         ci.remote_cluster_id = cluster_id
         ci.append_local_ip_info("127.0.0.1", 0)
         ci.append_remote_ip_info(ip, port)
-        code, codes = await self.dd.link_clusters([ci], timeout)  # type: ignore[union-attr]
+        code, codes = await self.dd.link_clusters([ci], timeout_ms)  # type: ignore[union-attr]
         return [int(code), [int(c) for c in codes]]
 
-    async def unlink(self, cluster_id: int, force: bool = False, timeout: int = 3000) -> Any:
+    async def unlink(self, cluster_id: int, force: bool = False, timeout_ms: int = 3000) -> Any:
         ci = dd.LLMClusterInfo()
         ci.remote_cluster_id = cluster_id
-        code, codes = await self.dd.unlink_clusters([ci], timeout, force)  # type: ignore
+        code, codes = await self.dd.unlink_clusters([ci], timeout_ms, force)  # type: ignore
         return [int(code), [int(c) for c in codes]]
 
     async def call(
@@ -187,7 +187,13 @@ class Peer:
 
 
 def main() -> None:
-    anyio.run(Peer().serve)
+    import os
+
+    loop = os.environ.get("LLMDD_PEER_LOOP", "asyncio")
+    if loop == "uvloop":
+        anyio.run(Peer().serve, backend="asyncio", backend_options={"use_uvloop": True})
+    else:
+        anyio.run(Peer().serve, backend=loop)
 
 
 if __name__ == "__main__":
