@@ -75,7 +75,9 @@ async def run_case(loop: str, transport: str, repeat: int) -> list[dict[str, Any
                 for name, remote in orders.items():
                     local = list(range(BLOCKS))
 
-                    def start(remote: list[int] = remote, local: list[int] = local) -> Any:
+                    def start(
+                        remote: list[int] = remote, local: list[int] = local, op: str = op
+                    ) -> Any:
                         if op == "pull":
                             return cm.pull_blocks(dd.BlocksCacheKey(1, 0), cache, remote, local)
                         return cm.push_blocks(dd.BlocksCacheKey(1, 0), cache, local, remote)
