@@ -26,9 +26,19 @@ from ._errors import LLMException, raise_if_false
 from ._memory import host_view
 from ._planner import Layout, Plan, mapping_arrays, plan_block_copies, plan_slots
 from ._registry import CacheEntry, SlotKey
+from ._scheduler import Destination, run_layerwise
 from ._task import CacheTask, TaskControl
 from ._transfer import XferSpec, initiate
-from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, MemInfo
+from ._types import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    MemInfo,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
 
 __all__ = ["CacheManager"]
 
@@ -591,14 +601,16 @@ class CacheManager:
 
         async def body(ctl: TaskControl) -> None:
             try:
+                if engine.options.remote_accessible:
+                    ctl.set_deadline(timeout)
+                    table = await link.fetch_table(timeout)
+                    spec.target = _resolve_in_table(table, spec.target, link.peer_cluster_id)
+                    ctl.set_deadline(None)
                 async with link.transfer_lock:
                     # The deadline runs from when the link is ours, not while queueing.
                     ctl.set_deadline(timeout * steps)
                     link.check_alive()
-                    if engine.options.remote_accessible:
-                        table = await link.fetch_table(timeout)
-                        spec.target = _resolve_in_table(table, spec.target, link.peer_cluster_id)
-                    await initiate(engine, link, spec, ctl)
+                    ctl.add(*await initiate(engine, link, spec, ctl.token, ctl.deadline))
             finally:
                 registry.unpin(entry)
 
@@ -900,6 +912,213 @@ class CacheManager:
         )
         return self._remote_task("push_blocks", link, spec, steps=steps)
 
+    def transfer_cache_async(
+        self,
+        src_cache: Cache,
+        layer_synchronizer: Any,
+        transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
+        src_block_indices: Sequence[int] | None = None,
+        dst_block_indices: Sequence[int] | None = None,
+        dst_block_memory_size: int | None = None,
+    ) -> CacheTask:
+        """Push ``src_cache`` layer by layer while the model computes later layers.
+
+        For each source layer (K and V: 2 tensors) the synchronizer is awaited -- blocking
+        ``LayerSynchronizer`` in a worker thread, ``AsyncLayerSynchronizer`` on the loop,
+        ``LayerEvents`` signalled by a forward pass -- and the layer then goes to every
+        destination whose range holds it, while the next layer is already being awaited.
+        Destinations: raw peer addresses (``TransferConfig``, request/response mode) or a key
+        (``TransferWithCacheKeyConfig``, remote-accessible mode), contiguous or blocks.
+        ``dst_layer_range`` maps relative to ``src_layer_range`` (upstream indexed it by the
+        absolute source layer, which broke ranges not starting at 0).
+
+        ``get_results()`` gives one code per config (None where no layer started); configs to
+        the same cluster share one result, as upstream.
+
+        Raises:
+            TypeError / ValueError: wrong argument types, or the wrong config class for the
+                mode.
+            LLMException: LLM_PARAM_INVALID for a HOST source, an odd tensor count, missing or
+                unequal block lists, a missing or stray ``dst_block_memory_size``, a layer
+                range outside the cache, a wrong number of ``dst_addrs``, a non-zero
+                ``src_batch_index`` with blocks, or an own cluster id; LLM_NOT_YET_LINK without
+                a link to a destination.
+        """
+        engine = self.engine
+        entry = self._entry(src_cache, "src_cache")
+        _check_synchronizer(layer_synchronizer)
+        check_isinstance("transfer_configs", transfer_configs, (list, tuple))
+        ra = engine.options.remote_accessible
+        cfg_type = TransferWithCacheKeyConfig if ra else TransferConfig
+        for i, c in enumerate(transfer_configs):
+            if not isinstance(c, cfg_type):
+                raise TypeError(
+                    f"transfer_configs[{i}] must be {cfg_type.__name__} when remote-accessible "
+                    f"mode is {'on' if ra else 'off'}, got {type(c).__name__}"
+                )
+        src_b = check_index_list("src_block_indices", src_block_indices, optional=True)
+        dst_b = check_index_list("dst_block_indices", dst_block_indices, optional=True)
+        check_uint64("dst_block_memory_size", dst_block_memory_size, optional=True)
+        dbm = int(dst_block_memory_size) if dst_block_memory_size else None
+        raise_if_false(len(transfer_configs) > 0, "transfer_configs must not be empty")
+        raise_if_false(
+            entry.placement != Placement.HOST, "transfer_cache_async does not take a HOST source"
+        )
+        raise_if_false(
+            entry.num_tensors % 2 == 0,
+            f"the source needs K and V per layer: an even tensor count, got {entry.num_tensors}",
+        )
+        layers = entry.num_tensors // 2
+        if src_b is not None:
+            raise_if_false(entry.is_blocks, "src_block_indices need a blocks source cache")
+            raise_if_false(
+                dst_b is not None, "dst_block_indices are required with src_block_indices"
+            )
+            assert dst_b is not None
+            raise_if_false(
+                len(src_b) == len(dst_b) and len(src_b) > 0,
+                "src_block_indices and dst_block_indices must be non-empty and of equal length",
+            )
+            raise_if_false(
+                int(src_b.max()) < entry.count,
+                f"src block {int(src_b.max())} >= the {entry.count} source blocks",
+            )
+        else:
+            raise_if_false(not entry.is_blocks, "a blocks source cache needs src_block_indices")
+            if dst_b is not None:
+                raise_if_false(len(dst_b) > 0, "dst_block_indices must not be empty")
+                raise_if_false(
+                    dbm is not None,
+                    "dst_block_memory_size is required for a contiguous source sent to blocks",
+                )
+        if dst_b is None:
+            raise_if_false(
+                dbm is None, "dst_block_memory_size must be None or 0 for a contiguous target"
+            )
+        shape = (
+            "blocks" if src_b is not None else ("slot_to_blocks" if dst_b is not None else "slot")
+        )
+        dests: list[Destination] = []
+        slots: list[int] = []
+        slot_of_cluster: dict[int, int] = {}
+        seen_links: dict[int, Any] = {}
+        for i, c in enumerate(transfer_configs):
+            src_r = c.src_layer_range or range(0, layers)
+            raise_if_false(
+                src_r.stop <= layers,
+                f"transfer_configs[{i}].src_layer_range {src_r} exceeds the {layers} layers",
+            )
+            raise_if_false(
+                src_b is None or c.src_batch_index == 0,
+                f"transfer_configs[{i}].src_batch_index must be 0 with a blocks source",
+            )
+            raise_if_false(
+                entry.is_blocks or c.src_batch_index < entry.count,
+                f"transfer_configs[{i}].src_batch_index is outside the source cache",
+            )
+            if isinstance(c, TransferConfig):
+                raise_if_false(
+                    len(c.dst_addrs) == 2 * len(src_r),
+                    f"transfer_configs[{i}] needs {2 * len(src_r)} dst_addrs (K and V for "
+                    f"each of {len(src_r)} layers), got {len(c.dst_addrs)}",
+                )
+            cid = c.dst_cluster_id
+            link = seen_links.get(cid) or self._peer_check(cid)
+            seen_links[cid] = link
+            slot = slot_of_cluster.setdefault(cid, len(slot_of_cluster))
+            slots.append(slot)
+            dests.append(
+                Destination(
+                    i,
+                    slot,
+                    link,
+                    list(src_r),
+                    self._layer_spec_factory(entry, c, src_r, shape, src_b, dst_b, dbm),
+                )
+            )
+        self._check_remote_accessible(entry)
+        registry = engine.registry
+        registry.pin(entry)
+        timeout = engine.sync_kv_timeout_s
+        sync_timeout = engine.options.layer_sync_timeout_ms
+        window = engine.options.layer_window
+
+        async def body(ctl: TaskControl) -> None:
+            try:
+                if ra:
+                    # A control round trip, not payload: it needs no turn on the link.
+                    for d in dests:
+                        table = await d.link.fetch_table(timeout)
+                        d.make_spec = _with_table(d.make_spec, table, d.link.peer_cluster_id)
+                await run_layerwise(
+                    engine, ctl, layer_synchronizer, dests, timeout, sync_timeout, window
+                )
+            finally:
+                registry.unpin(entry)
+
+        return engine.start_task(CacheTask("transfer_cache_async", slots, log=engine.log), body)
+
+    def _layer_spec_factory(
+        self,
+        entry: CacheEntry,
+        config: TransferConfig | TransferWithCacheKeyConfig,
+        src_r: range,
+        shape: str,
+        src_b: np.ndarray | None,
+        dst_b: np.ndarray | None,
+        dbm: int | None,
+    ) -> Callable[[int], XferSpec]:
+        """Build the one-layer request of ``config`` for source layer ``layer``."""
+        src_slot = config.src_batch_index
+        if isinstance(config, TransferWithCacheKeyConfig):
+            dst_r = config.dst_layer_range
+            target = self._target_of(config.cache_key)
+
+            def keyed(layer: int) -> XferSpec:
+                dst_layer = dst_r.start + (layer - src_r.start)
+                return XferSpec(
+                    "push",
+                    dict(target),
+                    shape,
+                    entry,
+                    local_slot=src_slot,
+                    src_range=range(layer, layer + 1),
+                    dst_range=range(dst_layer, dst_layer + 1),
+                    src_blocks=src_b,
+                    dst_blocks=dst_b,
+                    dst_block_bytes=dbm,
+                )
+
+            return keyed
+        addrs = np.asarray(config.dst_addrs, dtype=np.uint64)
+        if dst_b is not None:
+            unit = dbm or entry.stride
+            count = int(dst_b.max()) + 1
+            raw_tb, raw_count, raw_blocks = unit * count, count, True
+        else:
+            raw_tb, raw_count, raw_blocks = entry.stride, 1, False
+
+        def raw(layer: int) -> XferSpec:
+            k = 2 * (layer - src_r.start)
+            return XferSpec(
+                "push",
+                {"by": "addrs"},
+                shape,
+                entry,
+                local_slot=src_slot,
+                src_range=range(layer, layer + 1),
+                dst_range=range(0, 1),
+                src_blocks=src_b,
+                dst_blocks=dst_b,
+                dst_block_bytes=(dbm or entry.stride) if dst_b is not None else None,
+                raw_addrs=addrs[k : k + 2],
+                raw_tensor_bytes=raw_tb,
+                raw_count=raw_count,
+                raw_is_blocks=raw_blocks,
+            )
+
+        return raw
+
 
 _PULL_DEFAULTS: dict[str, Any] = {
     "src_layer_range": None,
@@ -937,3 +1156,28 @@ def _resolve_in_table(table: dict[str, Any], target: dict[str, Any], peer: int) 
         entry.get("remote_accessible"), f"cache {cid} of cluster {peer} is not remote accessible"
     )
     return {"by": "cache_id", "cache_id": cid, "index": index}
+
+
+def _check_synchronizer(sync: Any) -> None:
+    if not callable(getattr(sync, "synchronize_layer", None)):
+        raise TypeError(
+            "layer_synchronizer must be a LayerSynchronizer or AsyncLayerSynchronizer "
+            f"(something with synchronize_layer), got {type(sync).__name__}"
+        )
+
+
+def _with_table(
+    make: Callable[[int], XferSpec], table: dict[str, Any], peer: int
+) -> Callable[[int], XferSpec]:
+    """Resolve a keyed destination through the peer's table snapshot once, for every layer."""
+    resolved: dict[str, Any] = {}
+
+    def make_resolved(layer: int) -> XferSpec:
+        spec = make(layer)
+        if spec.target.get("by") != "addrs":
+            if not resolved:
+                resolved.update(_resolve_in_table(table, spec.target, peer))
+            spec.target = dict(resolved)
+        return spec
+
+    return make_resolved

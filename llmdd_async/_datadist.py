@@ -160,6 +160,14 @@ class LLMDataDist:
         check_int32("timeout", timeout)
         raise_if_false(timeout > 0, f"timeout must be > 0 ms, got {timeout}")
 
+    def link_statistics(self, cluster_id: int) -> Any:
+        """Bytes, transfers, transport and recent transfers of the link to ``cluster_id``.
+
+        Raises:
+            RuntimeError: not initialised. LLMException: LLM_NOT_YET_LINK without a link.
+        """
+        return self._live_engine().links.get(cluster_id).statistics()
+
     async def link_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:

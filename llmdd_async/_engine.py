@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.from_thread
 from anyio.abc import TaskGroup
 
 from ._devices import DeviceAdapter, DevicePool, load_adapter
@@ -37,6 +38,7 @@ class Engine:
         )
         self.pools: dict[Placement, DevicePool] = {}
         self._tg: TaskGroup | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
         self._thread: int | None = None
         self.closed = False
         #: set by ``link()`` (comm-domain links): later registrations default to not accessible.
@@ -66,8 +68,12 @@ class Engine:
         self._create_pools()
         body_error: BaseException | None = None
         try:
-            async with anyio.create_task_group() as tg:
+            async with (
+                anyio.create_task_group() as tg,
+                anyio.from_thread.BlockingPortal() as portal,
+            ):
                 self._tg = tg
+                self._portal = portal
                 try:
                     await self.start_services(tg)
                     self.log.info("engine.up", role=str(self.role))
@@ -82,6 +88,7 @@ class Engine:
                     tg.cancel_scope.cancel()
         finally:
             self._tg = None
+            self._portal = None
             self.closed = True
             self.registry.close()
             for pool in self.pools.values():
@@ -123,6 +130,53 @@ class Engine:
 
     def drop_link(self, link: Any) -> None:
         self.links.forget(link)
+
+    def threadsafe_event(self) -> tuple[anyio.Event, Callable[[], None]]:
+        """An event and a setter that may be called from any thread, without blocking it."""
+        event = anyio.Event()
+        portal = self._portal
+        loop_thread = self._thread
+
+        async def set_event() -> None:
+            event.set()
+
+        def wake() -> None:
+            if threading.get_ident() == loop_thread:
+                event.set()
+                return
+            try:
+                if portal is not None:
+                    portal.start_task_soon(set_event)
+            except RuntimeError:
+                pass  # the engine has stopped; nobody waits any more
+
+        return event, wake
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a user's blocking callback in a daemon thread and await its result.
+
+        If the awaiting task is cancelled the callback is left to finish on its own; being a
+        daemon thread it never keeps the process alive.
+
+        Raises:
+            BaseException: whatever the callback raised.
+        """
+        event, wake = self.threadsafe_event()
+        box: dict[str, Any] = {}
+
+        def runner() -> None:
+            try:
+                box["result"] = fn(*args)
+            except BaseException as exc:
+                box["error"] = exc
+            finally:
+                wake()
+
+        threading.Thread(target=runner, daemon=True, name="llmdd-callback").start()
+        await event.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
 
     def check_thread(self) -> None:
         """Raises RuntimeError when called off the engine's event-loop thread."""

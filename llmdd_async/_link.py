@@ -7,7 +7,9 @@ payload is received straight into destination memory by worker threads (see ``tc
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import itertools
@@ -34,6 +36,29 @@ __all__ = ["FLAG_TO_INITIATOR", "Link", "LinkBroken", "Pending", "Serving", "aut
 FLAG_TO_INITIATOR = 1
 _READ_AHEAD = 64 << 10
 _SCRATCH = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferRecord:
+    """One transfer this side ran on a link (``time.monotonic()`` seconds)."""
+
+    op: str
+    started: float
+    finished: float
+    nbytes: int
+    mode: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkStatistics:
+    """What a link has carried so far."""
+
+    peer_cluster_id: int
+    transport: str
+    transfers: int
+    bytes: int
+    up_since: float
+    recent: tuple[TransferRecord, ...]
 
 
 class LinkBroken(LLMException):
@@ -160,6 +185,9 @@ class Link:
         self.fallback_logged = False
         self.stats_bytes = 0
         self.stats_transfers = 0
+        self.up_since = time.time()
+        #: the last transfers this side started on the link: (op, started, finished, bytes)
+        self.history: collections.deque[TransferRecord] = collections.deque(maxlen=256)
         self._on_close: list[Callable[[Link], None]] = []
 
     # ------------------------------------------------------------------ state
@@ -174,6 +202,16 @@ class Link:
                 f"link to cluster {self.peer_cluster_id} is down ({self.broken or 'closed'})",
                 status_code=LLMStatusCode.LLM_NOT_YET_LINK,
             )
+
+    def statistics(self) -> LinkStatistics:
+        return LinkStatistics(
+            self.peer_cluster_id,
+            self.access.name if self.access is not None else "tcp",
+            self.stats_transfers,
+            self.stats_bytes,
+            self.up_since,
+            tuple(self.history),
+        )
 
     def caps(self) -> dict[str, bool]:
         """How this side can reach the peer's memory directly (sent with each request)."""

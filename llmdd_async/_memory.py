@@ -203,12 +203,17 @@ class CancelToken:
     workers stop at a task's deadline without the event loop having to reach them.
     """
 
-    __slots__ = ("_event", "deadline", "reason")
+    __slots__ = ("_event", "deadline", "parent", "reason")
 
-    def __init__(self, deadline: float | None = None) -> None:
+    def __init__(self, deadline: float | None = None, parent: CancelToken | None = None) -> None:
         self._event = threading.Event()
         self.reason: BaseException | None = None
         self.deadline = deadline
+        self.parent = parent
+
+    def child(self, deadline: float | None = None) -> CancelToken:
+        """A token that trips with this one, or by itself (its own cancel or deadline)."""
+        return CancelToken(deadline, self)
 
     def cancel(self, reason: BaseException | None = None) -> None:
         if self.reason is None:
@@ -218,6 +223,8 @@ class CancelToken:
     @property
     def cancelled(self) -> bool:
         if self._event.is_set():
+            return True
+        if self.parent is not None and self.parent.cancelled:
             return True
         return self.deadline is not None and time.monotonic() >= self.deadline
 

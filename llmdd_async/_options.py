@@ -43,6 +43,8 @@ class EngineOptions:
     auth_key: bytes | None
     device_id: int
     enable_switch_role: bool
+    layer_sync_timeout_ms: int | None = None
+    layer_window: int = 4
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -141,6 +143,16 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
     device_s = opts.get("ge.exec.deviceId", "0").split(";")[0]
     raise_if_false(device_s.isdigit(), f"ge.exec.deviceId must be a number, got {device_s!r}")
     auth = opts.get("llm.AuthKey")
+    sync_to = opts.get("llm.LayerSyncTimeout")
+    raise_if_false(
+        sync_to is None or (sync_to.isdigit() and int(sync_to) > 0),
+        f"llm.LayerSyncTimeout must be a positive number of ms, got {sync_to!r}",
+    )
+    window = opts.get("llm.LayerWindow", "4")
+    raise_if_false(
+        window.isdigit() and 1 <= int(window) <= 1024,
+        f"llm.LayerWindow must be 1..1024, got {window!r}",
+    )
     return EngineOptions(
         raw=opts,
         cache_manager=cache_manager,
@@ -154,4 +166,6 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         auth_key=auth.encode() if auth else None,
         device_id=int(device_s),
         enable_switch_role=opts.get("llm.EnableSwitchRole") == "1",
+        layer_sync_timeout_ms=int(sync_to) if sync_to else None,
+        layer_window=int(window),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Callable
 
 __all__ = ["AsyncLayerSynchronizer", "LayerEvents", "LayerSynchronizer"]
 
@@ -40,12 +41,16 @@ class LayerEvents(LayerSynchronizer):
         self._ready: set[int] = set()
         self._failed: BaseException | None = None
         self._aborted = False
+        self._wakers: dict[int, list[Callable[[], None]]] = {}
 
     def layer_ready(self, layer_index: int) -> None:
-        """Mark ``layer_index`` computed; a waiting transfer of that layer starts."""
+        """Mark ``layer_index`` computed; a waiting transfer of that layer starts at once."""
         with self._cond:
             self._ready.add(layer_index)
             self._cond.notify_all()
+            wakers = self._wakers.pop(layer_index, [])
+        for wake in wakers:
+            wake()
 
     def abort(self, error: BaseException | None = None) -> None:
         """Make every pending and future wait fail: the transfer task aborts."""
@@ -53,6 +58,35 @@ class LayerEvents(LayerSynchronizer):
             self._aborted = True
             self._failed = error
             self._cond.notify_all()
+            wakers = [w for ws in self._wakers.values() for w in ws]
+            self._wakers.clear()
+        for wake in wakers:
+            wake()
+
+    def add_waker(self, layer_index: int, wake: Callable[[], None]) -> bool:
+        """Call ``wake`` (from whatever thread signals) once the layer is ready or aborted.
+
+        Returns True, without registering, if that is already the case. This is how the
+        scheduler waits on the event loop without a thread.
+        """
+        with self._cond:
+            if self._aborted or layer_index in self._ready:
+                return True
+            self._wakers.setdefault(layer_index, []).append(wake)
+            return False
+
+    def result(self, layer_index: int) -> bool:
+        """After a wake: True if the layer is ready, False if aborted.
+
+        Raises:
+            BaseException: the error given to :meth:`abort`, if any.
+        """
+        with self._cond:
+            if self._aborted:
+                if self._failed is not None:
+                    raise self._failed
+                return False
+            return layer_index in self._ready
 
     def reset(self) -> None:
         """Forget all layers, for reuse by the next request."""
@@ -67,9 +101,10 @@ class LayerEvents(LayerSynchronizer):
             return layer_index in self._ready and not self._aborted
 
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
-        """Block until the layer is ready (True), or aborted / timed out (False).
+        """Block until the layer is ready (True) or aborted (False).
 
         Raises:
+            TimeoutError: ``timeout_in_millis`` passed first.
             BaseException: the error given to :meth:`abort`, if any.
         """
         timeout = None if timeout_in_millis is None else timeout_in_millis / 1000
@@ -77,8 +112,6 @@ class LayerEvents(LayerSynchronizer):
             ok = self._cond.wait_for(
                 lambda: self._aborted or layer_index in self._ready, timeout=timeout
             )
-            if self._aborted:
-                if self._failed is not None:
-                    raise self._failed
-                return False
-            return bool(ok)
+        if not ok:
+            raise TimeoutError(f"layer {layer_index} was not ready within {timeout_in_millis} ms")
+        return self.result(layer_index)

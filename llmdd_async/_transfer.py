@@ -25,8 +25,8 @@ import numpy as np
 
 from ._enums import LLMStatusCode
 from ._errors import LLMException, raise_if_false, status_from_exception
-from ._link import FLAG_TO_INITIATOR, Link, LinkBroken, Pending, Serving
-from ._memory import CopyCancelled
+from ._link import FLAG_TO_INITIATOR, Link, LinkBroken, Pending, Serving, TransferRecord
+from ._memory import CancelToken, CopyCancelled
 from ._planner import (
     Layout,
     Plan,
@@ -38,7 +38,6 @@ from ._planner import (
 )
 from ._protocol import MT, Message, ProtocolError
 from ._registry import CacheEntry
-from ._task import TaskControl
 from ._transports.tcp import StreamPlan
 
 __all__ = ["XferSpec", "initiate", "serve_request"]
@@ -118,16 +117,19 @@ def _entry_regions(entry: CacheEntry) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ====================================================================== initiator
-async def initiate(engine: Any, link: Link, spec: XferSpec, ctl: TaskControl) -> int:
-    """Run one request to completion; returns the bytes moved. The caller holds the link's
-    transfer lock and a pin on ``spec.local``.
+async def initiate(
+    engine: Any, link: Link, spec: XferSpec, token: CancelToken, deadline: float | None
+) -> tuple[int, int]:
+    """Run one request to completion; returns ``(bytes, descriptors)``. The caller holds the
+    link's transfer lock and a pin on ``spec.local``; ``token`` stops the workers (its own
+    deadline included) and ``deadline`` (monotonic) is sent to the target.
 
     Raises:
         LLMException: the target refused (its status code), the link failed
             (LLM_LINK_FAILED / LLM_NOT_YET_LINK), or the transfer was stopped.
     """
-    req = link.open_pending(ctl.deadline)
-    req.token = ctl.token
+    req = link.open_pending(deadline)
+    req.token = token
     starts, ends = _entry_regions(spec.local)
     grant_info: dict[str, Any] = {}
 
@@ -148,7 +150,8 @@ async def initiate(engine: Any, link: Link, spec: XferSpec, ctl: TaskControl) ->
 
     req.on_grant = on_grant
     caps = link.caps()
-    timeout_ms = max(1, int((ctl.deadline - time.monotonic()) * 1000)) if ctl.deadline else 0
+    t_start = time.monotonic()
+    timeout_ms = max(1, int((deadline - time.monotonic()) * 1000)) if deadline else 0
     try:
         await link.send(spec.encode(req.req_id, caps, timeout_ms))
         grant = await req.wait_grant()
@@ -166,9 +169,9 @@ async def initiate(engine: Any, link: Link, spec: XferSpec, ctl: TaskControl) ->
                 raise ProtocolError("local-mode GRANT without remote ranges")
             try:
                 if spec.op == "pull":
-                    await link.access.read(remote, local, nbytes, ctl.token)
+                    await link.access.read(remote, local, nbytes, token)
                 else:
-                    await link.access.write(local, remote, nbytes, ctl.token)
+                    await link.access.write(local, remote, nbytes, token)
             except CopyCancelled:
                 raise req.error or CopyCancelled() from None
             await link.send(Message(MT.DONE, req.req_id, {"status": 0}))
@@ -177,7 +180,7 @@ async def initiate(engine: Any, link: Link, spec: XferSpec, ctl: TaskControl) ->
             await link.send(Message(MT.DONE, req.req_id, {"status": 0}))
         else:
             stream = StreamPlan(local, nbytes)
-            if not await link.send_stream(req, stream, to_initiator=False, token=ctl.token):
+            if not await link.send_stream(req, stream, to_initiator=False, token=token):
                 raise req.error or CopyCancelled()
             result = await req.wait_result()
             status = LLMStatusCode.from_wire(int(result.fields.get("status", -1)))
@@ -185,9 +188,9 @@ async def initiate(engine: Any, link: Link, spec: XferSpec, ctl: TaskControl) ->
                 raise LLMException(
                     str(result.fields.get("message", "peer failed")), status_code=status
                 )
-        ctl.add(total, len(nbytes))
         link.stats_transfers += 1
-        return total
+        link.history.append(TransferRecord(spec.op, t_start, time.monotonic(), total, str(mode)))
+        return total, len(nbytes)
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
             await link.release(req)  # fence: no worker touches our memory after this

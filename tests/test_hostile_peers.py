@@ -67,7 +67,7 @@ async def test_writes_outside_registered_memory_are_refused() -> None:
                 )
 
                 async def body(ctl, spec=spec) -> None:
-                    await initiate(engine, lnk, spec, ctl)
+                    await initiate(engine, lnk, spec, ctl.token, ctl.deadline)
 
                 task = engine.start_task(CacheTask("hostile"), body, 5)
                 with pytest.raises(dd.LLMException) as err:
@@ -87,7 +87,7 @@ async def test_writes_outside_registered_memory_are_refused() -> None:
             )
 
             async def ok_body(ctl) -> None:
-                await initiate(engine, lnk, spec, ctl)
+                await initiate(engine, lnk, spec, ctl.token, ctl.deadline)
 
             await engine.start_task(CacheTask("legit"), ok_body, 5)
             got = base64.b64decode(await p.request("read", cache_id=victim, tensor=0))

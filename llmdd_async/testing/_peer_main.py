@@ -95,6 +95,9 @@ class Peer:
         t = self.caches[cache_id].tensors[tensor]
         return base64.b64encode(t.tobytes()).decode()
 
+    async def addrs(self, cache_id: int) -> list[int]:
+        return self.caches[cache_id].tensor_addrs
+
     async def digest(self, cache_id: int) -> list[str]:
         return [hashlib.sha256(t.tobytes()).hexdigest() for t in self.caches[cache_id].tensors]
 
