@@ -7,8 +7,8 @@ run in child processes.
 from __future__ import annotations
 
 import base64
-import itertools
 import contextlib
+import itertools
 import threading
 from collections.abc import AsyncIterator
 
