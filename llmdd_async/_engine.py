@@ -121,7 +121,19 @@ class Engine:
         return self.links.identity()
 
     def reachable_by_peer(self, caps: Any, ranges: Any, nbytes: Any) -> bool:
-        return self.links.reachable_by_peer(caps, ranges, nbytes)
+        return self.host_reachable(ranges) and self.links.reachable_by_peer(caps, ranges, nbytes)
+
+    def host_reachable(self, addrs: Any) -> bool:
+        """False for device memory of an adapter the CPU cannot address directly."""
+        return self.adapter.host_addressable or not self.adapter.owns(addrs)
+
+    def make_stream(self, addrs: Any, nbytes: Any) -> Any:
+        """The stream view of local ranges: direct for host memory, staged for device memory."""
+        from ._transports.tcp import StagedStream, StreamPlan
+
+        if self.host_reachable(addrs):
+            return StreamPlan(addrs, nbytes)
+        return StagedStream(addrs, nbytes, self.adapter)
 
     async def serve_request(self, link: Any, req: Any, msg: Any) -> None:
         from ._transfer import serve_request

@@ -213,6 +213,11 @@ class Link:
             tuple(self.history),
         )
 
+    @staticmethod
+    def no_caps() -> dict[str, bool]:
+        """Caps of a request whose local memory only the stream can reach (device memory)."""
+        return {"inproc": False, "pools": False, "pvr": False}
+
     def caps(self) -> dict[str, bool]:
         """How this side can reach the peer's memory directly (sent with each request)."""
         access = self.access
@@ -309,7 +314,7 @@ class Link:
                 return False
             n = min(CHUNK_BYTES, stream.total - off)
             header = encode(Message(MT.DATA, req.req_id, {"off": off}, payload_len=n, flags=flags))
-            views = stream.views(off, n)
+            views = await stream.prepare(off, n, token)
             deadline = req.deadline or (time.monotonic() + self.engine.stall_timeout_s)
             fence = Fence(token, deadline)
             req.fence = fence
@@ -430,7 +435,7 @@ class Link:
         stream = req.stream if req is not None else None
         if stream is not None and (not isinstance(off, int) or off < 0 or off + n > stream.total):
             raise ProtocolError(f"DATA frame [{off}, +{n}) outside its plan")
-        views = stream.views(off, n) if stream is not None else []
+        views = stream.receive_views(off, n) if stream is not None else []
         # Bytes the read-ahead already pulled in go first (at most 64 KiB, copied here).
         pos = 0
         while self.decoder.buffered and self.decoder.payload_remaining:
@@ -456,6 +461,8 @@ class Link:
                 if req is not None:
                     req.fence = None
             self.decoder.payload_consumed(rest)
+        if stream is not None and req is not None and not req.token.cancelled:
+            await stream.commit(off, n, req.token)
         self.stats_bytes += n
         if req is not None and stream is not None:
             req.received += n

@@ -26,6 +26,7 @@ __all__ = [
     "CancelToken",
     "CopyCancelled",
     "MemoryPool",
+    "PageAllocator",
     "PoolAllocation",
     "copy_ranges",
     "host_view",
@@ -98,41 +99,26 @@ class PoolAllocation:
     addr: int
 
 
-class MemoryPool:
-    """A page allocator over one shareable memory mapping.
+class PageAllocator:
+    """First-fit page runs over ``pages`` pages; freed runs merge with their neighbours.
 
-    First fit over a sorted free list; freed runs merge with their neighbours. Thread-safe.
+    Thread-safe. Knows offsets only; the pools around it own the memory.
     """
 
-    def __init__(self, config: PoolConfig, name: str) -> None:
-        self.config = config
-        self.page_size = config.page_size
-        self.pages = config.memory_size // self.page_size
-        raise_if_false(self.pages > 0, f"{name} pool is smaller than one page")
-        self.nbytes = self.pages * self.page_size
-        try:
-            self.fd = os.memfd_create(f"llmdd-{name}", os.MFD_CLOEXEC)
-            os.ftruncate(self.fd, self.nbytes)
-            self._map = mmap.mmap(self.fd, self.nbytes)
-        except OSError as exc:
-            raise LLMException(
-                f"cannot create the {name} memory pool of {self.nbytes} bytes: {exc}",
-                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
-            ) from None
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
-        self.base = int(self.array.ctypes.data)
-        self.pid = os.getpid()
+    def __init__(self, pages: int, page_size: int) -> None:
+        self.pages = pages
+        self.page_size = page_size
         self._lock = threading.Lock()
         self._free_starts: list[int] = [0]
-        self._free_len: dict[int, int] = {0: self.pages}
+        self._free_len: dict[int, int] = {0: pages}
 
     @property
     def free_bytes(self) -> int:
         with self._lock:
             return sum(self._free_len.values()) * self.page_size
 
-    def allocate(self, nbytes: int) -> PoolAllocation:
-        """Take ``nbytes`` rounded up to whole pages.
+    def allocate(self, nbytes: int) -> tuple[int, int]:
+        """``(offset, nbytes rounded up to pages)``.
 
         Raises:
             LLMException: LLM_OUT_OF_MEMORY when no free run is large enough.
@@ -148,22 +134,18 @@ class MemoryPool:
                     if run > need:
                         bisect.insort(self._free_starts, start + need)
                         self._free_len[start + need] = run - need
-                    off = start * self.page_size
-                    return PoolAllocation(off, need * self.page_size, self.base + off)
+                    return start * self.page_size, need * self.page_size
+            largest = max(self._free_len.values(), default=0) * self.page_size
+            free = sum(self._free_len.values()) * self.page_size
         raise LLMException(
-            f"memory pool exhausted: {nbytes} bytes requested, {self.free_bytes} free "
-            f"(fragmented into runs of at most {self._largest_run()} bytes)",
+            f"memory pool exhausted: {nbytes} bytes requested, {free} free "
+            f"(fragmented into runs of at most {largest} bytes)",
             status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
         )
 
-    def _largest_run(self) -> int:
-        with self._lock:
-            return max(self._free_len.values(), default=0) * self.page_size
-
-    def free(self, alloc: PoolAllocation) -> None:
-        """Return an allocation's pages to the pool."""
-        start = alloc.offset // self.page_size
-        n = alloc.nbytes // self.page_size
+    def free(self, offset: int, nbytes: int) -> None:
+        start = offset // self.page_size
+        n = nbytes // self.page_size
         with self._lock:
             i = bisect.bisect_left(self._free_starts, start)
             if i > 0:
@@ -177,6 +159,47 @@ class MemoryPool:
                 del self._free_starts[i]
             self._free_starts.insert(i, start)
             self._free_len[start] = n
+
+
+class MemoryPool:
+    """Host pool memory: one shareable ``memfd`` mapping carved by a :class:`PageAllocator`."""
+
+    def __init__(self, config: PoolConfig, name: str) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        pages = config.memory_size // self.page_size
+        raise_if_false(pages > 0, f"{name} pool is smaller than one page")
+        self.nbytes = pages * self.page_size
+        self._pages = PageAllocator(pages, self.page_size)
+        try:
+            self.fd = os.memfd_create(f"llmdd-{name}", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, self.nbytes)
+            self._map = mmap.mmap(self.fd, self.nbytes)
+        except OSError as exc:
+            raise LLMException(
+                f"cannot create the {name} memory pool of {self.nbytes} bytes: {exc}",
+                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
+            ) from None
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.base = int(self.array.ctypes.data)
+        self.pid = os.getpid()
+
+    @property
+    def free_bytes(self) -> int:
+        return self._pages.free_bytes
+
+    def allocate(self, nbytes: int) -> PoolAllocation:
+        """Take ``nbytes`` rounded up to whole pages.
+
+        Raises:
+            LLMException: LLM_OUT_OF_MEMORY when no free run is large enough.
+        """
+        off, n = self._pages.allocate(nbytes)
+        return PoolAllocation(off, n, self.base + off)
+
+    def free(self, alloc: PoolAllocation) -> None:
+        """Return an allocation's pages to the pool."""
+        self._pages.free(alloc.offset, alloc.nbytes)
 
     def view(self, alloc: PoolAllocation, offset: int, nbytes: int) -> np.ndarray:
         """A uint8 view inside ``alloc``; it keeps the mapping alive while it exists."""

@@ -38,7 +38,6 @@ from ._planner import (
 )
 from ._protocol import MT, Message, ProtocolError
 from ._registry import CacheEntry
-from ._transports.tcp import StreamPlan
 
 __all__ = ["XferSpec", "initiate", "serve_request"]
 
@@ -146,10 +145,10 @@ async def initiate(
             raise ProtocolError("GRANT points outside the local cache")
         grant_info["local"], grant_info["nbytes"] = local, nbytes
         if msg.fields.get("mode") == "stream" and spec.op == "pull":
-            req.stream = StreamPlan(local, nbytes)
+            req.stream = engine.make_stream(local, nbytes)
 
     req.on_grant = on_grant
-    caps = link.caps()
+    caps = link.caps() if engine.host_reachable(spec.local.addrs) else link.no_caps()
     t_start = time.monotonic()
     timeout_ms = max(1, int((deadline - time.monotonic()) * 1000)) if deadline else 0
     try:
@@ -179,9 +178,12 @@ async def initiate(
             await req.wait_data()
             await link.send(Message(MT.DONE, req.req_id, {"status": 0}))
         else:
-            stream = StreamPlan(local, nbytes)
-            if not await link.send_stream(req, stream, to_initiator=False, token=token):
-                raise req.error or CopyCancelled()
+            stream = engine.make_stream(local, nbytes)
+            try:
+                if not await link.send_stream(req, stream, to_initiator=False, token=token):
+                    raise req.error or CopyCancelled()
+            finally:
+                stream.close()
             result = await req.wait_result()
             status = LLMStatusCode.from_wire(int(result.fields.get("status", -1)))
             if status != LLMStatusCode.LLM_SUCCESS:
@@ -206,6 +208,8 @@ async def initiate(
         raise
     finally:
         link.close_pending(req)
+        if req.stream is not None:
+            req.stream.close()
 
 
 # ====================================================================== target
@@ -237,7 +241,7 @@ async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> 
         if mode == "local":
             arrays["remote"] = _u64(target_side)
         elif op == "push":
-            req.stream = StreamPlan(plan.dst, plan.nbytes)
+            req.stream = engine.make_stream(plan.dst, plan.nbytes)
         if (
             op == "pull"
             and entry is not None
@@ -262,9 +266,11 @@ async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> 
         remaining = max(0.0, (req.deadline or 0) - time.monotonic())
         with anyio.move_on_after(remaining):
             if mode == "stream" and op == "pull":
-                sent = await link.send_stream(
-                    req, StreamPlan(plan.src, plan.nbytes), to_initiator=True, token=req.token
-                )
+                out = engine.make_stream(plan.src, plan.nbytes)
+                try:
+                    sent = await link.send_stream(req, out, to_initiator=True, token=req.token)
+                finally:
+                    out.close()
                 if not sent:
                     return
                 await req.done_event.wait()
@@ -279,6 +285,8 @@ async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> 
         pass
     finally:
         link.serving.pop(req.req_id, None)
+        if req.stream is not None:
+            req.stream.close()
         if entry is not None and entry.pins > 0:
             registry.unpin(entry)
 

@@ -44,6 +44,10 @@ class DeviceAdapter(Protocol):
         """A pool for ``allocate_cache`` of DEVICE caches. Raises LLMException(OUT_OF_MEMORY)."""
         ...
 
+    def owns(self, addrs: Any) -> bool:
+        """True if these addresses are device memory this adapter reaches only itself."""
+        ...
+
     async def copy(self, plan: Plan, token: CancelToken) -> int:
         """Run a local plan without blocking the event loop; returns bytes copied.
 

@@ -85,6 +85,9 @@ class HostAdapter:
     async def copy(self, plan: Plan, token: CancelToken) -> int:
         return await copy_plan(plan, token, self.copy_threads)
 
+    def owns(self, addrs: Any) -> bool:
+        return False
+
     def close(self) -> None:
         pass
 

@@ -13,6 +13,7 @@ import ctypes
 import socket
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from .._memory import CancelToken
 __all__ = [
     "CHUNK_BYTES",
     "Fence",
+    "StagedStream",
     "StreamPlan",
     "configure_socket",
     "recv_views",
@@ -99,6 +101,73 @@ class StreamPlan:
                 p = a - base + (a0 - st)
                 out.append(span[p : p + (a1 - a0)])
         return out
+
+    # The link calls these three, so host and device memory look the same to it.
+    async def prepare(self, offset: int, n: int, token: CancelToken) -> list[memoryview]:
+        """Views holding stream bytes ``[offset, offset + n)`` ready to send."""
+        return self.views(offset, n)
+
+    def receive_views(self, offset: int, n: int) -> list[memoryview]:
+        """Where stream bytes ``[offset, offset + n)`` are to be received."""
+        return self.views(offset, n)
+
+    async def commit(self, offset: int, n: int, token: CancelToken) -> None:
+        """Received bytes ``[offset, offset + n)`` are in place (nothing to do for host
+        memory)."""
+
+    def close(self) -> None:
+        """Release any staging memory."""
+
+
+class StagedStream(StreamPlan):
+    """A stream over device memory: chunks pass through a host staging buffer."""
+
+    def __init__(self, addrs: np.ndarray, nbytes: np.ndarray, adapter: Any) -> None:
+        self.addrs = np.asarray(addrs, dtype=np.uint64)
+        self.nbytes = np.asarray(nbytes, dtype=np.uint64)
+        self.ends = np.cumsum(self.nbytes, dtype=np.uint64)
+        self.total = int(self.ends[-1]) if len(self.ends) else 0
+        self._adapter = adapter
+        self._buf = adapter.staging(max(1, min(self.total, CHUNK_BYTES)))
+        self._view = memoryview(self._buf.numpy()).cast("B")
+
+    def _ranges(self, offset: int, n: int) -> tuple[list[int], list[int]]:
+        ends = self.ends
+        i0 = int(np.searchsorted(ends, np.uint64(offset), side="right"))
+        i1 = int(np.searchsorted(ends, np.uint64(offset + n), side="left"))
+        addrs, lens = [], []
+        for st, a, ln in zip(
+            (ends[i0 : i1 + 1] - self.nbytes[i0 : i1 + 1]).tolist(),
+            self.addrs[i0 : i1 + 1].tolist(),
+            self.nbytes[i0 : i1 + 1].tolist(),
+            strict=True,
+        ):
+            a0, a1 = max(offset, st), min(offset + n, st + ln)
+            if a1 > a0:
+                addrs.append(a + (a0 - st))
+                lens.append(a1 - a0)
+        return addrs, lens
+
+    async def prepare(self, offset: int, n: int, token: CancelToken) -> list[memoryview]:
+        addrs, lens = self._ranges(offset, n)
+        await self._adapter.gather(addrs, lens, self._buf, token)
+        return [self._view[:n]]
+
+    def receive_views(self, offset: int, n: int) -> list[memoryview]:
+        return [self._view[:n]]
+
+    async def commit(self, offset: int, n: int, token: CancelToken) -> None:
+        addrs, lens = self._ranges(offset, n)
+        await self._adapter.scatter(self._buf, addrs, lens, token)
+
+    def views(self, offset: int, n: int) -> list[memoryview]:
+        raise TypeError("device memory is reached through prepare/receive_views/commit")
+
+    def close(self) -> None:
+        buf, self._buf = self._buf, None
+        if buf is not None:
+            self._view.release()
+            self._adapter.unstage(buf)
 
 
 def _advance(bufs: list[memoryview], idx: int, n: int) -> int:

@@ -1,0 +1,203 @@
+"""Layer-wise KV streaming: how much transfer time a prefill still sees.
+
+A prefill of L layers runs real per-layer compute (numpy matmuls sized to a chosen time) in a
+compute thread of this process and signals ``LayerEvents.layer_ready(i)`` after each layer;
+``transfer_cache_async`` streams each layer's K and V to a decode process meanwhile. Measured:
+
+* exposed (layer-wise): from the end of the last layer's compute to the last byte landing;
+* one layer: the transfer time of a single layer on its own (median);
+* after prefill: everything sent once the prefill finished (what a non-overlapping stack sees).
+
+Run: ``python benchmarks/layerwise.py [--layers 16] [--layer-mib 8] [--json PATH]``.
+Target (benchmark): exposed <= 1.5 x one layer's transfer time whenever per-layer compute >=
+per-layer transfer.
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread: the "model" gets one core, the transfer the rest, as with a real
+# accelerator where compute does not take the CPU away from the copy engine.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+from _common import print_table, write_json
+
+import llmdd_async as dd
+from llmdd_async.testing import PeerProcess, encode_key
+
+BLOCK = 1 << 20  # 1 MiB blocks
+
+
+def calibrate(seconds: float) -> tuple[np.ndarray, int]:
+    """A square matrix and a repeat count whose matmuls take about ``seconds``."""
+    a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    per = (time.perf_counter() - t0) / 20
+    return a, max(1, round(seconds / per))
+
+
+def compute_layer(a: np.ndarray, reps: int) -> None:
+    for _ in range(reps):
+        a @ a
+
+
+def options(transport: str, listen: bool, pool: int) -> dict[str, str]:
+    opts = {
+        "llm.EnableCacheManager": "1",
+        "llm.EnableRemoteCacheAccessible": "1",
+        "llm.MemPoolConfig": json.dumps({"memory_size": pool, "page_shift": 21}),
+        "llm.Transport": transport,
+        "llm.SyncKvCacheWaitTime": "60000",
+    }
+    if listen:
+        opts["llm.listenIpInfo"] = "127.0.0.1:0"
+    return opts
+
+
+async def run(
+    transport: str, layers: int, layer_mib: int, ratios: list[float], repeat: int
+) -> list[dict[str, Any]]:
+    blocks = layer_mib // 2  # K and V of one layer: layer_mib MiB
+    pool = 2 * layers * blocks * BLOCK + (64 << 20)
+    shape = [blocks, BLOCK]
+    rows = []
+    async with PeerProcess.start(dd.LLMRole.DECODER, 2, options(transport, True, pool)) as dec:
+        await dec.request(
+            "register",
+            kind="blocks",
+            num_tensors=2 * layers,
+            shape=shape,
+            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
+        )
+        async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(
+            options(transport, False, pool)
+        ) as prompt:
+            ci = dd.LLMClusterInfo()
+            ci.remote_cluster_id = 2
+            ci.append_local_ip_info("127.0.0.1", 0)
+            ci.append_remote_ip_info(*dec.listen)
+            code, _ = await prompt.link_clusters([ci])
+            assert code == dd.LLMStatusCode.LLM_SUCCESS
+            used = prompt.link_statistics(2).transport
+            cm = prompt.cache_manager
+            src = cm.allocate_blocks_cache(dd.CacheDesc(2 * layers, shape, dd.DataType.DT_UINT8))
+            for t in src.tensors:
+                t[...] = 1
+            idx = list(range(blocks))
+            everything = dd.TransferWithCacheKeyConfig(
+                dd.BlocksCacheKey(2, 0), range(0, layers), range(0, layers)
+            )
+
+            async def send_all_ready(cfg: Any) -> float:
+                ev = dd.LayerEvents()
+                for i in range(layers):
+                    ev.layer_ready(i)
+                t0 = time.perf_counter()
+                await cm.transfer_cache_async(src, ev, [cfg], idx, idx)
+                return time.perf_counter() - t0
+
+            one = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(2, 0), range(0, 1), range(0, 1))
+            await send_all_ready(everything)  # warm-up: first touch on both sides
+            one_layer = statistics.median([await send_all_ready(one) for _ in range(5)])
+            for ratio in ratios:
+                a, reps = calibrate(ratio * one_layer)
+                layer_compute = []
+                exposed, after, prefill = [], [], []
+                for _ in range(repeat):
+                    # layer-wise: compute in a thread, stream meanwhile
+                    ev = dd.LayerEvents()
+                    task = cm.transfer_cache_async(src, ev, [everything], idx, idx)
+
+                    def forward(ev: dd.LayerEvents = ev) -> tuple[float, list[float]]:
+                        times = []
+                        for i in range(layers):
+                            t = time.perf_counter()
+                            compute_layer(a, reps)
+                            times.append(time.perf_counter() - t)
+                            ev.layer_ready(i)
+                        return time.perf_counter(), times
+
+                    t_start = time.perf_counter()
+                    t_end, times = await anyio.to_thread.run_sync(forward)
+                    await task
+                    t_land = time.perf_counter()
+                    exposed.append(t_land - t_end)
+                    prefill.append(t_end - t_start)
+                    layer_compute.extend(times)
+                    # after prefill: compute everything, then send everything
+                    await anyio.to_thread.run_sync(
+                        lambda: [compute_layer(a, reps) for _ in range(layers)]
+                    )
+                    after.append(await send_all_ready(everything))
+                compute = statistics.median(layer_compute)
+                exp = statistics.median(exposed)
+                rows.append(
+                    {
+                        "transport": used,
+                        "layers": layers,
+                        "MiB/layer": layer_mib,
+                        "compute ms/layer": compute * 1e3,
+                        "transfer ms/layer": one_layer * 1e3,
+                        "compute/transfer": compute / one_layer,
+                        "exposed ms (layer-wise)": exp * 1e3,
+                        "exposed ms (after prefill)": statistics.median(after) * 1e3,
+                        "exposed / one layer": exp / one_layer,
+                        "hidden %": 100 * (1 - exp / statistics.median(after)),
+                        "target": 1.5 if compute >= one_layer else None,
+                        "ok": exp / one_layer <= 1.5 if compute >= one_layer else None,
+                    }
+                )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--layer-mib", type=int, default=8, help="K+V bytes per layer, MiB")
+    parser.add_argument("--ratios", default="0.5,1.25,2", help="compute / transfer per layer")
+    parser.add_argument("--transports", default="tcp,same-host")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    ratios = [float(r) for r in args.ratios.split(",")]
+    rows: list[dict[str, Any]] = []
+    for transport in args.transports.split(","):
+        rows += anyio.run(run, transport, args.layers, args.layer_mib, ratios, args.repeat)
+    print_table(
+        "Layer-wise streaming (exposed = last compute done -> last byte landed)",
+        rows,
+        [
+            "transport",
+            "layers",
+            "MiB/layer",
+            "compute ms/layer",
+            "transfer ms/layer",
+            "compute/transfer",
+            "exposed ms (layer-wise)",
+            "exposed ms (after prefill)",
+            "exposed / one layer",
+            "hidden %",
+            "target",
+            "ok",
+        ],
+    )
+    out = write_json("layerwise", {"rows": rows}, args.json)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
