@@ -122,7 +122,9 @@ async def run(
                     ev = dd.LayerEvents()
                     task = cm.transfer_cache_async(src, ev, [everything], idx, idx)
 
-                    def forward(ev: dd.LayerEvents = ev) -> tuple[float, list[float]]:
+                    def forward(
+                        ev: dd.LayerEvents = ev, a: np.ndarray = a, reps: int = reps
+                    ) -> tuple[float, list[float]]:
                         times = []
                         for i in range(layers):
                             t = time.perf_counter()
@@ -140,7 +142,7 @@ async def run(
                     layer_compute.extend(times)
                     # after prefill: compute everything, then send everything
                     await anyio.to_thread.run_sync(
-                        lambda: [compute_layer(a, reps) for _ in range(layers)]
+                        lambda a=a, reps=reps: [compute_layer(a, reps) for _ in range(layers)]
                     )
                     after.append(await send_all_ready(everything))
                 compute = statistics.median(layer_compute)

@@ -68,7 +68,7 @@ async def test_registration_rules() -> None:
 async def test_no_accelerator_gives_a_clear_error() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    with pytest.raises(dd.LLMException, match="llm.TorchDevice=cpu"):
+    with pytest.raises(dd.LLMException, match=r"llm\.TorchDevice=cpu"):
         async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(
             cm_options(**{"llm.DeviceAdapter": "torch"})
         ):
