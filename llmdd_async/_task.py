@@ -41,6 +41,8 @@ class TaskStatistics:
     descriptors: int
     seconds: float
     layers: tuple[LayerTiming, ...] = ()
+    #: ``time.perf_counter()`` when the task started: layer times are relative to it
+    started: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -57,6 +59,7 @@ class TaskControl:
         #: ``time.monotonic()`` at which the task times out, or None
         self.deadline = deadline
         self.t0 = time.perf_counter()
+        task._t0 = self.t0
 
     def set_deadline(self, seconds: float | None) -> None:
         """(Re)start the deadline: ``seconds`` from now, or none. Applies to the task's scope
@@ -120,6 +123,7 @@ class CacheTask:
         self._descriptors = 0
         self._layers: list[LayerTiming] = []
         self._seconds = 0.0
+        self._t0 = 0.0
         self._log = log if log is not None else _log
 
     # ------------------------------------------------------------------ running
@@ -279,6 +283,7 @@ class CacheTask:
             descriptors=self._descriptors,
             seconds=self._seconds,
             layers=tuple(self._layers),
+            started=self._t0,
         )
 
     def __repr__(self) -> str:

@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
-import sys
 from typing import Any
 
 import anyio
 import numpy as np
 
 import llmdd_async as dd
+from llmdd_async._childproc import CommandServer, run_server
 from llmdd_async.testing import decode_key, pattern
 
 
-class Peer:
+class Peer(CommandServer):
     def __init__(self) -> None:
         self.dd: dd.LLMDataDist | None = None
         self.caches: dict[int, dd.Cache] = {}
@@ -158,45 +157,9 @@ class Peer:
     async def exit(self) -> None:
         self.stop.set()
 
-    # Loop -----------------------------------------------------------------------
-    async def serve(self) -> None:
-        stdin = anyio.wrap_file(sys.stdin)
-        async with anyio.create_task_group() as tg:
-            self.tg = tg
-            async for line in stdin:
-                if not line.strip():
-                    continue
-                req = json.loads(line)
-                tg.start_soon(self._one, req)
-                if req["op"] == "exit":
-                    break
-
-    async def _one(self, req: dict[str, Any]) -> None:
-        try:
-            result = await getattr(self, req["op"])(**req.get("args", {}))
-            reply = {"id": req["id"], "ok": True, "result": result}
-        except dd.LLMException as exc:
-            reply = {
-                "id": req["id"],
-                "ok": False,
-                "error": str(exc),
-                "type": "LLMException",
-                "code": int(exc.status_code),
-            }
-        except Exception as exc:
-            reply = {"id": req["id"], "ok": False, "error": repr(exc), "type": type(exc).__name__}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
-
 
 def main() -> None:
-    import os
-
-    loop = os.environ.get("LLMDD_PEER_LOOP", "asyncio")
-    if loop == "uvloop":
-        anyio.run(Peer().serve, backend="asyncio", backend_options={"use_uvloop": True})
-    else:
-        anyio.run(Peer().serve, backend=loop)
+    run_server(Peer())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,5 @@
+"""``python -m llmdd_async demo``."""
+
+from ._cli import entry
+
+entry()

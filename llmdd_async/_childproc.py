@@ -1,0 +1,177 @@
+"""JSON-lines command processes: the child serves commands, the parent drives it.
+
+Used by the test kit (:class:`llmdd_async.testing.PeerProcess`) and the demo's workers. One
+JSON object per line each way; replies carry the request id, ``ok``, and a result or an error
+(with the LLMStatusCode for LLMExceptions). The child's event loop comes from the environment
+variable ``LLMDD_PEER_LOOP`` (``asyncio``, ``uvloop`` or ``trio``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from ._errors import LLMException
+
+__all__ = ["ChildError", "ChildProcess", "CommandServer", "run_server"]
+
+
+class ChildError(Exception):
+    """A command failed in the child; ``code`` holds the LLMStatusCode for LLMExceptions."""
+
+    def __init__(self, message: str, kind: str, code: int | None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        if code is None:
+            self.code = None
+        else:
+            from ._enums import LLMStatusCode
+
+            self.code = LLMStatusCode.from_wire(code)
+
+
+class CommandServer:
+    """Child side: each ``{"id", "op", "args"}`` line runs ``await self.<op>(**args)``."""
+
+    tg: anyio.abc.TaskGroup
+
+    async def serve(self) -> None:
+        stdin = anyio.wrap_file(sys.stdin)
+        async with anyio.create_task_group() as tg:
+            self.tg = tg
+            async for line in stdin:
+                if not line.strip():
+                    continue
+                req = json.loads(line)
+                tg.start_soon(self._one, req)
+                if req["op"] == "exit":
+                    break
+
+    async def _one(self, req: dict[str, Any]) -> None:
+        reply: dict[str, Any]
+        try:
+            result = await getattr(self, req["op"])(**req.get("args", {}))
+            reply = {"id": req["id"], "ok": True, "result": result}
+        except LLMException as exc:
+            reply = {
+                "id": req["id"],
+                "ok": False,
+                "error": str(exc),
+                "type": "LLMException",
+                "code": int(exc.status_code),
+            }
+        except Exception as exc:
+            reply = {"id": req["id"], "ok": False, "error": repr(exc), "type": type(exc).__name__}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+def run_server(server: CommandServer) -> None:
+    """Serve commands on the event loop named by ``LLMDD_PEER_LOOP``."""
+    loop = os.environ.get("LLMDD_PEER_LOOP", "asyncio")
+    if loop == "uvloop":
+        anyio.run(server.serve, backend="asyncio", backend_options={"use_uvloop": True})
+    else:
+        anyio.run(server.serve, backend=loop)
+
+
+class ChildProcess:
+    """Parent side of one command process."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self.process = process
+        self._ids = itertools.count(1)
+        self._waiters: dict[int, anyio.Event] = {}
+        self._results: dict[int, dict[str, Any]] = {}
+        self._lock = anyio.Lock()
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def spawn(
+        cls, module: str, loop: str = "asyncio", env: dict[str, str] | None = None
+    ) -> AsyncIterator[Any]:
+        """Start ``python -m module``; on exit ask it to stop, and kill it if it does not."""
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", LLMDD_PEER_LOOP=loop, **(env or {}))
+        process = await anyio.open_process([sys.executable, "-m", module], env=full_env)
+        child = cls(process)
+        body_error: BaseException | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(child._read_replies)
+            try:
+                yield child
+            except BaseException as exc:
+                body_error = exc  # re-raised as itself, not inside an ExceptionGroup
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await child.close()
+                tg.cancel_scope.cancel()
+        if body_error is not None:
+            raise body_error
+
+    async def _read_replies(self) -> None:
+        assert self.process.stdout is not None
+        buf = b""
+        async for chunk in self.process.stdout:
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                reply = json.loads(line)
+                self._results[reply["id"]] = reply
+                ev = self._waiters.pop(reply["id"], None)
+                if ev is not None:
+                    ev.set()
+        for ev in self._waiters.values():
+            ev.set()
+
+    async def request(self, op: str, **args: Any) -> Any:
+        """Run one command in the child and return its result.
+
+        Raises:
+            ChildError: the command failed there, or the child is gone.
+        """
+        rid = next(self._ids)
+        ev = anyio.Event()
+        self._waiters[rid] = ev
+        assert self.process.stdin is not None
+        line = (json.dumps({"id": rid, "op": op, "args": args}) + "\n").encode()
+        async with self._lock:
+            await self.process.stdin.send(line)
+        await ev.wait()
+        reply = self._results.pop(rid, None)
+        if reply is None:
+            raise ChildError("the child process exited", "EOF", None)
+        if not reply["ok"]:
+            raise ChildError(reply["error"], reply["type"], reply.get("code"))
+        return reply["result"]
+
+    def pause(self) -> None:
+        """SIGSTOP the child: a peer that hangs without closing its sockets."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL the child: a peer that dies mid-transfer."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signal.SIGKILL)
+
+    async def close(self) -> None:
+        if self.process.returncode is None:
+            with contextlib.suppress(Exception), anyio.move_on_after(5):
+                self.resume()
+                await self.request("exit")
+                await self.process.wait()
+            self.kill()
+        with contextlib.suppress(Exception):
+            await self.process.wait()
+        await self.process.aclose()

@@ -1,0 +1,1 @@
+"""The demo: disaggregated prefill/decode of a small numpy transformer over llmdd_async."""

@@ -1,0 +1,119 @@
+"""The demo, end to end, in its smallest configuration: the verdict must be PASS."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llmdd_async.demo import runner
+from llmdd_async.demo.runner import DemoConfig, run_demo
+
+pytestmark = pytest.mark.anyio
+
+SMALL = {
+    "layers": 2,
+    "heads": 2,
+    "head_dim": 16,
+    "vocab": 97,
+    "block_size": 4,
+    "prompt": 37,
+    "tokens": 5,
+}
+ASYNCIO = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+
+
+@ASYNCIO
+@pytest.mark.parametrize("transport", ["tcp", "same-host", "auto"])
+@pytest.mark.parametrize("mode", ["push", "pull"])
+async def test_small_demo_passes(transport: str, mode: str) -> None:
+    report = await run_demo(DemoConfig(**SMALL, transport=transport, mode=mode))
+    assert report["verdict"] == {
+        "ok": True,
+        "tokens_identical": True,
+        "first_token_logits_bit_identical": True,
+        "decode_logits_bit_identical": True,
+    }
+    assert len(report["tokens"]) == SMALL["tokens"] + 1
+    assert report["kv_bytes"] >= report["config"]["prompt"] * 2 * 2 * 2 * 16 * 4
+    assert report["transport"] == ("tcp" if transport == "tcp" else "same-host")
+    if mode == "push":
+        assert report["ttft_layerwise_s"] > 0 and report["ttft_sequential_s"] > 0
+        assert all(row["transfer"] is not None for row in report["timeline"])
+
+
+async def test_small_demo_on_every_event_loop(anyio_backend) -> None:
+    loop = "uvloop" if anyio_backend[1].get("use_uvloop") else anyio_backend[0]
+    report = await run_demo(DemoConfig(**SMALL, loop=loop))
+    assert report["verdict"]["ok"]
+
+
+def test_the_command_prints_json_and_exits_zero(tmp_path) -> None:
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
+    out = subprocess.run(
+        [sys.executable, "-m", "llmdd_async", "demo", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["verdict"]["ok"] is True
+
+
+def test_a_failed_verdict_exits_nonzero(monkeypatch, capsys) -> None:
+    async def broken(config, progress):
+        report = await run_demo(config, progress)
+        report["verdict"] = dict(report["verdict"], ok=False, tokens_identical=False)
+        return report
+
+    monkeypatch.setattr(runner, "run_demo", broken)
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
+    assert runner.main(args) == 1
+    assert "VERDICT: FAIL" in capsys.readouterr().out
+
+
+def test_report_compares_bits_not_closeness() -> None:
+    import base64
+
+    import numpy as np
+
+    def b64(a):
+        return base64.b64encode(np.asarray(a, np.float32).tobytes()).decode()
+
+    close = np.float32(1.0) + np.finfo(np.float32).eps  # one ulp away
+    run = {
+        "logits": b64([1.0, 2.0]),
+        "first_token": 1,
+        "computed": 0.1,
+        "compute": [[0.0, 0.1]],
+        "transfer": {
+            "landed": 0.2,
+            "seconds": 0.1,
+            "bytes": 1,
+            "gbps": 1.0,
+            "layers": [[0, 0, 0, 0.2]],
+        },
+    }
+    decoded = {"logits": b64([3.0]), "tokens": [4], "seconds": 0.1, "pull": None}
+    ref = {
+        "logits": b64([close, 2.0]),
+        "first_token": 1,
+        "tokens": [4],
+        "decode_logits": b64([3.0]),
+    }
+    config = DemoConfig(**{**SMALL, "layers": 1})
+    report = runner._report(config, "tcp", run, decoded, None, ref, 1.0)
+    assert report["verdict"]["first_token_logits_bit_identical"] is False
+    assert report["verdict"]["ok"] is False
+
+
+def test_timeline_picture(tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="--timeline needs the demo extra (matplotlib)")
+    path = tmp_path / "timeline.png"
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
+    assert runner.main([*args, "--timeline", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
