@@ -71,9 +71,10 @@ class CacheManager:
     Obtained from ``LLMDataDist.cache_manager``; valid until the engine is finalized.
     """
 
-    def __init__(self, engine: Engine, datadist: Any) -> None:
+    def __init__(self, engine: Engine, datadist: Any, cache_cls: type[Cache] = Cache) -> None:
         self._engine = engine
         self._datadist = datadist
+        self._cache_cls = cache_cls
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -103,7 +104,7 @@ class CacheManager:
     def _make_cache(
         self, entry: CacheEntry, desc: CacheDesc, views: Callable[[], list[np.ndarray]]
     ) -> Cache:
-        cache = Cache(
+        cache = self._cache_cls(
             entry.cache_id,
             desc,
             [int(a) for a in entry.addrs],
@@ -431,7 +432,7 @@ class CacheManager:
                 for e in entries:
                     registry.unpin(e)
 
-        return engine.start_task(CacheTask(kind, log=engine.log), body)
+        return engine.start_task(engine.new_task(kind), body)
 
     def copy_cache(
         self,
@@ -578,7 +579,7 @@ class CacheManager:
 
     def _peer_check(self, cluster_id: int) -> Any:
         raise_if_false(
-            cluster_id != self.engine.cluster_id,
+            cluster_id != self.engine.cluster_id or not self.engine.options.cache_manager,
             f"cannot transfer with own cluster id {cluster_id}",
         )
         return self.engine.links.get(cluster_id)
@@ -614,7 +615,7 @@ class CacheManager:
             finally:
                 registry.unpin(entry)
 
-        return engine.start_task(CacheTask(kind, log=engine.log), body)
+        return engine.start_task(engine.new_task(kind), body)
 
     def _pull_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         unknown = set(kwargs) - _PULL_KWARGS
@@ -725,6 +726,31 @@ class CacheManager:
             else (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex)
         )
         check_isinstance("src_cache_key", src_cache_key, allowed)
+        return self._pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kw, False)
+
+    def _pull_blocks_by_id(
+        self,
+        key: CacheKeyByIdAndIndex,
+        dst_cache: Cache,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        src_r: range | None,
+        dst_r: range | None,
+        n: int,
+    ) -> CacheTask:
+        """Blocks -> blocks addressed by the peer's cache id (the C++ API's PullKvBlocks)."""
+        kw = {"src_layer_range": src_r, "dst_layer_range": dst_r, "tensor_num_per_layer": n}
+        return self._pull_blocks(key, dst_cache, src_blocks, dst_blocks, kw, True)
+
+    def _pull_blocks(
+        self,
+        src_cache_key: Any,
+        dst_cache: Cache,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        kw: dict[str, Any],
+        blocks_by_id: bool,
+    ) -> CacheTask:
         entry = self._entry(dst_cache, "dst_cache")
         src_b = check_index_list("src_blocks", src_blocks)
         dst_b = check_index_list("dst_blocks", dst_blocks)
@@ -736,7 +762,7 @@ class CacheManager:
             int(dst_b.max()) < entry.count,
             f"dst block {int(dst_b.max())} >= the local {entry.count} blocks",
         )
-        if isinstance(src_cache_key, BlocksCacheKey):
+        if isinstance(src_cache_key, BlocksCacheKey) or blocks_by_id:
             raise_if_false(len(src_b) > 0, "src_blocks must not be empty with a BlocksCacheKey")
             raise_if_false(
                 len(src_b) == len(dst_b),
@@ -878,6 +904,43 @@ class CacheManager:
             "push_blocks needs llm.EnableRemoteCacheAccessible=1",
         )
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey)
+        return self._push_blocks(
+            dst_cache_key,
+            src_cache,
+            src_blocks,
+            dst_blocks,
+            src_layer_range,
+            dst_layer_range,
+            tensor_num_per_layer,
+        )
+
+    def _push_blocks_by_id(
+        self,
+        key: CacheKeyByIdAndIndex,
+        src_cache: Cache,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        src_r: range | None,
+        dst_r: range | None,
+        n: int,
+    ) -> CacheTask:
+        """Blocks -> blocks addressed by the peer's cache id (the C++ API's PushKvBlocks)."""
+        raise_if_false(
+            self.engine.options.remote_accessible,
+            "push_blocks needs llm.EnableRemoteCacheAccessible=1",
+        )
+        return self._push_blocks(key, src_cache, src_blocks, dst_blocks, src_r, dst_r, n)
+
+    def _push_blocks(
+        self,
+        dst_cache_key: Any,
+        src_cache: Cache,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        src_layer_range: Any,
+        dst_layer_range: Any,
+        tensor_num_per_layer: Any,
+    ) -> CacheTask:
         entry = self._entry(src_cache, "src_cache")
         src_b = check_index_list("src_blocks", src_blocks)
         dst_b = check_index_list("dst_blocks", dst_blocks)
@@ -1056,7 +1119,7 @@ class CacheManager:
             finally:
                 registry.unpin(entry)
 
-        return engine.start_task(CacheTask("transfer_cache_async", slots, log=engine.log), body)
+        return engine.start_task(engine.new_task("transfer_cache_async", slots), body)
 
     def _layer_spec_factory(
         self,

@@ -9,7 +9,7 @@ from typing import Any
 
 from ._checks import check_int32, check_isinstance, check_uint64
 from ._config import LLMConfig
-from ._enums import LLMRole, LLMStatusCode
+from ._enums import LLMRole, LLMStatusCode, RegisterMemStatus
 from ._errors import LLMException, raise_if_false, raise_param
 from ._options import parse_listen, parse_options
 from ._types import LLMClusterInfo
@@ -75,6 +75,10 @@ class LLMDataDist:
             raise RuntimeError("llm datadist is already initialized")
         opts = dict(options) if isinstance(options, dict) else options
         parsed = parse_options(opts)  # type: ignore[arg-type]
+        raise_if_false(
+            parsed.cache_manager or self._role != LLMRole.PROMPT or parsed.listen is not None,
+            "a PROMPT endpoint in legacy mode needs llm.listenIpInfo",
+        )
         parsed.raw["llm.Role"] = {1: "Prompt", 2: "Decoder", 3: "Mix"}[int(self._role)]
         engine = Engine(self._role, self._cluster_id, parsed)
         async with engine.run():
@@ -265,20 +269,88 @@ class LLMDataDist:
 
     @property
     def kv_cache_manager(self) -> Any:
-        """The legacy KvCacheManager (legacy mode only).
+        """The legacy :class:`KvCacheManager` (cache-manager mode off, the upstream default).
 
         Raises:
-            RuntimeError: not initialised. LLMException: LLM_PARAM_INVALID in cache-manager
-                mode; LLM_FEATURE_NOT_ENABLED because the legacy manager is not built yet.
+            RuntimeError: not initialised. LLMException: LLM_PARAM_INVALID in cache-manager mode.
         """
         engine = self._live_engine()
         if engine.options.cache_manager:
             raise_param("kv_cache_manager is only available when cache-manager mode is off")
-        raise LLMException(
-            "the legacy KvCacheManager API is not built yet in llmdd_async; set "
-            "llm.EnableCacheManager=1 and use cache_manager",
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-        )
+        if self._cache_manager is None:
+            from ._kv_cache_manager import KvCacheManager
+
+            self._cache_manager = KvCacheManager(engine, self)
+        return self._cache_manager
+
+    async def check_link_status(self, remote_cluster_id: int) -> None:
+        """Probe a link with one round trip (legacy mode, decoder side).
+
+        Raises:
+            RuntimeError: not initialised. TypeError / ValueError: bad id.
+            LLMException: LLM_PARAM_INVALID in cache-manager mode or on a prompt endpoint;
+                LLM_NOT_YET_LINK without a link; LLM_WAIT_PROCESS_TIMEOUT when the peer does not
+                answer within ``sync_kv_timeout``.
+        """
+        engine = self._live_engine()
+        check_uint64("remote_cluster_id", remote_cluster_id)
+        if engine.options.cache_manager:
+            raise_param("check_link_status is only available when cache-manager mode is off")
+        raise_if_false(self._role == LLMRole.DECODER, "check_link_status is for decoders")
+        link = engine.links.get(int(remote_cluster_id))
+        from ._protocol import MT, Message
+
+        if await link.roundtrip(Message(MT.PING), MT.PONG, engine.sync_kv_timeout_s) is None:
+            raise LLMException(
+                f"cluster {remote_cluster_id} did not answer within sync_kv_timeout",
+                status_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+            )
+
+    # ------------------------------------------------------------------ comm-domain links
+    async def link(
+        self, comm_name: str, cluster_rank_info: Mapping[int, int], rank_table: str
+    ) -> int:
+        """Join a communication domain (2 to 4 endpoints that all call ``link`` at the same
+        time) and return its ``comm_id``; poll :meth:`query_register_mem_status` until OK.
+
+        The HCCL rank table is mapped to addresses: the member of rank ``r`` is reached at the
+        ``device_ip`` of the rank table's device whose ``rank_id`` is ``r``, on port
+        ``llmdd_port`` of that device entry if present, else
+        ``llm.CommPortBase (30000) + 4 * (crc32(comm_name) % 8192) + r``. Lower ranks listen
+        there, higher ranks connect, until every pair is linked (budget ``llm.LinkTotalTime``
+        seconds, default 120). Caches registered afterwards are not remote accessible by
+        default.
+
+        Raises:
+            RuntimeError: not initialised. LLMException: LLM_PARAM_INVALID for a bad name,
+                rank map, rank table, legacy mode, or an endpoint not in the map.
+        """
+        engine = self._live_engine()
+        if not engine.options.cache_manager:
+            raise_param("link() needs cache-manager mode")
+        return await engine.links.comm_link(comm_name, cluster_rank_info, rank_table)
+
+    async def unlink(self, comm_id: int) -> None:
+        """Leave a communication domain: its links are dropped.
+
+        Raises:
+            RuntimeError: not initialised. TypeError / ValueError: bad id.
+            LLMException: LLM_PARAM_INVALID for an unknown comm_id.
+        """
+        engine = self._live_engine()
+        check_uint64("comm_id", comm_id)
+        await engine.links.comm_unlink(int(comm_id))
+
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        """PREPARING while the domain's links are being set up, then OK or FAILED.
+
+        Raises:
+            RuntimeError: not initialised. TypeError / ValueError: bad id.
+            LLMException: LLM_PARAM_INVALID for an unknown comm_id.
+        """
+        engine = self._live_engine()
+        check_uint64("comm_id", comm_id)
+        return engine.links.comm_status(int(comm_id))
 
     def __repr__(self) -> str:
         state = "running" if self.is_initialized() else "stopped"

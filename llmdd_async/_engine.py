@@ -15,7 +15,7 @@ import anyio.from_thread
 from anyio.abc import TaskGroup
 
 from ._devices import DeviceAdapter, DevicePool, load_adapter
-from ._enums import LLMRole, Placement
+from ._enums import LLMRole, LLMStatusCode, Placement
 from ._log import get_logger
 from ._options import EngineOptions
 from ._registry import Registry
@@ -54,10 +54,11 @@ class Engine:
     def _create_pools(self) -> None:
         from ._memory import MemoryPool
 
-        if self.options.device_pool is not None:
-            self.pools[Placement.DEVICE] = self.adapter.create_pool(
-                self.options.device_pool, "device"
-            )
+        device_pool = self.options.device_pool
+        if device_pool is None and not self.options.cache_manager:
+            device_pool = self.options.legacy_kv_pool
+        if device_pool is not None:
+            self.pools[Placement.DEVICE] = self.adapter.create_pool(device_pool, "device")
         if self.options.host_pool is not None:
             self.pools[Placement.HOST] = MemoryPool(self.options.host_pool, "host")
 
@@ -164,6 +165,20 @@ class Engine:
 
         return event, wake
 
+    def call_soon(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` soon on the loop; safe from any thread and from ``__del__``."""
+        if self._tg is None:
+            return
+
+        async def run() -> None:
+            fn()
+
+        if threading.get_ident() == self._thread:
+            self.spawn(run)
+        elif self._portal is not None:
+            with contextlib.suppress(RuntimeError):
+                self._portal.start_task_soon(self._guarded, run, ())
+
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a user's blocking callback in a daemon thread and await its result.
 
@@ -210,6 +225,17 @@ class Engine:
             await fn(*args)
         except Exception:
             self.log.exception("engine.job_crashed", job=getattr(fn, "__qualname__", repr(fn)))
+
+    @property
+    def timeout_code(self) -> LLMStatusCode:
+        """The code of transfer timeouts: LLM_TIMEOUT, or upstream's legacy
+        LLM_WAIT_PROCESS_TIMEOUT when cache-manager mode is off."""
+        if self.options.cache_manager:
+            return LLMStatusCode.LLM_TIMEOUT
+        return LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
+
+    def new_task(self, kind: str, slots: Any = (0,)) -> CacheTask:
+        return CacheTask(kind, slots, timeout_code=self.timeout_code, log=self.log)
 
     def start_task(
         self,

@@ -166,7 +166,7 @@ async def server_handshake(engine: Any, sock: socket.socket) -> tuple[Decoder, d
     cid = peer.get("cluster_id")
     if not isinstance(cid, int) or isinstance(cid, bool) or not 0 <= cid < 2**64:
         raise ProtocolError(f"bad cluster id {cid!r}")
-    if cid == engine.cluster_id:
+    if cid == engine.cluster_id and engine.options.cache_manager:
         raise await refuse(
             LLMStatusCode.LLM_PARAM_INVALID, f"cluster id {cid} is this endpoint's own id", True
         )

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import json
 import os
 import socket
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import numpy as np
 
-from ._enums import LLMStatusCode
-from ._errors import LLMException
+from ._checks import check_isinstance, check_uint32, check_uint64
+from ._enums import LLMStatusCode, RegisterMemStatus
+from ._errors import LLMException, raise_if_false, raise_param
 from ._handshake import HandshakeFailed, client_handshake, connect_socket, server_handshake
 from ._link import Link, LinkBroken, probe_token
 from ._log import get_logger
@@ -43,6 +47,10 @@ class LinkManager:
         self.listen_address: tuple[str, int] | None = None
         self._probe = probe_token()
         self._host = host_identity()
+        self._comms: dict[int, _Comm] = {}
+        self._comm_ids = 0
+        #: set (and replaced) whenever a link is registered
+        self._link_added = anyio.Event()
 
     # ------------------------------------------------------------------ identity
     def identity(self) -> dict[str, Any]:
@@ -197,6 +205,8 @@ class LinkManager:
             self.engine.spawn(old.close, False)
         self.links[link.peer_cluster_id] = link
         link.on_close(self.forget)
+        added, self._link_added = self._link_added, anyio.Event()
+        added.set()
         self.log.info(
             "link.up",
             peer_cluster_id=link.peer_cluster_id,
@@ -241,7 +251,8 @@ class LinkManager:
     async def _link_one(self, info: LLMClusterInfo, timeout_s: float) -> LLMStatusCode:
         cid = int(info.remote_cluster_id)  # type: ignore[arg-type]
         log = self.log.bind(peer_cluster_id=cid)
-        if cid == self.engine.cluster_id:
+        if cid == self.engine.cluster_id and self.engine.options.cache_manager:
+            # Legacy mode allows it (TorchAir's sample links cluster 0 to cluster 0).
             log.info("link.failed", reason="cannot link to own cluster id")
             return LLMStatusCode.LLM_PARAM_INVALID
         remotes = info.remote_ip_info_list
@@ -300,9 +311,151 @@ class LinkManager:
             codes.append(code)
         return codes
 
+    # ------------------------------------------------------------------ comm domains
+    async def comm_link(self, comm_name: Any, cluster_rank_info: Any, rank_table: Any) -> int:
+        """Validate, then set the domain's links up in the background; returns its id.
+
+        Raises:
+            TypeError / ValueError / LLMException(LLM_PARAM_INVALID): as ``LLMDataDist.link``.
+        """
+        check_isinstance("comm_name", comm_name, str)
+        check_isinstance("cluster_rank_info", cluster_rank_info, dict)
+        check_isinstance("rank_table", rank_table, str)
+        raise_if_false(0 < len(comm_name) < 128, "comm_name must have 1 to 127 characters")
+        raise_if_false(2 <= len(cluster_rank_info) <= 4, "a comm domain has 2 to 4 members")
+        ranks = []
+        for cid, rank in cluster_rank_info.items():
+            check_uint64("cluster id", cid)
+            check_uint32("rank", rank)
+            ranks.append(int(rank))
+        raise_if_false(ranks == sorted(set(ranks)), "ranks must be unique and ascending")
+        me = self.engine.cluster_id
+        raise_if_false(me in cluster_rank_info, f"this endpoint ({me}) is not in the rank map")
+        addresses = _rank_addresses(comm_name, rank_table, self.engine.options.raw)
+        for rank in ranks:
+            raise_if_false(rank in addresses, f"rank {rank} has no device in the rank table")
+        self._comm_ids += 1
+        comm_id = self._comm_ids
+        members = {int(c): (int(r), addresses[int(r)]) for c, r in cluster_rank_info.items()}
+        self._comms[comm_id] = _Comm(members, RegisterMemStatus.PREPARING)
+        self.engine.spawn(self._comm_job, comm_id)
+        self.log.info("comm.link", comm_id=comm_id, comm_name=comm_name, members=len(members))
+        return comm_id
+
+    async def _comm_job(self, comm_id: int) -> None:
+        comm = self._comms[comm_id]
+        me = self.engine.cluster_id
+        my_rank, my_addr = comm.members[me]
+        budget = self.engine.options.link_total_time_s or 120
+        listener: tuple[anyio.CancelScope, anyio.Event] | None = None
+        try:
+            with anyio.fail_after(budget):
+                if any(r > my_rank for r, _ in comm.members.values()):
+                    listener = await self._listen_extra(my_addr)
+                for cid, (rank, addr) in sorted(comm.members.items(), key=lambda kv: kv[1][0]):
+                    if rank >= my_rank or (cid in self.links and self.links[cid].alive):
+                        continue
+                    info = LLMClusterInfo()
+                    info.remote_cluster_id = cid
+                    info.append_local_ip_info(my_addr[0], 0)
+                    info.append_remote_ip_info(addr[0], addr[1])
+                    # Retry: the peer may not be listening yet.
+                    ok = (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK)
+                    while await self._link_one(info, 2.0) not in ok:  # noqa: ASYNC110
+                        await anyio.sleep(0.05)
+                while not all(
+                    cid in self.links and self.links[cid].alive for cid in comm.members if cid != me
+                ):
+                    await self._link_added.wait()
+            comm.status = RegisterMemStatus.OK
+            self.engine.comm_linked = True
+            self.log.info("comm.up", comm_id=comm_id)
+        except TimeoutError:
+            comm.status = RegisterMemStatus.FAILED
+            self.log.warning("comm.failed", comm_id=comm_id, reason=f"not linked in {budget} s")
+        except LLMException as exc:
+            comm.status = RegisterMemStatus.FAILED
+            self.log.warning("comm.failed", comm_id=comm_id, reason=str(exc))
+        finally:
+            if listener is not None:
+                listener[0].cancel()
+                await listener[1].wait()
+
+    async def _listen_extra(
+        self, address: tuple[str, int]
+    ) -> tuple[anyio.CancelScope, anyio.Event]:
+        """A temporary listener (for a comm domain's lower ranks)."""
+        lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind(address)
+            lsock.listen(16)
+            lsock.setblocking(False)
+        except OSError as exc:
+            lsock.close()
+            raise LLMException(
+                f"cannot listen on {address[0]}:{address[1]} for the comm domain: {exc}",
+                status_code=LLMStatusCode.LLM_LINK_FAILED,
+            ) from None
+        scope, closed = anyio.CancelScope(), anyio.Event()
+        self.engine.spawn(self._accept_loop, lsock, scope, closed)
+        return scope, closed
+
+    def comm_status(self, comm_id: int) -> RegisterMemStatus:
+        comm = self._comms.get(comm_id)
+        raise_if_false(comm is not None, f"unknown comm_id {comm_id}")
+        assert comm is not None
+        return comm.status
+
+    async def comm_unlink(self, comm_id: int) -> None:
+        comm = self._comms.pop(comm_id, None)
+        raise_if_false(comm is not None, f"unknown comm_id {comm_id}")
+        assert comm is not None
+        for cid in comm.members:
+            link = self.links.get(cid)
+            if link is not None and cid != self.engine.cluster_id:
+                self.forget(link)
+                await link.close(notify=True)
+
     async def close_all(self) -> None:
         await self.stop_listening()
         for link in list(self.links.values()):
             self.forget(link)
             with contextlib.suppress(Exception):
                 await link.close(notify=True)
+
+
+@dataclasses.dataclass
+class _Comm:
+    members: dict[int, tuple[int, tuple[str, int]]]  # cluster id -> (rank, address)
+    status: RegisterMemStatus
+
+
+def _rank_addresses(comm_name: str, rank_table: str, options: Any) -> dict[int, tuple[str, int]]:
+    """Rank -> (ip, port) from an HCCL rank table (see ``LLMDataDist.link``).
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for a rank table without devices, IPs or ranks.
+    """
+    try:
+        table = json.loads(rank_table)
+    except json.JSONDecodeError as exc:
+        raise_param(f"rank_table is not JSON: {exc}")
+    raise_if_false(isinstance(table, dict), "rank_table must be a JSON object")
+    base = options.get("llm.CommPortBase", "30000")
+    raise_if_false(base.isdigit(), f"llm.CommPortBase must be a port number, got {base!r}")
+    salt = 4 * (zlib.crc32(comm_name.encode()) % 8192)
+    out: dict[int, tuple[str, int]] = {}
+    for server in table.get("server_list") or []:
+        for dev in (server or {}).get("device") or []:
+            try:
+                rank = int(dev["rank_id"])
+                ip = str(dev.get("device_ip") or server.get("server_id"))
+                socket.inet_aton(ip)
+            except (KeyError, TypeError, ValueError, OSError):
+                raise_param(f"rank table device entry without a usable rank_id/device_ip: {dev}")
+            port = int(dev.get("llmdd_port") or int(base) + salt + rank)
+            raise_if_false(0 < port < 65536, f"port {port} for rank {rank} is out of range")
+            out[rank] = (ip, port)
+    raise_if_false(out, "rank_table lists no devices (server_list[].device[])")
+    return out

@@ -13,6 +13,8 @@ __all__ = ["EngineOptions", "PoolConfig", "parse_options", "TRANSPORTS"]
 
 TRANSPORTS = ("auto", "tcp", "same-host")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
+#: legacy mode without ge.flowGraphMemMaxSize: a lazily touched 1 GiB mapping
+LEGACY_DEFAULT_KV_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,9 @@ class EngineOptions:
     enable_switch_role: bool
     layer_sync_timeout_ms: int | None = None
     layer_window: int = 4
+    #: legacy mode's KV memory: ge.flowGraphMemMaxSize x llm.MemoryUtilization
+    legacy_kv_pool: PoolConfig | None = None
+    link_total_time_s: int = 0
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -148,6 +153,18 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         sync_to is None or (sync_to.isdigit() and int(sync_to) > 0),
         f"llm.LayerSyncTimeout must be a positive number of ms, got {sync_to!r}",
     )
+    legacy_pool = None
+    if not cache_manager:
+        total = int(mem) if mem else LEGACY_DEFAULT_KV_BYTES
+        util_s = opts.get("llm.MemoryUtilization", "0.95")
+        try:
+            util = float(util_s)
+        except ValueError:
+            raise_param(f"llm.MemoryUtilization must be a number, got {util_s!r}")
+        raise_if_false(0.0 < util <= 1.0, f"llm.MemoryUtilization must be in (0, 1]: {util}")
+        legacy_pool = PoolConfig(max(1 << 16, int(total * util)), 16)
+    total_time = opts.get("llm.LinkTotalTime", "0")
+    raise_if_false(total_time.isdigit(), f"llm.LinkTotalTime must be seconds, got {total_time!r}")
     window = opts.get("llm.LayerWindow", "4")
     raise_if_false(
         window.isdigit() and 1 <= int(window) <= 1024,
@@ -168,4 +185,6 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         enable_switch_role=opts.get("llm.EnableSwitchRole") == "1",
         layer_sync_timeout_ms=int(sync_to) if sync_to else None,
         layer_window=int(window),
+        legacy_kv_pool=legacy_pool,
+        link_total_time_s=int(total_time),
     )

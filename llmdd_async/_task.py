@@ -106,6 +106,7 @@ class CacheTask:
         kind: str,
         result_slots: Sequence[int] = (0,),
         timeout_code: LLMStatusCode = LLMStatusCode.LLM_TIMEOUT,
+        # ``timeout_code``: what timeouts report (LLM_WAIT_PROCESS_TIMEOUT in legacy mode)
         log: Any = None,
     ) -> None:
         self.kind = kind
@@ -159,7 +160,7 @@ class CacheTask:
             and (scope.cancelled_caught or time.monotonic() >= ctl.deadline)
             and (error is None or isinstance(error, CopyCancelled | TimeoutError))
         ):
-            status = LLMStatusCode.LLM_TIMEOUT
+            status = self._timeout_code
             self._error = LLMException(
                 f"{self.kind} did not finish within its deadline (sync_kv_timeout)",
                 status_code=status,
@@ -178,6 +179,13 @@ class CacheTask:
     def _finish(self, status: LLMStatusCode, error: BaseException | None, ctl: TaskControl) -> None:
         if self._done.is_set():
             return
+        if status == LLMStatusCode.LLM_TIMEOUT and self._timeout_code != status:
+            # Legacy mode reports transfer timeouts with its own code.
+            status = self._timeout_code
+            error = LLMException(str(error), status_code=status)
+            for i, r in enumerate(self._results):
+                if r == LLMStatusCode.LLM_TIMEOUT:
+                    self._results[i] = status
         self._seconds = ctl.now()
         self._status = status
         self._error = error

@@ -44,7 +44,14 @@ class Peer(CommandServer):
         await started.wait()
         if error:
             raise error[0]
+        self.legacy = not self.dd._engine.options.cache_manager
         return self.dd.listen_address
+
+    @property
+    def manager(self) -> Any:
+        """The endpoint's manager: kv_cache_manager in legacy mode, else cache_manager."""
+        assert self.dd is not None
+        return self.dd.kv_cache_manager if self.legacy else self.dd.cache_manager
 
     def _desc(self, a: dict[str, Any]) -> dd.CacheDesc:
         return dd.CacheDesc(
@@ -61,7 +68,7 @@ class Peer(CommandServer):
             t.reshape(-1).view(np.uint8)[:] = pattern(seed + i, t.nbytes)
 
     async def alloc(self, **a: Any) -> int:
-        cm = self.dd.cache_manager  # type: ignore[union-attr]
+        cm = self.manager
         desc = self._desc(a)
         if a.get("kind") == "blocks":
             key = decode_key(a.get("blocks_key"))
@@ -94,6 +101,16 @@ class Peer(CommandServer):
         t = self.caches[cache_id].tensors[tensor]
         return base64.b64encode(t.tobytes()).decode()
 
+    async def comm_link(self, comm_name: str, ranks: dict[str, int], rank_table: str) -> int:
+        info = {int(k): v for k, v in ranks.items()}
+        return await self.dd.link(comm_name, info, rank_table)  # type: ignore[union-attr]
+
+    async def comm_status(self, comm_id: int) -> str:
+        return self.dd.query_register_mem_status(comm_id).name  # type: ignore[union-attr]
+
+    async def comm_unlink(self, comm_id: int) -> None:
+        await self.dd.unlink(comm_id)  # type: ignore[union-attr]
+
     async def addrs(self, cache_id: int) -> list[int]:
         return self.caches[cache_id].tensor_addrs
 
@@ -118,7 +135,7 @@ class Peer(CommandServer):
         self, method: str, args: list[Any], kwargs: dict[str, Any], wait: bool = True
     ) -> Any:
         """Run a CacheManager method; caches and keys given as {"cache": id} / {"key": ...}."""
-        cm = self.dd.cache_manager  # type: ignore[union-attr]
+        cm = self.manager
 
         def conv(v: Any) -> Any:
             if isinstance(v, dict) and "cache" in v:

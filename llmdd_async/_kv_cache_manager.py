@@ -1,0 +1,228 @@
+"""The legacy ``KvCacheManager`` (reference §11): upstream's older API, on the same engine.
+
+Selected when cache-manager mode is off (the upstream default). It differs from
+:class:`CacheManager` in its role rules (§10), its ``KvCache`` type with per-device address
+lists, list-only ``pull_blocks``, offsets on ``pull_cache``, ``get_cache_tensors``, and its
+timeout code ``LLM_WAIT_PROCESS_TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._cache_manager import CacheManager
+from ._checks import check_isinstance, check_uint64
+from ._enums import DataType, LLMRole, Placement
+from ._errors import raise_if_false
+from ._task import CacheTask
+from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex
+
+__all__ = ["KvCache", "KvCacheManager", "Tensor", "TensorDesc"]
+
+
+class KvCache(Cache):
+    """A legacy cache: like :class:`Cache`, with addresses per device.
+
+    Dropping the last reference deallocates it while its manager still runs (as upstream).
+    """
+
+    @property
+    def per_device_tensor_addrs(self) -> list[list[int]]:
+        return [self.tensor_addrs]
+
+    @classmethod
+    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: Sequence[Any]) -> KvCache:  # type: ignore[override]
+        """An unregistered host cache; ``addrs`` is a list, or a list with one list per device.
+
+        Raises:
+            TypeError / ValueError: bad types. LLMException: LLM_PARAM_INVALID as
+                :meth:`Cache.create_cpu_cache`, or more than one device.
+        """
+        check_isinstance("addrs", addrs, (list, tuple))
+        if addrs and isinstance(addrs[0], list | tuple):
+            raise_if_false(len(addrs) == 1, "this library serves one device per process")
+            addrs = addrs[0]
+        base = Cache.create_cpu_cache(cache_desc, addrs)
+        return cls(-1, base.cache_desc, base.tensor_addrs, True)
+
+    def __del__(self) -> None:
+        owner = getattr(self, "_owner", None)
+        if owner is None or not self.valid or self.cache_id < 0:
+            return
+        engine = owner._engine
+        if engine.closed:
+            return
+        cache_id = self.cache_id
+        engine.call_soon(lambda: _release_allocated(engine, cache_id))
+
+
+def _release_allocated(engine: Any, cache_id: int) -> None:
+    """What dropping the last reference of an allocated KvCache does (on the loop)."""
+    entry = engine.registry.entries.get(cache_id)
+    if entry is not None and entry.allocated:
+        engine.registry.release_id(entry)
+
+
+class TensorDesc:
+    """Deprecated upstream: the data type and shape of a :class:`Tensor`."""
+
+    def __init__(self, dtype: DataType, shape: Sequence[int]) -> None:
+        self.dtype = dtype
+        self.shape = list(shape)
+
+
+class Tensor:
+    """Deprecated upstream: a numpy-backed view of one cache tensor."""
+
+    def __init__(self, array: np.ndarray, desc: TensorDesc) -> None:
+        self._array = array
+        self._desc = desc
+
+    def numpy(self) -> np.ndarray:
+        return self._array
+
+    @property
+    def desc(self) -> TensorDesc:
+        return self._desc
+
+
+class KvCacheManager:
+    """``LLMDataDist.kv_cache_manager`` in legacy mode. Movements return CacheTasks."""
+
+    def __init__(self, engine: Any, datadist: Any) -> None:
+        self._cm = CacheManager(engine, datadist, cache_cls=KvCache)
+        self._engine = engine
+        self._datadist = datadist
+
+    # ------------------------------------------------------------------ helpers
+    def is_initialized(self) -> bool:
+        return not self._engine.closed
+
+    def _require(self, role: LLMRole, what: str) -> None:
+        raise_if_false(
+            self._datadist.role == role,
+            f"{what} is only available on a {role.name} endpoint in legacy mode",
+        )
+
+    # ------------------------------------------------------------------ memory
+    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> KvCache:
+        """Raises: as CacheManager.allocate_cache; LLM_PARAM_INVALID for a HOST cache, or
+        keys on a decoder."""
+        check_isinstance("cache_desc", cache_desc, CacheDesc)
+        raise_if_false(cache_desc.placement == Placement.DEVICE, "legacy caches live on DEVICE")
+        if cache_keys:
+            self._require(LLMRole.PROMPT, "allocate_cache with cache_keys")
+        cache: KvCache = self._cm.allocate_cache(cache_desc, cache_keys)
+        return cache
+
+    def allocate_blocks_cache(
+        self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
+    ) -> KvCache:
+        if blocks_cache_key is not None:
+            self._require(LLMRole.PROMPT, "allocate_blocks_cache with a key")
+        cache: KvCache = self._cm.allocate_blocks_cache(cache_desc, blocks_cache_key)
+        return cache
+
+    def deallocate_cache(self, cache: Cache) -> None:
+        """Frees contiguous and blocks caches alike.
+
+        Raises: TypeError; LLMException(LLM_PARAM_INVALID) for a CPU cache."""
+        check_isinstance("cache", cache, Cache)
+        raise_if_false(cache.cache_id >= 0, "a CPU cache cannot be deallocated")
+        if cache.is_blocks_cache:
+            self._cm.deallocate_blocks_cache(cache)
+        else:
+            self._cm.deallocate_cache(cache)
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        self._require(LLMRole.PROMPT, "remove_cache_key")
+        self._cm.remove_cache_key(cache_key)
+
+    def get_cache_tensors(self, cache: Cache, tensor_index: int = 0) -> list[Tensor]:
+        """The cache's tensor ``tensor_index`` as a numpy-backed Tensor (one per device).
+
+        Raises: LLMException(LLM_PARAM_INVALID) for an index out of range."""
+        check_isinstance("cache", cache, Cache)
+        check_uint64("tensor_index", tensor_index)
+        desc = cache.cache_desc
+        raise_if_false(tensor_index < desc.num_tensors, f"tensor_index {tensor_index} >= count")
+        array = cache.tensors[tensor_index]
+        return [Tensor(array, TensorDesc(desc.data_type, desc.shape))]
+
+    # ------------------------------------------------------------------ movement
+    def pull_cache(
+        self,
+        cache_key: CacheKey | CacheKeyByIdAndIndex,
+        kv_cache: Cache,
+        batch_index: int = 0,
+        size: int = -1,
+        **kwargs: Any,
+    ) -> CacheTask:
+        """Decoder only. ``size=-1``: the local slot after ``dst_cache_offset``.
+
+        Raises: as CacheManager.pull_cache; LLM_PARAM_INVALID on a prompt endpoint."""
+        self._require(LLMRole.DECODER, "pull_cache")
+        return self._cm.pull_cache(cache_key, kv_cache, batch_index, size, **kwargs)
+
+    def pull_blocks(
+        self,
+        prompt_cache_key: BlocksCacheKey,
+        decoder_kv_cache: Cache,
+        prompt_blocks: list[int],
+        decoder_blocks: list[int],
+        **kwargs: Any,
+    ) -> CacheTask:
+        """Decoder only; block lists must be non-empty lists (not tuples) of equal length.
+
+        Raises: TypeError for tuples or a non-BlocksCacheKey; LLMException(LLM_PARAM_INVALID)
+            for empty or unequal lists, or on a prompt endpoint."""
+        self._require(LLMRole.DECODER, "pull_blocks")
+        check_isinstance("prompt_cache_key", prompt_cache_key, BlocksCacheKey)
+        check_isinstance("prompt_blocks", prompt_blocks, list)
+        check_isinstance("decoder_blocks", decoder_blocks, list)
+        raise_if_false(prompt_blocks and decoder_blocks, "block lists must not be empty")
+        raise_if_false(len(prompt_blocks) == len(decoder_blocks), "block lists differ in length")
+        return self._cm.pull_blocks(
+            prompt_cache_key, decoder_kv_cache, prompt_blocks, decoder_blocks, **kwargs
+        )
+
+    def copy_cache(
+        self,
+        dst: Cache,
+        src: Cache,
+        dst_batch_index: int = 0,
+        src_batch_index: int = 0,
+        offset: int = 0,
+        size: int = -1,
+        req_id: int | None = None,
+    ) -> CacheTask:
+        return self._cm.copy_cache(dst, src, dst_batch_index, src_batch_index, offset, size, req_id)
+
+    def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> CacheTask:
+        return self._cm.copy_blocks(cache, copy_block_info)
+
+    def swap_blocks(self, src: Cache, dst: Cache, src_to_dst: dict[int, int]) -> CacheTask:
+        return self._cm.swap_blocks(src, dst, src_to_dst)
+
+    def transfer_cache_async(
+        self,
+        src_cache: Cache,
+        layer_synchronizer: Any,
+        transfer_configs: Sequence[Any],
+        src_block_indices: Sequence[int] | None = None,
+        dst_block_indices: Sequence[int] | None = None,
+        dst_block_memory_size: int | None = None,
+    ) -> CacheTask:
+        """Prompt only, TransferConfig only (raw peer addresses)."""
+        self._require(LLMRole.PROMPT, "transfer_cache_async")
+        return self._cm.transfer_cache_async(
+            src_cache,
+            layer_synchronizer,
+            transfer_configs,
+            src_block_indices,
+            dst_block_indices,
+            dst_block_memory_size,
+        )
