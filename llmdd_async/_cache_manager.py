@@ -1046,8 +1046,14 @@ class CacheManager:
                 int(src_b.max()) < entry.count,
                 f"src block {int(src_b.max())} >= the {entry.count} source blocks",
             )
+        elif entry.is_blocks:
+            # A blocks source without indices (upstream's own sample does this): every block,
+            # to the same block positions of the destination.
+            raise_if_false(
+                dst_b is None, "dst_block_indices need src_block_indices with a blocks source"
+            )
+            src_b = dst_b = np.arange(entry.count, dtype=np.int64)
         else:
-            raise_if_false(not entry.is_blocks, "a blocks source cache needs src_block_indices")
             if dst_b is not None:
                 raise_if_false(len(dst_b) > 0, "dst_block_indices must not be empty")
                 raise_if_false(

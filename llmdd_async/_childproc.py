@@ -43,6 +43,34 @@ class CommandServer:
     """Child side: each ``{"id", "op", "args"}`` line runs ``await self.<op>(**args)``."""
 
     tg: anyio.abc.TaskGroup
+    #: set by the ``exit`` command; endpoints started by :meth:`start_endpoint` then stop
+    stop: anyio.Event
+
+    async def start_endpoint(self, datadist: Any, options: dict[str, str]) -> None:
+        """Run ``datadist`` in the background until ``exit``; return once it is up.
+
+        Raises:
+            Exception: whatever starting it raised.
+        """
+        started = anyio.Event()
+        error: list[BaseException] = []
+
+        async def run() -> None:
+            try:
+                async with datadist.running(options):
+                    started.set()
+                    await self.stop.wait()
+            except Exception as exc:
+                error.append(exc)
+                started.set()
+
+        self.tg.start_soon(run)
+        await started.wait()
+        if error:
+            raise error[0]
+
+    async def exit(self) -> None:
+        self.stop.set()
 
     async def serve(self) -> None:
         stdin = anyio.wrap_file(sys.stdin)

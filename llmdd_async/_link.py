@@ -250,6 +250,7 @@ class Link:
             self.sock.shutdown(socket.SHUT_RDWR)
         if self._reader_scope is not None:
             self._reader_scope.cancel()
+        self._scratch = memoryview(b"")  # a down link keeps no buffers
         for fn in self._on_close:
             fn(self)
         self._on_close.clear()

@@ -127,19 +127,7 @@ class LinkManager:
         Raises:
             LLMException: LLM_LINK_FAILED when the address cannot be bound.
         """
-        ip, port = address
-        lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            lsock.bind((ip, port))
-            lsock.listen(128)
-            lsock.setblocking(False)
-        except OSError as exc:
-            lsock.close()
-            raise LLMException(
-                f"cannot listen on {ip}:{port}: {exc.strerror or exc}",
-                status_code=LLMStatusCode.LLM_LINK_FAILED,
-            ) from None
+        lsock = _bind_listener(address, 128, "")
         self.listen_address = lsock.getsockname()[:2]
         scope = anyio.CancelScope()
         self._listen_scope = scope
@@ -203,8 +191,10 @@ class LinkManager:
             # The peer linked again although we still had a link: ours is stale (upstream's
             # "force link"), e.g. the peer restarted. Its transfers fail with NOT_YET_LINK.
             self.engine.spawn(old.close, False)
+        # A link that breaks or that the peer drops stays listed (as down) until this side
+        # unlinks it, as upstream's link entities do: "on link faults, both sides must call"
+        # unlink_clusters(force=True), and that must succeed.
         self.links[link.peer_cluster_id] = link
-        link.on_close(self.forget)
         added, self._link_added = self._link_added, anyio.Event()
         added.set()
         self.log.info(
@@ -299,12 +289,12 @@ class LinkManager:
                 codes.append(LLMStatusCode.LLM_NOT_YET_LINK)
                 continue
             code = LLMStatusCode.LLM_SUCCESS
-            if not force and link.alive:
-                try:
-                    ack = await link.roundtrip(Message(MT.UNLINK), MT.UNLINK_ACK, timeout_s)
-                except LinkBroken:
-                    ack = None
-                if ack is None:
+            if not force:
+                ack = None
+                if link.alive:
+                    with contextlib.suppress(LinkBroken):
+                        ack = await link.roundtrip(Message(MT.UNLINK), MT.UNLINK_ACK, timeout_s)
+                if ack is None:  # the peer could not be told; our side goes anyway
                     code = LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
             self.forget(link)
             await link.close(notify=False)
@@ -385,18 +375,7 @@ class LinkManager:
         self, address: tuple[str, int]
     ) -> tuple[anyio.CancelScope, anyio.Event]:
         """A temporary listener (for a comm domain's lower ranks)."""
-        lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            lsock.bind(address)
-            lsock.listen(16)
-            lsock.setblocking(False)
-        except OSError as exc:
-            lsock.close()
-            raise LLMException(
-                f"cannot listen on {address[0]}:{address[1]} for the comm domain: {exc}",
-                status_code=LLMStatusCode.LLM_LINK_FAILED,
-            ) from None
+        lsock = _bind_listener(address, 16, " for the comm domain")
         scope, closed = anyio.CancelScope(), anyio.Event()
         self.engine.spawn(self._accept_loop, lsock, scope, closed)
         return scope, closed
@@ -423,6 +402,27 @@ class LinkManager:
             self.forget(link)
             with contextlib.suppress(Exception):
                 await link.close(notify=True)
+
+
+def _bind_listener(address: tuple[str, int], backlog: int, purpose: str) -> socket.socket:
+    """A non-blocking socket listening on exactly ``address``.
+
+    Raises:
+        LLMException: LLM_LINK_FAILED when the address cannot be bound.
+    """
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lsock.bind(address)
+        lsock.listen(backlog)
+        lsock.setblocking(False)
+    except OSError as exc:
+        lsock.close()
+        raise LLMException(
+            f"cannot listen on {address[0]}:{address[1]}{purpose}: {exc.strerror or exc}",
+            status_code=LLMStatusCode.LLM_LINK_FAILED,
+        ) from None
+    return lsock
 
 
 @dataclasses.dataclass

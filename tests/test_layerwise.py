@@ -505,7 +505,7 @@ async def test_validation_rules_raise_at_the_call() -> None:
             (lambda: cm.transfer_cache_async(odd, sync, [ok], [0], [0]), S.LLM_PARAM_INVALID),
             (lambda: cm.transfer_cache_async(blocks, sync, [ok], [0], None), S.LLM_PARAM_INVALID),
             (lambda: cm.transfer_cache_async(blocks, sync, [ok], [0, 1], [0]), S.LLM_PARAM_INVALID),
-            (lambda: cm.transfer_cache_async(blocks, sync, [ok]), S.LLM_PARAM_INVALID),
+            (lambda: cm.transfer_cache_async(blocks, sync, [ok], None, [0]), S.LLM_PARAM_INVALID),
             (lambda: cm.transfer_cache_async(cont, sync, [ok], None, [0]), S.LLM_PARAM_INVALID),
             (
                 lambda: cm.transfer_cache_async(cont, sync, [ok], None, None, 64),

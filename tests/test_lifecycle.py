@@ -82,7 +82,7 @@ async def test_bad_options_fail_before_starting(options, exc, code) -> None:
 
 
 async def test_legacy_mode_is_the_default_like_upstream() -> None:
-    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running({}) as d:
+    async with dd.LLMDataDist(dd.LLMRole.DECODER, 1).running({}) as d:
         with pytest.raises(dd.LLMException) as err:
             _ = d.cache_manager
         assert err.value.status_code == dd.LLMStatusCode.LLM_PARAM_INVALID

@@ -190,7 +190,41 @@ async def test_peer_death_is_noticed_and_relinking_works() -> None:
             await link(d, 1, p.listen)
             p.kill()
             with anyio.fail_after(5):
-                while 1 in d._engine.links.links:
+                while d._engine.links.links[1].alive:
+                    await anyio.sleep(0.01)
+            # The dead link stays listed until this side unlinks it, which succeeds
+            # ("on link faults, both sides must call it").
+            with pytest.raises(dd.LLMException) as err:
+                d.link_statistics(1)
+            assert err.value.status_code == S.LLM_NOT_YET_LINK
+            assert await d.unlink_clusters([cluster(1)], force=True) == (
+                S.LLM_SUCCESS,
+                [S.LLM_SUCCESS],
+            )
+        async with PeerProcess.start(dd.LLMRole.PROMPT, 1, endpoint_options(listen=True)) as p:
+            await link(d, 1, p.listen)
+            # A peer that dies again: relinking works without unlinking first, too.
+            p.kill()
+            with anyio.fail_after(5):
+                while d._engine.links.links[1].alive:
                     await anyio.sleep(0.01)
         async with PeerProcess.start(dd.LLMRole.PROMPT, 1, endpoint_options(listen=True)) as p:
             await link(d, 1, p.listen)
+
+
+async def test_both_sides_force_unlink_after_a_fault() -> None:
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, endpoint_options(listen=True)) as p:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+            await link(d, 1, p.listen)
+            assert await p.request("unlink", cluster_id=2, force=True) == [0, [0]]
+            with anyio.fail_after(5):
+                while d._engine.links.links[1].alive:
+                    await anyio.sleep(0.01)
+            assert await d.unlink_clusters([cluster(1)], force=True) == (
+                S.LLM_SUCCESS,
+                [S.LLM_SUCCESS],
+            )
+            assert await d.unlink_clusters([cluster(1)], force=True) == (
+                S.LLM_NOT_YET_LINK,
+                [S.LLM_NOT_YET_LINK],
+            )

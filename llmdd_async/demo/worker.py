@@ -56,21 +56,7 @@ class Worker(CommandServer):
         self.dd = dd.LLMDataDist(
             dd.LLMRole.PROMPT if role == "prefill" else dd.LLMRole.DECODER, cluster_id
         )
-        started, failure = anyio.Event(), []
-
-        async def run() -> None:
-            try:
-                async with self.dd.running(options):  # type: ignore[union-attr]
-                    started.set()
-                    await self.stop.wait()
-            except Exception as exc:
-                failure.append(exc)
-                started.set()
-
-        self.tg.start_soon(run)
-        await started.wait()
-        if failure:
-            raise failure[0]
+        await self.start_endpoint(self.dd, options)
         cm = self.dd.cache_manager
         desc = dd.CacheDesc(2 * config.layers, desc_shape, dd.DataType.DT_FLOAT)
         self.cache = cm.allocate_blocks_cache(desc, dd.BlocksCacheKey(cluster_id, 0))
@@ -239,9 +225,6 @@ class Worker(CommandServer):
             "decode_logits": b64(outs[0]),
             "prefill_seconds": took,
         }
-
-    async def exit(self) -> None:
-        self.stop.set()
 
 
 def main() -> None:

@@ -28,22 +28,7 @@ class Peer(CommandServer):
     # Commands -------------------------------------------------------------------
     async def start(self, role: int, cluster_id: int, options: dict[str, str]) -> Any:
         self.dd = dd.LLMDataDist(dd.LLMRole(role), cluster_id)
-        started = anyio.Event()
-        error: list[BaseException] = []
-
-        async def run() -> None:
-            try:
-                async with self.dd.running(options):  # type: ignore[union-attr]
-                    started.set()
-                    await self.stop.wait()
-            except Exception as exc:
-                error.append(exc)
-                started.set()
-
-        self.tg.start_soon(run)
-        await started.wait()
-        if error:
-            raise error[0]
+        await self.start_endpoint(self.dd, options)
         self.legacy = not self.dd._engine.options.cache_manager
         return self.dd.listen_address
 
@@ -170,9 +155,6 @@ class Peer(CommandServer):
         except dd.LLMException as exc:
             return int(exc.status_code)
         return 0
-
-    async def exit(self) -> None:
-        self.stop.set()
 
 
 def main() -> None:
