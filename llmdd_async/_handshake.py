@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -134,8 +135,11 @@ async def client_handshake(
     return decoder, peer
 
 
-async def server_handshake(engine: Any, sock: socket.socket) -> tuple[Decoder, dict[str, Any]]:
-    """Run the server side; returns the decoder and the peer identity.
+async def server_handshake(
+    engine: Any, sock: socket.socket, prepare: Callable[[dict[str, Any]], Any]
+) -> tuple[Decoder, dict[str, Any], Any]:
+    """Run the server side; returns the decoder, the peer identity and what ``prepare`` made
+    of it (called before the client is told yes, so a refusal reaches the client).
 
     Raises:
         HandshakeFailed: the client was refused (it has been told so).
@@ -176,7 +180,11 @@ async def server_handshake(engine: Any, sock: socket.socket) -> tuple[Decoder, d
             "llm.EnableRemoteCacheAccessible differs between the two endpoints",
             True,
         )
+    try:
+        prepared = prepare(peer)
+    except HandshakeFailed as exc:
+        raise await refuse(exc.code, str(exc), False) from None
     me = engine.identity_for_link()
     mac_s = auth_mac(key, b"server", nonce_c, nonce_s, str(engine.cluster_id)) if key else None
     await _send(sock, Message(MT.LINK_ACK, 0, {"status": 0, "mac": mac_s, **me}))
-    return decoder, peer
+    return decoder, peer, prepared

@@ -26,7 +26,7 @@ import numpy as np
 from ._enums import LLMStatusCode
 from ._errors import LLMException
 from ._log import get_logger
-from ._memory import CancelToken
+from ._memory import CancelToken, CopyCancelled
 from ._protocol import MT, NEED_DATA, Decoder, Message, PayloadBytes, ProtocolError, encode
 from ._transports.tcp import CHUNK_BYTES, Fence, StreamPlan, recv_views, send_views
 
@@ -35,6 +35,7 @@ __all__ = ["FLAG_TO_INITIATOR", "Link", "LinkBroken", "Pending", "Serving", "aut
 #: DATA/ABORT flag: the frame concerns a request that the *receiver* of the frame started.
 FLAG_TO_INITIATOR = 1
 _READ_AHEAD = 64 << 10
+MAX_SERVING = 16
 _SCRATCH = 4 << 20
 
 
@@ -182,6 +183,8 @@ class Link:
         self._waiters: dict[MT, list[Pending]] = {MT.TABLE: [], MT.UNLINK_ACK: [], MT.PONG: []}
         self._scratch = memoryview(bytearray(_SCRATCH))
         self._reader_scope: anyio.CancelScope | None = None
+        #: requests of the peer served at once; more wait (bounds staging memory and threads)
+        self.serving_limiter = anyio.CapacityLimiter(MAX_SERVING)
         self.fallback_logged = False
         self.stats_bytes = 0
         self.stats_transfers = 0
@@ -285,16 +288,24 @@ class Link:
             if not self.alive:
                 raise LinkBroken(f"link to cluster {self.peer_cluster_id} is down")
             try:
-                while data:
-                    try:
-                        n = self.sock.send(data, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
-                        await anyio.wait_writable(self.sock)
-                        continue
-                    data = data[n:]
-            except OSError as exc:
+                # Once the first byte is out the frame must be finished, whoever cancels us:
+                # a half-sent frame would desynchronise the stream. A peer that stops reading
+                # for the whole stall timeout breaks the link instead.
+                with anyio.CancelScope(shield=True):
+                    with anyio.move_on_after(self.engine.stall_timeout_s) as stall:
+                        while data:
+                            try:
+                                n = self.sock.send(data, socket.MSG_DONTWAIT)
+                            except BlockingIOError:
+                                await anyio.wait_writable(self.sock)
+                                continue
+                            data = data[n:]
+                    if stall.cancelled_caught:
+                        raise TimeoutError("the peer stopped reading")
+            except (OSError, TimeoutError) as exc:
                 self.fail(exc)
                 raise LinkBroken(f"send to cluster {self.peer_cluster_id} failed: {exc}") from exc
+        await anyio.lowlevel.checkpoint()  # a shielded send still lets cancellation in here
 
     async def send_stream(
         self, req: _Request, stream: StreamPlan, to_initiator: bool, token: CancelToken
@@ -318,11 +329,12 @@ class Link:
             views = await stream.prepare(off, n, token)
             deadline = req.deadline or (time.monotonic() + self.engine.stall_timeout_s)
             fence = Fence(token, deadline)
-            req.fence = fence
             async with self.send_lock:
                 if not self.alive:
                     raise self.broken or LinkBroken("link closed")
                 try:
+                    # Set only now, next to the worker that will release it.
+                    req.fence = fence
                     await anyio.to_thread.run_sync(send_views, self.sock, header, views, fence)
                 except (OSError, TimeoutError) as exc:
                     self.fail(exc)
@@ -351,7 +363,13 @@ class Link:
         """
         req.token.cancel()
         fence = req.fence
-        if fence is not None and not fence.released.is_set():
+        if fence is None or fence.released.is_set():
+            return
+        # Workers notice the token within tens of milliseconds; if one does not release even
+        # so (stuck in the kernel), the link is shut down, which returns it from any syscall.
+        done = await anyio.to_thread.run_sync(fence.released.wait, self.engine.stall_timeout_s)
+        if not done:
+            self.fail(TimeoutError("a worker did not let go of a cancelled transfer"))
             await anyio.to_thread.run_sync(fence.released.wait)
 
     async def roundtrip(self, msg: Message, reply: MT, timeout_s: float) -> Message | None:
@@ -429,12 +447,16 @@ class Link:
     async def _receive_payload(self, msg: Message) -> None:
         if msg.type != MT.DATA:
             raise ProtocolError(f"{msg.type.name} frames carry no payload")
+        n = msg.payload_len
+        if n > CHUNK_BYTES:
+            raise ProtocolError(f"DATA frame of {n} bytes exceeds {CHUNK_BYTES}")
         table = self.pending if msg.flags & FLAG_TO_INITIATOR else self.serving
         req = table.get(msg.req_id)
         off = msg.fields.get("off")
-        n = msg.payload_len
         stream = req.stream if req is not None else None
-        if stream is not None and (not isinstance(off, int) or off < 0 or off + n > stream.total):
+        if stream is None:
+            req = None  # nothing of ours receives this frame: discard it, touching no request
+        elif not isinstance(off, int) or off < 0 or off + n > stream.total:
             raise ProtocolError(f"DATA frame [{off}, +{n}) outside its plan")
         views = stream.receive_views(off, n) if stream is not None else []
         # Bytes the read-ahead already pulled in go first (at most 64 KiB, copied here).
@@ -447,12 +469,12 @@ class Link:
                 _copy_into(views, pos, chunk)
             pos += chunk.nbytes
         rest = self.decoder.payload_remaining
+        token = req.token if req is not None else _CANCELLED
+        deadline = (req.deadline if req is not None else None) or (
+            time.monotonic() + self.engine.stall_timeout_s
+        )
         if rest:
             target = _slice_views(views, pos, rest) if views else self._discard(rest)
-            token = req.token if req is not None else _CANCELLED
-            deadline = (req.deadline if req is not None else None) or (
-                time.monotonic() + self.engine.stall_timeout_s
-            )
             fence = Fence(token, deadline)
             if req is not None:
                 req.fence = fence
@@ -462,8 +484,17 @@ class Link:
                 if req is not None:
                     req.fence = None
             self.decoder.payload_consumed(rest)
-        if stream is not None and req is not None and not req.token.cancelled:
-            await stream.commit(off, n, req.token)
+        if req is not None and stream is not None and not token.cancelled:
+            # Staged (device) streams scatter now; that worker is fenced like the receive.
+            fence = Fence(token, deadline)
+            req.fence = fence
+            try:
+                await stream.commit(off, n, token)
+            except CopyCancelled:
+                pass  # cancelled meanwhile: the bytes are dropped, the link is fine
+            finally:
+                fence.released.set()
+                req.fence = None
         self.stats_bytes += n
         if req is not None and stream is not None:
             req.received += n

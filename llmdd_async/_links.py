@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
+import hmac
 import json
 import os
 import socket
@@ -69,6 +71,7 @@ class LinkManager:
             "pools": pools,
             "probe": [int(self._probe.ctypes.data), self._probe.tobytes().hex()],
             "transport": e.options.transport,
+            "inproc": in_process_proof({"cluster_id": e.cluster_id, "host": self._host}),
         }
 
     def _make_access(self, peer: dict[str, Any]) -> Any:
@@ -91,6 +94,10 @@ class LinkManager:
             return None
         pid = int(host["pid"])
         if pid == os.getpid():
+            # Anyone on this host can claim our pid; only an endpoint of this very process
+            # knows the process secret behind this proof.
+            if not hmac.compare_digest(str(peer.get("inproc", "")), in_process_proof(peer)):
+                raise HandshakeFailed("the peer claims to run in this process but cannot prove it")
             return InProcessAccess(e.adapter.copy)
         probe = peer.get("probe") or [0, ""]
         pvr = pvr_probe(pid, int(probe[0]), bytes.fromhex(str(probe[1])))
@@ -171,9 +178,17 @@ class LinkManager:
         conn.setblocking(False)
         try:
             with anyio.fail_after(_ACCEPT_HANDSHAKE_S):
-                decoder, peer = await server_handshake(self.engine, conn)
-            access = self._make_access(peer)
-        except (HandshakeFailed, OSError, EOFError, ProtocolError, TimeoutError) as exc:
+                decoder, peer, access = await server_handshake(self.engine, conn, self._make_access)
+        except (
+            HandshakeFailed,
+            OSError,
+            EOFError,
+            ProtocolError,
+            TimeoutError,
+            ValueError,
+            KeyError,
+            TypeError,
+        ) as exc:  # whatever a hostile or broken client sends, it only loses its connection
             self.log.info("link.refused", reason=str(exc))
             conn.close()
             return
@@ -267,7 +282,15 @@ class LinkManager:
             if sock is not None:
                 sock.close()
             return exc.code
-        except (OSError, EOFError, ProtocolError, TimeoutError) as exc:
+        except (
+            OSError,
+            EOFError,
+            ProtocolError,
+            TimeoutError,
+            ValueError,
+            KeyError,
+            TypeError,
+        ) as exc:  # link_clusters reports, never raises
             log.info("link.failed", address=f"{ip}:{port}", reason=str(exc) or repr(exc))
             if sock is not None:
                 sock.close()
@@ -402,6 +425,17 @@ class LinkManager:
             self.forget(link)
             with contextlib.suppress(Exception):
                 await link.close(notify=True)
+
+
+#: never leaves this process: proves that a peer claiming our pid really shares it
+_PROCESS_SECRET = os.urandom(32)
+
+
+def in_process_proof(identity: dict[str, Any]) -> str:
+    """HMAC of an endpoint's identity under this process's secret."""
+    host = identity.get("host") or {}
+    text = f"{identity.get('cluster_id')}|{host.get('boot_id')}|{host.get('pid')}"
+    return hmac.new(_PROCESS_SECRET, text.encode(), hashlib.sha256).hexdigest()
 
 
 def _bind_listener(address: tuple[str, int], backlog: int, purpose: str) -> socket.socket:

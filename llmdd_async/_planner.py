@@ -210,6 +210,7 @@ def plan_slots(
 
 def _check_blocks(blocks: np.ndarray, count: int, side: str, code: LLMStatusCode) -> None:
     if len(blocks):
+        raise_if_false(int(blocks.min()) >= 0, f"{side} block index {int(blocks.min())} < 0", code)
         raise_if_false(
             int(blocks.max()) < count,
             f"{side} block index {int(blocks.max())} >= its {count} blocks",

@@ -135,7 +135,7 @@ def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: byt
         raise ProtocolError("JSON length runs past the meta")
     try:
         fields = json.loads(bytes(meta[4 : 4 + js_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSON errors, huge integers, bad UTF-8
         raise ProtocolError(f"malformed JSON fields: {exc}") from None
     if not isinstance(fields, dict):
         raise ProtocolError("fields must be a JSON object")

@@ -214,13 +214,22 @@ async def initiate(
 
 # ====================================================================== target
 async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> None:
-    """Handle one request from the peer: resolve, check, plan, grant, move, finish."""
-    entry: CacheEntry | None = None
+    """Handle one request from the peer: resolve, check, plan, grant, move, finish.
+
+    Never raises: failures go back to the initiator (in the GRANT, or as an ABORT later).
+    """
+    async with link.serving_limiter:
+        await _serve(engine, link, req, msg)
+
+
+async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
     registry = engine.registry
+    pinned: list[CacheEntry] = []
+    granted = False
     try:
         try:
-            entry, plan, slot_info, mode = _resolve_and_plan(engine, msg)
-        except (LLMException, ProtocolError, KeyError, TypeError, ValueError, IndexError) as exc:
+            entries, plan, slot_info, mode = _resolve_and_plan(engine, msg)
+        except Exception as exc:  # any malformed or unfulfillable request gets an answer
             code = (
                 exc.status_code
                 if isinstance(exc, LLMException)
@@ -230,8 +239,9 @@ async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> 
                 Message(MT.GRANT, req.req_id, {"status": int(code), "message": str(exc)})
             )
             return
-        if entry is not None:
-            registry.pin(entry)
+        for e in entries:
+            registry.pin(e)
+            pinned.append(e)
         op = msg.fields["op"]
         local_side, target_side = (plan.dst, plan.src) if op == "pull" else (plan.src, plan.dst)
         arrays: dict[str, bytes | memoryview] = {
@@ -244,11 +254,11 @@ async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> 
             req.stream = engine.make_stream(plan.dst, plan.nbytes)
         if (
             op == "pull"
-            and entry is not None
+            and entries
             and slot_info is not None
             and not engine.options.remote_accessible
         ):
-            consumed_entry, (slot, tensors) = entry, slot_info
+            consumed_entry, (slot, tensors) = entries[0], slot_info
 
             def consume(done: Message) -> None:
                 if int(done.fields.get("status", -1)) == 0:
@@ -263,6 +273,7 @@ async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> 
                 arrays,
             )
         )
+        granted = True
         remaining = max(0.0, (req.deadline or 0) - time.monotonic())
         with anyio.move_on_after(remaining):
             if mode == "stream" and op == "pull":
@@ -283,20 +294,38 @@ async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> 
                 await req.done_event.wait()
     except LinkBroken:
         pass
+    except Exception as exc:
+        # Tell the initiator at once rather than letting it wait for its deadline.
+        if granted and link.alive:
+            code = status_from_exception(exc)
+            with contextlib.suppress(Exception), anyio.move_on_after(1):
+                await link.send(
+                    Message(
+                        MT.ABORT,
+                        req.req_id,
+                        {"status": int(code), "message": str(exc)},
+                        flags=FLAG_TO_INITIATOR,
+                    )
+                )
+        engine.log.info("transfer.failed", side="target", error=repr(exc))
     finally:
+        # Fence before unpinning: no worker may touch these caches after they are released.
+        with anyio.CancelScope(shield=True):
+            await link.release(req)
         link.serving.pop(req.req_id, None)
         if req.stream is not None:
             req.stream.close()
-        if entry is not None and entry.pins > 0:
-            registry.unpin(entry)
+        for e in pinned:
+            registry.unpin(e)
 
 
 def _resolve_and_plan(
     engine: Any, msg: Message
-) -> tuple[CacheEntry | None, Plan, tuple[int, np.ndarray] | None, str]:
+) -> tuple[list[CacheEntry], Plan, tuple[int, np.ndarray] | None, str]:
     """Find the target's cache, plan the request, and check every range.
 
-    Returns ``(entry, plan, (slot, tensor indices) for key consumption, mode)``.
+    Returns ``(caches touched, plan, (slot, tensor indices) for key consumption, mode)``; the
+    first cache is the one the request named, if it named one.
 
     Raises:
         LLMException: LLM_KV_CACHE_NOT_EXIST for a missing cache/key, LLM_PARAM_INVALID for
@@ -401,14 +430,30 @@ def _resolve_and_plan(
     else:
         raise ProtocolError(f"bad shape {shape!r}")
     target_side = plan.src if op == "pull" else plan.dst
-    if entry is None:
-        # Raw addresses: every range must lie inside memory this endpoint registered.
-        starts, ends, _ = registry.regions()
+    # Whatever the request said, every range must lie inside memory this endpoint registered:
+    # inside the named cache, or (raw addresses) inside registered caches, which are pinned.
+    if entry is not None:
+        starts, ends = _entry_regions(entry)
+        raise_if_false(
+            check_within(target_side, plan.nbytes, starts, ends),
+            f"the request leaves cache {entry.cache_id} of cluster {engine.cluster_id}",
+        )
+        entries = [entry]
+    else:
+        starts, ends, ids = registry.regions()
         raise_if_false(
             check_within(target_side, plan.nbytes, starts, ends),
             "destination addresses are outside the registered memory of cluster "
             f"{engine.cluster_id}",
         )
+        j = np.searchsorted(starts, target_side, side="right").astype(np.int64) - 1
+        entries = [registry.entries[int(c)] for c in np.unique(ids[j])]
+        if engine.options.remote_accessible:
+            for e in entries:
+                raise_if_false(
+                    e.remote_accessible,
+                    f"cache {e.cache_id} of cluster {engine.cluster_id} is not remote accessible",
+                )
     slot_info = None
     if entry is not None and op == "pull" and not entry.is_blocks:
         slot_info = (src_slot, src_idx)
@@ -417,7 +462,7 @@ def _resolve_and_plan(
         if engine.reachable_by_peer(f.get("caps", {}), target_side, plan.nbytes)
         else "stream"
     )
-    return entry, plan, slot_info, mode
+    return entries, plan, slot_info, mode
 
 
 __all__ += ["FLAG_TO_INITIATOR", "Pending"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 import base64
 import socket
 
+import anyio
 import numpy as np
 import pytest
-from helpers import endpoint_options, link
+from helpers import cluster, endpoint_options, link
 
 import llmdd_async as dd
 from llmdd_async._protocol import MT, Message, encode
@@ -115,3 +116,112 @@ async def test_a_peer_that_speaks_nonsense_after_the_handshake_loses_only_its_li
                 )
                 await e.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), dst, [1], [1])
                 assert dst.tensors[0][1].any()
+
+
+async def run_spec(engine, lnk, spec):
+    """Run one hand-made request as a task (what a hostile initiator would send)."""
+
+    async def body(ctl) -> None:
+        await initiate(engine, lnk, spec, ctl.token, ctl.deadline)
+
+    return await engine.start_task(CacheTask("hostile"), body, 5)
+
+
+async def test_negative_block_indices_cannot_reach_outside_a_cache() -> None:
+    """Block lists travel as u64; 2**64 - k must not become "k blocks before the cache"."""
+    opts = endpoint_options("tcp", listen=True, ra=True)
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, opts) as p:
+        victim = await p.request(
+            "register",
+            kind="blocks",
+            num_tensors=1,
+            shape=[4, 64],
+            blocks_key=encode_key(dd.BlocksCacheKey(1, 0)),
+            seed=5,
+        )
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options("tcp", ra=True)
+        ) as d:
+            await link(d, 1, p.listen)
+            engine = d._engine
+            lnk = engine.links.get(1)
+            mine = d.cache_manager.allocate_blocks_cache(
+                dd.CacheDesc(1, [4, 64], dd.DataType.DT_UINT8)
+            )
+            entry = engine.registry.entries[mine.cache_id]
+            for op in ("pull", "push"):
+                for bad in (2**64 - 1, 2**64 - 1000, 2**63):
+                    blocks = np.array([bad], dtype=np.uint64)
+                    spec = XferSpec(
+                        op,
+                        {"by": "cache_id", "cache_id": victim, "index": 0},
+                        "blocks",
+                        entry,
+                        src_blocks=blocks if op == "pull" else np.array([0], np.uint64),
+                        dst_blocks=np.array([0], np.uint64) if op == "pull" else blocks,
+                    )
+                    with pytest.raises(dd.LLMException) as err:
+                        await run_spec(engine, lnk, spec)
+                    assert err.value.status_code == S.LLM_PARAM_INVALID
+            got = base64.b64decode(await p.request("read", cache_id=victim, tensor=0))
+            from llmdd_async.testing import pattern
+
+            assert got == pattern(5, 256).tobytes()  # untouched, and the peer is alive
+
+
+async def test_a_peer_cannot_pretend_to_share_our_process() -> None:
+    """The in-process path trusts the peer's addresses, so claiming our pid needs proof."""
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(endpoint_options(listen=True)) as p:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+            await link(d, 1, p.listen_address)
+            assert d.link_statistics(1).transport == "in-process"  # a real one: proven
+            await d.unlink_clusters([cluster(1)], force=True)
+            links = d._engine.links
+            honest = links.identity
+            # The decoder now lies: same pid and host as the prompt, but a made-up proof.
+            links.identity = lambda: {**honest(), "inproc": "0" * 64}
+            code, _ = await d.link_clusters([cluster(1, p.listen_address)], 2000)
+            assert code == S.LLM_LINK_FAILED
+
+
+async def test_cancel_while_waiting_for_the_send_lock_does_not_hang() -> None:
+    """A push cancelled while the peer's big pull holds our send lock returns promptly."""
+    big = (48, 1 << 20)
+    opts = endpoint_options(
+        "tcp", listen=True, ra=True, **{"llm.MemPoolConfig": '{"memory_size": 134217728}'}
+    )
+    async with PeerProcess.start(dd.LLMRole.DECODER, 3, opts) as p:
+        theirs = await p.request("alloc", kind="blocks", num_tensors=1, shape=list(big))
+        await p.request(
+            "register",
+            kind="blocks",
+            num_tensors=1,
+            shape=[4, 64],
+            blocks_key=encode_key(dd.BlocksCacheKey(3, 0)),
+        )
+        async with dd.LLMDataDist(dd.LLMRole.PROMPT, 4).running(opts) as d:
+            await link(d, 3, p.listen)
+            cm = d.cache_manager
+            cm.allocate_blocks_cache(  # what the peer pulls
+                dd.CacheDesc(1, list(big), dd.DataType.DT_UINT8), dd.BlocksCacheKey(4, 0)
+            )
+            small = cm.allocate_blocks_cache(dd.CacheDesc(1, [4, 64], dd.DataType.DT_UINT8))
+            await cm.push_blocks(dd.BlocksCacheKey(3, 0), small, [0], [0])  # table snapshot
+            for _ in range(3):
+                # the peer pulls 48 MiB from us: our send lock is busy streaming it...
+                pull = await p.call(
+                    "pull_blocks",
+                    {"key": encode_key(dd.BlocksCacheKey(4, 0))},
+                    {"cache": theirs},
+                    list(range(48)),
+                    list(range(48)),
+                    wait=False,
+                )
+                task = cm.push_blocks(dd.BlocksCacheKey(3, 0), small, [1], [1])
+                await anyio.sleep(0.001)
+                task.cancel()  # ...while our push waits for it
+                with anyio.fail_after(10):
+                    with pytest.raises(dd.LLMException):
+                        await task
+                assert await p.request("wait_task", task=pull) == 0
+            await cm.push_blocks(dd.BlocksCacheKey(3, 0), small, [2], [2])  # link still fine

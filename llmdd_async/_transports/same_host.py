@@ -137,12 +137,17 @@ def pvr_probe(pid: int, addr: int, expect: bytes) -> bool:
 
 class _MappedPool:
     def __init__(self, pid: int, fd: int, base: int, size: int) -> None:
-        self.remote_base, self.size = base, size
         fd_local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
         try:
+            # Map what the file really holds, whatever the peer claimed: a mapping past the
+            # end of a memfd would fault (SIGBUS) on access.
+            size = min(int(size), os.fstat(fd_local).st_size)
+            if size <= 0 or not 0 < int(base) < 2**63:
+                raise OSError("empty or bogus pool")
             self.map = mmap.mmap(fd_local, size)
         finally:
             os.close(fd_local)
+        self.remote_base, self.size = int(base), size
         self.local_base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
 
     def close(self) -> None:
@@ -175,7 +180,8 @@ class SameHostAccess:
             return np.full(len(remote), -1, dtype=np.int64)
         j = np.searchsorted(self._bases, remote, side="right").astype(np.int64) - 1
         jj = np.maximum(j, 0)
-        inside = (j >= 0) & (remote + nbytes <= self._ends[jj])
+        end = remote + nbytes
+        inside = (j >= 0) & (end >= remote) & (end <= self._ends[jj])  # no wrap-around
         return np.where(inside, j, -1)
 
     def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:

@@ -67,8 +67,17 @@ class StreamPlan:
     """One side of a plan as an ordered byte stream: stream offsets -> local memory ranges."""
 
     def __init__(self, addrs: np.ndarray, nbytes: np.ndarray) -> None:
-        self.addrs = np.asarray(addrs, dtype=np.uint64)
-        self.nbytes = np.asarray(nbytes, dtype=np.uint64)
+        addrs = np.asarray(addrs, dtype=np.uint64)
+        nbytes = np.asarray(nbytes, dtype=np.uint64)
+        if len(addrs) > 1:
+            # This side alone decides how its bytes are cut into buffers: ranges adjacent in
+            # local memory merge even where the other side's do not (a shuffled pull lands in
+            # one contiguous run here, received with a single buffer).
+            brk = np.concatenate(([True], addrs[1:] != addrs[:-1] + nbytes[:-1]))
+            starts = np.flatnonzero(brk)
+            addrs, nbytes = addrs[starts], np.add.reduceat(nbytes, starts).astype(np.uint64)
+        self.addrs = addrs
+        self.nbytes = nbytes
         self.ends = np.cumsum(self.nbytes, dtype=np.uint64)
         self.total = int(self.ends[-1]) if len(self.ends) else 0
         self._base = 0

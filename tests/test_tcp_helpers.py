@@ -1,0 +1,119 @@
+"""The TCP worker helpers over a real socket pair: stream mapping, padding, diversion."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmdd_async._memory import CancelToken
+from llmdd_async._transports.tcp import Fence, StreamPlan, configure_socket, recv_views, send_views
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 50)), min_size=1, max_size=12),
+    cuts=st.lists(st.integers(0, 400), max_size=5),
+)
+def test_stream_plan_views_follow_the_ranges_in_order(pieces, cuts) -> None:
+    memory = np.random.default_rng(0).integers(0, 256, 2000, dtype=np.uint8)
+    base = memory.ctypes.data
+    addrs, lens, pos = [], [], 0
+    for gap, n in pieces:
+        pos += gap  # gap 0: adjacent ranges, which the plan merges
+        addrs.append(base + pos)
+        lens.append(n)
+        pos += n
+    order = np.random.default_rng(len(pieces)).permutation(len(pieces))
+    a = np.array(addrs, np.uint64)[order]
+    n = np.array(lens, np.uint64)[order]
+    plan = StreamPlan(a, n)
+    want = b"".join(
+        memory[int(x) - base : int(x) - base + int(m)].tobytes() for x, m in zip(a, n, strict=True)
+    )
+    assert plan.total == len(want)
+    bounds = sorted({0, plan.total, *(c % (plan.total + 1) for c in cuts)})
+    got = b"".join(
+        b"".join(v.tobytes() for v in plan.views(lo, hi - lo))
+        for lo, hi in itertools.pairwise(bounds)
+    )
+    assert got == want
+
+
+def pair() -> tuple[socket.socket, socket.socket]:
+    """A connected TCP pair on 127.0.0.1, configured as the links configure theirs."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    configure_socket(a)
+    configure_socket(b)
+    return a, b
+
+
+def test_send_views_pads_with_zeros_after_a_cancel_but_keeps_the_header() -> None:
+    a, b = pair()
+    header = b"H" * 32
+    payload = np.full(96 << 20, 7, np.uint8)  # far larger than the socket buffers
+    token = CancelToken()
+    fence = Fence(token, time.monotonic() + 10)
+    received = bytearray()
+
+    def reader() -> None:
+        # Read the header, then stall until the sender has been cancelled.
+        while len(received) < 32:
+            received.extend(b.recv(32 - len(received)))
+        token.cancel()
+        while len(received) < 32 + payload.nbytes:
+            received.extend(b.recv(4 << 20))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    send_views(a, header, [memoryview(payload)], fence)
+    t.join(10)
+    assert fence.released.is_set()
+    assert bytes(received[:32]) == header
+    body = np.frombuffer(bytes(received[32:]), np.uint8)
+    assert len(body) == payload.nbytes  # the frame stays whole: the stream is in step
+    assert body[-1] == 0  # the tail after the cancel is padding, not source memory
+    a.close()
+    b.close()
+
+
+def test_recv_views_diverts_to_scratch_when_cancelled() -> None:
+    a, b = pair()
+    n = 4 << 20
+    data = np.arange(n, dtype=np.uint32).astype(np.uint8)
+    dst = np.zeros(n, np.uint8)
+    scratch = memoryview(bytearray(1 << 20))
+    token = CancelToken()
+    token.cancel()  # cancelled before anything arrived
+    fence = Fence(token, time.monotonic() + 10)
+    sender = threading.Thread(target=lambda: (a.sendall(data), a.sendall(b"next")))
+    sender.start()
+    landed = recv_views(b, [memoryview(dst)], fence, scratch)
+    sender.join(10)
+    assert landed is False
+    assert not dst.any()  # nothing reached the user's buffer
+    assert b.recv(4) == b"next"  # and exactly the frame's bytes were consumed
+    a.close()
+    b.close()
+
+
+def test_recv_views_gives_up_on_a_silent_peer() -> None:
+    a, b = pair()
+    dst = np.zeros(1000, np.uint8)
+    fence = Fence(CancelToken(), time.monotonic() + 0.2)
+    a.sendall(b"x" * 10)
+    try:
+        recv_views(b, [memoryview(dst)], fence, memoryview(bytearray(64)))
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("a silent peer must time out")
+    a.close()
+    b.close()
