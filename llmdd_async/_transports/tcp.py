@@ -34,6 +34,9 @@ __all__ = [
 CHUNK_BYTES = 32 << 20
 _SLICE_S = 0.05
 _IOV_MAX = 1024
+#: bytes per sendmsg/recvmsg call: measured here, 4 MiB calls stream loopback at 3-4.5 GB/s
+#: where 32 MiB calls stay near 2 GB/s (frames stay big; only the syscalls are cut)
+_SYSCALL_BYTES = 4 << 20
 _SCRATCH = 4 << 20
 
 
@@ -179,6 +182,23 @@ class StagedStream(StreamPlan):
             self._adapter.unstage(buf)
 
 
+def _batch(bufs: list[memoryview], idx: int) -> list[memoryview]:
+    """The buffers for one syscall: from ``idx``, at most IOV_MAX of them and about
+    ``_SYSCALL_BYTES`` (a larger first buffer is cut)."""
+    out: list[memoryview] = []
+    total = 0
+    for b in bufs[idx : idx + _IOV_MAX]:
+        room = _SYSCALL_BYTES - total
+        if room <= 0:
+            break
+        if b.nbytes > room:
+            out.append(b[:room])
+            break
+        out.append(b)
+        total += b.nbytes
+    return out
+
+
 def _advance(bufs: list[memoryview], idx: int, n: int) -> int:
     while n > 0:
         first = bufs[idx]
@@ -229,7 +249,7 @@ def send_views(sock: socket.socket, header: bytes, views: list[memoryview], fenc
                 padded = True
                 fence.released.set()
             try:
-                n = sock.sendmsg(bufs[idx : idx + _IOV_MAX])
+                n = sock.sendmsg(_batch(bufs, idx))
             except (BlockingIOError, InterruptedError):
                 _check_deadline(fence, "a send")
                 continue
@@ -261,7 +281,7 @@ def recv_views(
                 diverted = True
                 fence.released.set()
             try:
-                n = sock.recvmsg_into(bufs[idx : idx + _IOV_MAX], 0, socket.MSG_WAITALL)[0]
+                n = sock.recvmsg_into(_batch(bufs, idx), 0, socket.MSG_WAITALL)[0]
             except (BlockingIOError, InterruptedError):
                 _check_deadline(fence, "a receive")
                 continue
