@@ -65,13 +65,14 @@ async def test_registration_rules() -> None:
             cm.register_cache(desc, [torch.zeros(4, 8)])  # too small
 
 
-async def test_no_accelerator_gives_a_clear_error() -> None:
+async def test_default_device_is_the_accelerator_or_a_clear_error() -> None:
+    opts = cm_options(**{"llm.DeviceAdapter": "torch"})
     if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present")
+        async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as d:
+            assert d._engine.adapter.device.type == "cuda"
+        return
     with pytest.raises(dd.LLMException, match=r"llm\.TorchDevice=cpu"):
-        async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(
-            cm_options(**{"llm.DeviceAdapter": "torch"})
-        ):
+        async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts):
             pass
 
 
