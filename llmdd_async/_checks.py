@@ -7,7 +7,7 @@ checks raise ``LLMException(LLM_PARAM_INVALID)`` (via :func:`raise_if_false`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -86,6 +86,7 @@ def check_index_list(
     allowed: tuple[type, ...] = (list,) if list_only else (list, tuple)
     if not isinstance(value, allowed):
         raise TypeError(f"{name} must be {type_name(allowed)}, got {type(value).__name__}")
+    value = cast(Sequence[Any], value)
     if len(value) == 0:
         return np.zeros(0, dtype=np.int64)
     try:

@@ -73,8 +73,7 @@ class LLMDataDist:
             options = options.generate_options()
         if self.is_initialized():
             raise RuntimeError("llm datadist is already initialized")
-        opts = dict(options) if isinstance(options, dict) else options
-        parsed = parse_options(opts)  # type: ignore[arg-type]
+        parsed = parse_options(dict(options) if isinstance(options, dict) else options)
         raise_if_false(
             parsed.cache_manager or self._role != LLMRole.PROMPT or parsed.listen is not None,
             "a PROMPT endpoint in legacy mode needs llm.listenIpInfo",

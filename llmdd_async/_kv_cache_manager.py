@@ -9,7 +9,7 @@ timeout code ``LLM_WAIT_PROCESS_TIMEOUT``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -34,7 +34,7 @@ class KvCache(Cache):
         return [self.tensor_addrs]
 
     @classmethod
-    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: Sequence[Any]) -> KvCache:  # type: ignore[override]
+    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: Sequence[Any]) -> KvCache:
         """An unregistered host cache; ``addrs`` is a list, or a list with one list per device.
 
         Raises:
@@ -115,16 +115,14 @@ class KvCacheManager:
         raise_if_false(cache_desc.placement == Placement.DEVICE, "legacy caches live on DEVICE")
         if cache_keys:
             self._require(LLMRole.PROMPT, "allocate_cache with cache_keys")
-        cache: KvCache = self._cm.allocate_cache(cache_desc, cache_keys)
-        return cache
+        return cast(KvCache, self._cm.allocate_cache(cache_desc, cache_keys))
 
     def allocate_blocks_cache(
         self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
     ) -> KvCache:
         if blocks_cache_key is not None:
             self._require(LLMRole.PROMPT, "allocate_blocks_cache with a key")
-        cache: KvCache = self._cm.allocate_blocks_cache(cache_desc, blocks_cache_key)
-        return cache
+        return cast(KvCache, self._cm.allocate_blocks_cache(cache_desc, blocks_cache_key))
 
     def deallocate_cache(self, cache: Cache) -> None:
         """Frees contiguous and blocks caches alike.

@@ -458,6 +458,7 @@ class Link:
             req = None  # nothing of ours receives this frame: discard it, touching no request
         elif not isinstance(off, int) or off < 0 or off + n > stream.total:
             raise ProtocolError(f"DATA frame [{off}, +{n}) outside its plan")
+        off = int(off or 0)
         views = stream.receive_views(off, n) if stream is not None else []
         # Bytes the read-ahead already pulled in go first (at most 64 KiB, copied here).
         pos = 0

@@ -33,7 +33,7 @@ class PoolConfig:
 class EngineOptions:
     """Everything ``init`` derives from its options, validated."""
 
-    raw: Mapping[str, str]
+    raw: dict[str, str]
     cache_manager: bool
     remote_accessible: bool
     listen: tuple[str, int] | None

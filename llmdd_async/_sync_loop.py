@@ -23,6 +23,7 @@ class LoopThread:
     _lock = threading.Lock()
 
     def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop
         try:
             import uvloop
 

@@ -102,7 +102,7 @@ def _r(r: range | None) -> list[int] | None:
 
 
 def _u64(arr: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr, dtype="<u8")).cast("B")
+    return np.ascontiguousarray(arr, dtype="<u8").data.cast("B")
 
 
 def _arr(msg: Message, name: str) -> np.ndarray | None:

@@ -513,7 +513,9 @@ class TransferWithCacheKeyConfig:
     def src_layer_range(self, value: range) -> None:
         if value is None:
             raise TypeError("src_layer_range is required")
-        self._src_layer_range = check_range("src_layer_range", value, optional=False)
+        checked = check_range("src_layer_range", value, optional=False)
+        assert checked is not None
+        self._src_layer_range = checked
         self._check_consistency()
 
     @property
@@ -524,7 +526,9 @@ class TransferWithCacheKeyConfig:
     def dst_layer_range(self, value: range) -> None:
         if value is None:
             raise TypeError("dst_layer_range is required")
-        self._dst_layer_range = check_range("dst_layer_range", value, optional=False)
+        checked = check_range("dst_layer_range", value, optional=False)
+        assert checked is not None
+        self._dst_layer_range = checked
         self._check_consistency()
 
     @property
