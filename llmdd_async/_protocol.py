@@ -110,7 +110,7 @@ def encode(msg: Message) -> bytes:
     meta_len = 4 + len(js) + sum(a.nbytes for _, a in arrays)
     if meta_len > MAX_META:
         raise ProtocolError(f"meta of {meta_len} bytes exceeds {MAX_META}")
-    parts = [
+    parts: list[bytes | memoryview] = [
         HEADER.pack(
             MAGIC,
             PROTOCOL_VERSION,
@@ -123,7 +123,7 @@ def encode(msg: Message) -> bytes:
         struct.pack("<I", len(js)),
         js,
     ]
-    parts.extend(bytes(a) for _, a in arrays)
+    parts.extend(a for _, a in arrays)
     return b"".join(parts)
 
 
@@ -200,8 +200,11 @@ class Decoder:
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         if self._broken is not None:
             raise self._broken
-        if self._pos and self._pos == len(self._buf):
-            self._buf.clear()
+        if self._pos:
+            # Drop consumed bytes first: a link that only ever carries control frames may never
+            # land exactly on a frame boundary, and the buffer would grow without bound.
+            # (CPython deletes a bytearray prefix in O(1) by moving its start.)
+            del self._buf[: self._pos]
             self._pos = 0
         self._buf += data
 
@@ -260,7 +263,8 @@ class Decoder:
         if avail < HEADER.size + meta_len:
             return NEED_DATA
         start = self._pos + HEADER.size
-        meta = bytes(self._buf[start : start + meta_len])
+        with memoryview(self._buf) as view:
+            meta = bytes(view[start : start + meta_len])
         self._pos = start + meta_len
         try:
             msg = _decode_meta(mt, req_id, flags, payload_len, meta)

@@ -109,6 +109,21 @@ def test_payload_can_be_read_directly_by_the_io_layer() -> None:
         dec.payload_consumed(1)
 
 
+def test_buffer_stays_bounded_when_chunks_never_end_on_a_frame() -> None:
+    # A control-only link may never receive exactly up to a frame boundary; consumed bytes
+    # must still be dropped, or the buffer grows with everything the link ever carried.
+    frame = encode(Message(MT.PING, 1, {"pad": "x" * 1000}))
+    stream = frame * 400
+    dec = Decoder()
+    chunk = 4096 + 7  # never a multiple of the frame size
+    seen = 0
+    for i in range(0, len(stream), chunk):
+        dec.receive_data(stream[i : i + chunk])
+        seen += len(collect(dec))
+        assert len(dec._buf) < chunk + len(frame)
+    assert seen == 400
+
+
 def test_truncated_frames_wait_for_more_bytes() -> None:
     frame = encode(Message(MT.GRANT, 1, {"status": 0}, {"a": b"\0" * 16}))
     for cut in range(len(frame)):
