@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
+import anyio.to_thread
 from anyio.abc import TaskGroup
 
 from ._devices import DeviceAdapter, DevicePool, load_adapter
@@ -135,6 +136,13 @@ class Engine:
         if self.host_reachable(addrs):
             return StreamPlan(addrs, nbytes)
         return StagedStream(addrs, nbytes, self.adapter)
+
+    async def open_stream(self, addrs: Any, nbytes: Any) -> Any:
+        """:meth:`make_stream` for async callers: a staging buffer (pinned memory, slow to
+        allocate) is made in a worker thread."""
+        if self.host_reachable(addrs):
+            return self.make_stream(addrs, nbytes)
+        return await anyio.to_thread.run_sync(self.make_stream, addrs, nbytes)
 
     async def serve_request(self, link: Any, req: Any, msg: Any) -> None:
         from ._transfer import serve_request

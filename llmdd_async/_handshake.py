@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 
 from ._enums import LLMStatusCode
-from ._link import auth_mac, new_nonce
+from ._link import auth_mac, new_nonce, wire_status
 from ._protocol import MT, NEED_DATA, PROTOCOL_VERSION, Decoder, Message, ProtocolError, encode
 
 __all__ = ["HandshakeFailed", "client_handshake", "connect_socket", "server_handshake"]
@@ -120,7 +120,7 @@ async def client_handshake(
     mac_c = auth_mac(key, b"client", nonce_c, nonce_s, str(engine.cluster_id)) if key else None
     await _send(sock, Message(MT.LINK_REQ, 0, {"mac": mac_c, **me}))
     ack = await _recv(sock, decoder, MT.LINK_ACK)
-    status = LLMStatusCode.from_wire(int(ack.fields.get("status", -1)))
+    status = wire_status(ack)
     if status != LLMStatusCode.LLM_SUCCESS:
         raise HandshakeFailed(str(ack.fields.get("message", "refused by peer")), status)
     peer = ack.fields

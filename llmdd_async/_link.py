@@ -16,7 +16,7 @@ import itertools
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -24,19 +24,40 @@ import anyio.to_thread
 import numpy as np
 
 from ._enums import LLMStatusCode
-from ._errors import LLMException
+from ._errors import LLMException, status_from_exception
 from ._log import get_logger
 from ._memory import CancelToken, CopyCancelled
 from ._protocol import MT, NEED_DATA, Decoder, Message, PayloadBytes, ProtocolError, encode
-from ._transports.tcp import CHUNK_BYTES, Fence, StreamPlan, recv_views, send_views
+from ._transports.tcp import (
+    CHUNK_BYTES,
+    Fence,
+    StreamPlan,
+    recv_views,
+    scratch_views,
+    send_views,
+)
 
-__all__ = ["FLAG_TO_INITIATOR", "Link", "LinkBroken", "Pending", "Serving", "auth_mac"]
+__all__ = [
+    "FLAG_TO_INITIATOR",
+    "Link",
+    "LinkBroken",
+    "Pending",
+    "Serving",
+    "auth_mac",
+    "wire_status",
+]
 
 #: DATA/ABORT flag: the frame concerns a request that the *receiver* of the frame started.
 FLAG_TO_INITIATOR = 1
 _READ_AHEAD = 64 << 10
 MAX_SERVING = 16
 _SCRATCH = 4 << 20
+
+
+def wire_status(msg: Message) -> LLMStatusCode:
+    """The ``status`` field of a peer's frame; missing, malformed or unknown is LLM_FAILED."""
+    raw = msg.fields.get("status")
+    return LLMStatusCode.from_wire(raw) if type(raw) is int else LLMStatusCode.LLM_FAILED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +159,6 @@ class Serving(_Request):
 
     def __init__(self, req_id: int, deadline: float | None) -> None:
         super().__init__(req_id, deadline)
-        self.done: Message | None = None
         self.done_event = anyio.Event()
         #: run by the reader when DONE arrives, so its effect (consuming a key) happens before
         #: any later request on the link is looked at
@@ -185,13 +205,11 @@ class Link:
         self._reader_scope: anyio.CancelScope | None = None
         #: requests of the peer served at once; more wait (bounds staging memory and threads)
         self.serving_limiter = anyio.CapacityLimiter(MAX_SERVING)
-        self.fallback_logged = False
         self.stats_bytes = 0
         self.stats_transfers = 0
         self.up_since = time.time()
         #: the last transfers this side started on the link: (op, started, finished, bytes)
         self.history: collections.deque[TransferRecord] = collections.deque(maxlen=256)
-        self._on_close: list[Callable[[Link], None]] = []
 
     # ------------------------------------------------------------------ state
     @property
@@ -223,15 +241,7 @@ class Link:
 
     def caps(self) -> dict[str, bool]:
         """How this side can reach the peer's memory directly (sent with each request)."""
-        access = self.access
-        if access is None:
-            return {"inproc": False, "pools": False, "pvr": False}
-        if access.name == "in-process":
-            return {"inproc": True, "pools": True, "pvr": True}
-        return {"inproc": False, "pools": bool(access.pools), "pvr": bool(access.pvr)}
-
-    def on_close(self, fn: Callable[[Link], None]) -> None:
-        self._on_close.append(fn)
+        return self.access.caps() if self.access is not None else self.no_caps()
 
     def fail(self, exc: BaseException, expected: bool = False) -> None:
         """Mark the link broken, fail every request on it, close the socket."""
@@ -254,9 +264,6 @@ class Link:
         if self._reader_scope is not None:
             self._reader_scope.cancel()
         self._scratch = memoryview(b"")  # a down link keeps no buffers
-        for fn in self._on_close:
-            fn(self)
-        self._on_close.clear()
 
     async def close(self, notify: bool) -> None:
         """Drop the link (unlink/finalize). In-flight transfers fail with LLM_NOT_YET_LINK."""
@@ -277,6 +284,15 @@ class Link:
             self.access.close()
 
     # ------------------------------------------------------------------ sending
+    async def abort(self, req_id: int, exc: BaseException, flags: int = 0) -> None:
+        """Tell the peer to stop ``req_id`` because of ``exc``: best effort, for at most a
+        second, and only while the link is up. Never raises."""
+        if not self.alive:
+            return
+        fields = {"status": int(status_from_exception(exc)), "message": str(exc)}
+        with contextlib.suppress(Exception), anyio.move_on_after(1):
+            await self.send(Message(MT.ABORT, req_id, fields, flags=flags))
+
     async def send(self, msg: Message) -> None:
         """Send one control frame (no payload) without blocking the loop.
 
@@ -475,7 +491,7 @@ class Link:
             time.monotonic() + self.engine.stall_timeout_s
         )
         if rest:
-            target = _slice_views(views, pos, rest) if views else self._discard(rest)
+            target = _slice_views(views, pos, rest) if views else scratch_views(rest, self._scratch)
             fence = Fence(token, deadline)
             if req is not None:
                 req.fence = fence
@@ -501,14 +517,6 @@ class Link:
             req.received += n
             if req.received >= stream.total:
                 req.data_event.set()
-
-    def _discard(self, n: int) -> list[memoryview]:
-        out = []
-        while n:
-            k = min(n, _SCRATCH)
-            out.append(self._scratch[:k])
-            n -= k
-        return out
 
     def _dispatch(self, msg: Message) -> None:
         t = msg.type
@@ -537,21 +545,18 @@ class Link:
         elif t == MT.DONE:
             s = self.serving.get(msg.req_id)
             if s is not None:
-                s.done = msg
                 if s.on_done is not None:
                     s.on_done(msg)
                 s.done_event.set()
         elif t == MT.ABORT:
-            code = LLMStatusCode.from_wire(int(msg.fields.get("status", -1)))
+            code = wire_status(msg)
             text = str(msg.fields.get("message", "aborted by peer"))
-            if msg.flags & FLAG_TO_INITIATOR:
-                p = self.pending.get(msg.req_id)
-                if p is not None:
-                    p.fail(LLMException(text, status_code=code))
-            else:
-                s = self.serving.get(msg.req_id)
-                if s is not None:
-                    s.fail(LLMException(text, status_code=code))
+            table: Mapping[int, _Request] = (
+                self.pending if msg.flags & FLAG_TO_INITIATOR else self.serving
+            )
+            aborted = table.get(msg.req_id)
+            if aborted is not None:
+                aborted.fail(LLMException(text, status_code=code))
         elif t == MT.TABLE_REQ:
             self.engine.spawn(self._reply, Message(MT.TABLE, 0, self.engine.published_table()))
         elif t == MT.PING:

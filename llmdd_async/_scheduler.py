@@ -38,7 +38,6 @@ class Destination:
     link: Link
     layers: list[int]
     make_spec: Callable[[int], XferSpec]
-    done: bool = False
 
 
 class SynchronizerAborted(LLMException):
@@ -139,7 +138,6 @@ async def run_layerwise(
                         )
                     )
                 if layer == last[d.index]:
-                    d.done = True
                     ctl.set_result(d.slot, LLMStatusCode.LLM_SUCCESS)
 
     async def produce(sends: dict[int, Any]) -> None:

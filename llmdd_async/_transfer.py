@@ -15,7 +15,6 @@ key pullable (reference §8.1, §9.4).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -24,8 +23,16 @@ import anyio
 import numpy as np
 
 from ._enums import LLMStatusCode
-from ._errors import LLMException, raise_if_false, status_from_exception
-from ._link import FLAG_TO_INITIATOR, Link, LinkBroken, Pending, Serving, TransferRecord
+from ._errors import LLMException, raise_if_false
+from ._link import (
+    FLAG_TO_INITIATOR,
+    Link,
+    LinkBroken,
+    Pending,
+    Serving,
+    TransferRecord,
+    wire_status,
+)
 from ._memory import CancelToken, CopyCancelled
 from ._planner import (
     Layout,
@@ -110,6 +117,13 @@ def _arr(msg: Message, name: str) -> np.ndarray | None:
     return None if raw is None else np.frombuffer(raw, dtype="<u8").astype(_U64)
 
 
+def _raise_for_status(msg: Message, default: str) -> None:
+    """Raises LLMException with the peer's status code unless ``msg`` reports success."""
+    status = wire_status(msg)
+    if status != LLMStatusCode.LLM_SUCCESS:
+        raise LLMException(str(msg.fields.get("message", default)), status_code=status)
+
+
 def _entry_regions(entry: CacheEntry) -> tuple[np.ndarray, np.ndarray]:
     starts = np.sort(entry.addrs.astype(_U64))
     return starts, starts + _U64(entry.tensor_bytes)
@@ -135,8 +149,7 @@ async def initiate(
     def on_grant(msg: Message) -> None:
         # Runs in the reader before any DATA of this request can be read: set up where the
         # stream lands, after checking that every range lies inside our own cache.
-        status = LLMStatusCode.from_wire(int(msg.fields.get("status", -1)))
-        if status != LLMStatusCode.LLM_SUCCESS:
+        if wire_status(msg) != LLMStatusCode.LLM_SUCCESS:
             return
         local, nbytes = _arr(msg, "local"), _arr(msg, "nbytes")
         if local is None or nbytes is None or len(local) != len(nbytes):
@@ -145,6 +158,8 @@ async def initiate(
             raise ProtocolError("GRANT points outside the local cache")
         grant_info["local"], grant_info["nbytes"] = local, nbytes
         if msg.fields.get("mode") == "stream" and spec.op == "pull":
+            # The reader cannot await here; a staging buffer comes from the adapter's cache
+            # after the first transfers.
             req.stream = engine.make_stream(local, nbytes)
 
     req.on_grant = on_grant
@@ -154,11 +169,7 @@ async def initiate(
     try:
         await link.send(spec.encode(req.req_id, caps, timeout_ms))
         grant = await req.wait_grant()
-        status = LLMStatusCode.from_wire(int(grant.fields.get("status", -1)))
-        if status != LLMStatusCode.LLM_SUCCESS:
-            raise LLMException(
-                str(grant.fields.get("message", "refused by peer")), status_code=status
-            )
+        _raise_for_status(grant, "refused by peer")
         local, nbytes = grant_info["local"], grant_info["nbytes"]
         total = int(nbytes.sum(dtype=_U64))
         mode = grant.fields.get("mode")
@@ -178,30 +189,22 @@ async def initiate(
             await req.wait_data()
             await link.send(Message(MT.DONE, req.req_id, {"status": 0}))
         else:
-            stream = engine.make_stream(local, nbytes)
+            stream = await engine.open_stream(local, nbytes)
             try:
                 if not await link.send_stream(req, stream, to_initiator=False, token=token):
                     raise req.error or CopyCancelled()
             finally:
                 stream.close()
             result = await req.wait_result()
-            status = LLMStatusCode.from_wire(int(result.fields.get("status", -1)))
-            if status != LLMStatusCode.LLM_SUCCESS:
-                raise LLMException(
-                    str(result.fields.get("message", "peer failed")), status_code=status
-                )
+            _raise_for_status(result, "peer failed")
         link.stats_transfers += 1
         link.history.append(TransferRecord(spec.op, t_start, time.monotonic(), total, str(mode)))
         return total, len(nbytes)
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
             await link.release(req)  # fence: no worker touches our memory after this
-            if link.alive and not isinstance(exc, LinkBroken):
-                code = status_from_exception(exc)
-                with contextlib.suppress(Exception), anyio.move_on_after(1):
-                    await link.send(
-                        Message(MT.ABORT, req.req_id, {"status": int(code), "message": str(exc)})
-                    )
+            if not isinstance(exc, LinkBroken):
+                await link.abort(req.req_id, exc)
         if isinstance(exc, ProtocolError):
             link.fail(exc)
             raise LinkBroken(f"peer sent an invalid answer: {exc}") from exc
@@ -251,7 +254,7 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
         if mode == "local":
             arrays["remote"] = _u64(target_side)
         elif op == "push":
-            req.stream = engine.make_stream(plan.dst, plan.nbytes)
+            req.stream = await engine.open_stream(plan.dst, plan.nbytes)
         if (
             op == "pull"
             and entries
@@ -261,7 +264,7 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
             consumed_entry, (slot, tensors) = entries[0], slot_info
 
             def consume(done: Message) -> None:
-                if int(done.fields.get("status", -1)) == 0:
+                if wire_status(done) == LLMStatusCode.LLM_SUCCESS:
                     registry.note_pulled(consumed_entry, slot, tensors)
 
             req.on_done = consume
@@ -277,7 +280,7 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
         remaining = max(0.0, (req.deadline or 0) - time.monotonic())
         with anyio.move_on_after(remaining):
             if mode == "stream" and op == "pull":
-                out = engine.make_stream(plan.src, plan.nbytes)
+                out = await engine.open_stream(plan.src, plan.nbytes)
                 try:
                     sent = await link.send_stream(req, out, to_initiator=True, token=req.token)
                 finally:
@@ -296,17 +299,8 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
         pass
     except Exception as exc:
         # Tell the initiator at once rather than letting it wait for its deadline.
-        if granted and link.alive:
-            code = status_from_exception(exc)
-            with contextlib.suppress(Exception), anyio.move_on_after(1):
-                await link.send(
-                    Message(
-                        MT.ABORT,
-                        req.req_id,
-                        {"status": int(code), "message": str(exc)},
-                        flags=FLAG_TO_INITIATOR,
-                    )
-                )
+        if granted:
+            await link.abort(req.req_id, exc, flags=FLAG_TO_INITIATOR)
         engine.log.info("transfer.failed", side="target", error=repr(exc))
     finally:
         # Fence before unpinning: no worker may touch these caches after they are released.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import anyio.to_thread
@@ -203,33 +204,32 @@ class TorchAdapter:
         return t
 
     # ---------------------------------------------------------------- copies
-    def _run_copies(self, pairs: list[tuple[Any, Any]], token: CancelToken) -> None:
-        """Queue ``dst.copy_(src)`` for every pair, then wait for the stream (worker thread)."""
-        if self.stream is not None:
-            with torch.cuda.stream(self.stream):
-                for dst, src in pairs:
-                    if token.cancelled:
-                        break
-                    dst.copy_(src, non_blocking=True)
-            # Fence: nothing of this plan is in flight on the device once this returns.
-            self.stream.synchronize()
-        else:
+    def _run_copies(self, pairs: Iterable[tuple[Any, Any]], token: CancelToken) -> None:
+        """Queue ``dst.copy_(src)`` for every pair, then wait for the stream (worker thread).
+
+        ``pairs`` is consumed here, so building one view per range stays off the event loop.
+        """
+        on_stream = self.stream is not None
+        with torch.cuda.stream(self.stream) if on_stream else contextlib.nullcontext():
             for dst, src in pairs:
                 if token.cancelled:
                     break
-                dst.copy_(src)
+                dst.copy_(src, non_blocking=on_stream)
+        if self.stream is not None:
+            # Fence: nothing of this plan is in flight on the device once this returns.
+            self.stream.synchronize()
         if token.cancelled:
             raise CopyCancelled
 
     async def copy(self, plan: Plan, token: CancelToken) -> int:
         if len(plan) == 0:
             return 0
-        pairs = [
+        pairs = (
             (self._view(d, n), self._view(s, n))
             for s, d, n in zip(
                 plan.src.tolist(), plan.dst.tolist(), plan.nbytes.tolist(), strict=True
             )
-        ]
+        )
         await anyio.to_thread.run_sync(self._run_copies, pairs, token)
         return plan.total_bytes
 
@@ -246,22 +246,26 @@ class TorchAdapter:
             if len(self._staging) < 4:
                 self._staging.append(buf)
 
+    def _buffer_pairs(
+        self, buf: Any, addrs: list[int], lens: list[int], to_buffer: bool
+    ) -> Iterator[tuple[Any, Any]]:
+        """(dst, src) pairs between device ranges and consecutive spans of host ``buf``."""
+        pos = 0
+        for a, n in zip(addrs, lens, strict=True):
+            dev, host = self._view(a, n), buf.narrow(0, pos, n)
+            yield (host, dev) if to_buffer else (dev, host)
+            pos += n
+
     async def gather(self, addrs: list[int], lens: list[int], buf: Any, token: CancelToken) -> None:
         """Copy device ranges, in order, into the start of host buffer ``buf``."""
-        pairs, pos = [], 0
-        for a, n in zip(addrs, lens, strict=True):
-            pairs.append((buf.narrow(0, pos, n), self._view(a, n)))
-            pos += n
+        pairs = self._buffer_pairs(buf, addrs, lens, to_buffer=True)
         await anyio.to_thread.run_sync(self._run_copies, pairs, token)
 
     async def scatter(
         self, buf: Any, addrs: list[int], lens: list[int], token: CancelToken
     ) -> None:
         """Copy the start of host buffer ``buf`` into device ranges, in order."""
-        pairs, pos = [], 0
-        for a, n in zip(addrs, lens, strict=True):
-            pairs.append((self._view(a, n), buf.narrow(0, pos, n)))
-            pos += n
+        pairs = self._buffer_pairs(buf, addrs, lens, to_buffer=False)
         await anyio.to_thread.run_sync(self._run_copies, pairs, token)
 
     def close(self) -> None:

@@ -27,8 +27,9 @@ class PeerAccess(Protocol):
 
     name: str
 
-    def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
-        """True if every remote range can be copied directly."""
+    def caps(self) -> dict[str, bool]:
+        """Which of the peer's memory this access reaches, as sent with each request:
+        ``inproc`` (all of it), ``pools`` (its shared pools), ``pvr`` (any of its memory)."""
         ...
 
     async def read(

@@ -20,8 +20,8 @@ class InProcessAccess:
     def __init__(self, copy: Any) -> None:
         self._copy = copy  # async (Plan, token) -> int, the device adapter's memmove runner
 
-    def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
-        return True
+    def caps(self) -> dict[str, bool]:
+        return {"inproc": True, "pools": True, "pvr": True}
 
     async def read(
         self, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, token: CancelToken

@@ -184,8 +184,8 @@ class SameHostAccess:
         inside = (j >= 0) & (end >= remote) & (end <= self._ends[jj])  # no wrap-around
         return np.where(inside, j, -1)
 
-    def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
-        return self.pvr or bool(np.all(self._pool_index(remote, nbytes) >= 0))
+    def caps(self) -> dict[str, bool]:
+        return {"inproc": False, "pools": bool(self.pools), "pvr": self.pvr}
 
     async def _move(
         self,

@@ -10,6 +10,7 @@ deadlines even when the peer stalls.
 from __future__ import annotations
 
 import ctypes
+import functools
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ __all__ = [
     "StreamPlan",
     "configure_socket",
     "recv_views",
+    "scratch_views",
     "send_views",
 ]
 
@@ -82,37 +84,38 @@ class StreamPlan:
         self.addrs = addrs
         self.nbytes = nbytes
         self.ends = np.cumsum(self.nbytes, dtype=np.uint64)
+        self.starts = self.ends - self.nbytes
         self.total = int(self.ends[-1]) if len(self.ends) else 0
-        self._base = 0
-        self._span: memoryview | None = None
-        if self.total:
-            lo = int(self.addrs.min())
-            hi = int((self.addrs + self.nbytes).max())
-            self._base = lo
-            # One view over the whole span; descriptors become cheap slices of it. Gaps in the
-            # span are never touched: every range was validated against registered memory.
-            self._span = memoryview((ctypes.c_ubyte * (hi - lo)).from_address(lo)).cast("B")
+
+    @functools.cached_property
+    def _span(self) -> tuple[int, memoryview]:
+        # One view over the whole span; descriptors become cheap slices of it. Gaps in the
+        # span are never touched: every range was validated against registered memory.
+        lo = int(self.addrs.min())
+        hi = int((self.addrs + self.nbytes).max())
+        return lo, memoryview((ctypes.c_ubyte * (hi - lo)).from_address(lo)).cast("B")
+
+    def ranges(self, offset: int, n: int) -> tuple[list[int], list[int]]:
+        """Local ``(addresses, lengths)`` holding stream bytes ``[offset, offset + n)``."""
+        if n <= 0 or not self.total:
+            return [], []
+        lo, hi = np.uint64(offset), np.uint64(offset + n)
+        i0 = int(np.searchsorted(self.ends, lo, side="right"))
+        i1 = int(np.searchsorted(self.ends, hi, side="left")) + 1
+        st = self.starts[i0:i1]
+        a0 = np.maximum(st, lo)
+        a1 = np.minimum(self.ends[i0:i1], hi)
+        keep = a1 > a0
+        addrs = self.addrs[i0:i1][keep] + (a0 - st)[keep]
+        return addrs.tolist(), (a1 - a0)[keep].tolist()
 
     def views(self, offset: int, n: int) -> list[memoryview]:
         """Memory views covering stream bytes ``[offset, offset + n)`` in order."""
-        if n <= 0 or self._span is None:
+        addrs, lens = self.ranges(offset, n)
+        if not addrs:
             return []
-        ends = self.ends
-        i0 = int(np.searchsorted(ends, np.uint64(offset), side="right"))
-        i1 = int(np.searchsorted(ends, np.uint64(offset + n), side="left"))
-        starts = (ends[i0 : i1 + 1] - self.nbytes[i0 : i1 + 1]).tolist()
-        addrs = self.addrs[i0 : i1 + 1].tolist()
-        lens = self.nbytes[i0 : i1 + 1].tolist()
-        span, base = self._span, self._base
-        out = []
-        lo, hi = offset, offset + n
-        for st, a, ln in zip(starts, addrs, lens, strict=True):
-            a0 = max(lo, st)
-            a1 = min(hi, st + ln)
-            if a1 > a0:
-                p = a - base + (a0 - st)
-                out.append(span[p : p + (a1 - a0)])
-        return out
+        base, span = self._span
+        return [span[a - base : a - base + ln] for a, ln in zip(addrs, lens, strict=True)]
 
     # The link calls these three, so host and device memory look the same to it.
     async def prepare(self, offset: int, n: int, token: CancelToken) -> list[memoryview]:
@@ -135,33 +138,13 @@ class StagedStream(StreamPlan):
     """A stream over device memory: chunks pass through a host staging buffer."""
 
     def __init__(self, addrs: np.ndarray, nbytes: np.ndarray, adapter: Any) -> None:
-        self.addrs = np.asarray(addrs, dtype=np.uint64)
-        self.nbytes = np.asarray(nbytes, dtype=np.uint64)
-        self.ends = np.cumsum(self.nbytes, dtype=np.uint64)
-        self.total = int(self.ends[-1]) if len(self.ends) else 0
+        super().__init__(addrs, nbytes)
         self._adapter = adapter
         self._buf = adapter.staging(max(1, min(self.total, CHUNK_BYTES)))
         self._view = memoryview(self._buf.numpy()).cast("B")
 
-    def _ranges(self, offset: int, n: int) -> tuple[list[int], list[int]]:
-        ends = self.ends
-        i0 = int(np.searchsorted(ends, np.uint64(offset), side="right"))
-        i1 = int(np.searchsorted(ends, np.uint64(offset + n), side="left"))
-        addrs, lens = [], []
-        for st, a, ln in zip(
-            (ends[i0 : i1 + 1] - self.nbytes[i0 : i1 + 1]).tolist(),
-            self.addrs[i0 : i1 + 1].tolist(),
-            self.nbytes[i0 : i1 + 1].tolist(),
-            strict=True,
-        ):
-            a0, a1 = max(offset, st), min(offset + n, st + ln)
-            if a1 > a0:
-                addrs.append(a + (a0 - st))
-                lens.append(a1 - a0)
-        return addrs, lens
-
     async def prepare(self, offset: int, n: int, token: CancelToken) -> list[memoryview]:
-        addrs, lens = self._ranges(offset, n)
+        addrs, lens = self.ranges(offset, n)
         await self._adapter.gather(addrs, lens, self._buf, token)
         return [self._view[:n]]
 
@@ -169,7 +152,7 @@ class StagedStream(StreamPlan):
         return [self._view[:n]]
 
     async def commit(self, offset: int, n: int, token: CancelToken) -> None:
-        addrs, lens = self._ranges(offset, n)
+        addrs, lens = self.ranges(offset, n)
         await self._adapter.scatter(self._buf, addrs, lens, token)
 
     def views(self, offset: int, n: int) -> list[memoryview]:
@@ -211,15 +194,25 @@ def _advance(bufs: list[memoryview], idx: int, n: int) -> int:
     return idx
 
 
+def scratch_views(n: int, scratch: memoryview) -> list[memoryview]:
+    """Slices of ``scratch`` that together are ``n`` bytes long (to discard or pad with)."""
+    out = []
+    while n > 0:
+        k = min(n, scratch.nbytes)
+        out.append(scratch[:k])
+        n -= k
+    return out
+
+
 def _scratch_like(bufs: list[memoryview], idx: int, scratch: memoryview) -> list[memoryview]:
     """Replace the remaining buffers by scratch slices of the same total length."""
-    left = sum(b.nbytes for b in bufs[idx:])
-    out = []
-    while left > 0:
-        n = min(left, scratch.nbytes)
-        out.append(scratch[:n])
-        left -= n
-    return out
+    return scratch_views(sum(b.nbytes for b in bufs[idx:]), scratch)
+
+
+@functools.cache
+def _zeros() -> memoryview:
+    """Read-only zeros that pad a cancelled frame (shared by every sending thread)."""
+    return memoryview(bytes(_SCRATCH))
 
 
 def _check_deadline(fence: Fence, what: str) -> None:
@@ -240,12 +233,11 @@ def send_views(sock: socket.socket, header: bytes, views: list[memoryview], fenc
     bufs: list[memoryview] = [memoryview(header), *views]
     idx = 0
     padded = False
-    zeros = memoryview(bytearray(min(_SCRATCH, max((v.nbytes for v in views), default=0) or 1)))
     try:
         while idx < len(bufs):
             if not padded and fence.token.cancelled:
                 keep = max(idx, 1)  # the header always goes out as it is
-                bufs = bufs[:keep] + _scratch_like(bufs, keep, zeros)
+                bufs = bufs[:keep] + _scratch_like(bufs, keep, _zeros())
                 padded = True
                 fence.released.set()
             try:
