@@ -16,6 +16,7 @@ from ._checks import (
     check_index_list,
     check_int64,
     check_isinstance,
+    check_list_of,
     check_range,
     check_uint32,
     check_uint64,
@@ -23,7 +24,7 @@ from ._checks import (
 from ._engine import Engine
 from ._enums import LLMStatusCode, Memtype, Placement
 from ._errors import LLMException, raise_if_false
-from ._memory import host_view
+from ._memory import host_view, resolve_host_memory
 from ._planner import Layout, Plan, mapping_arrays, plan_block_copies, plan_slots
 from ._registry import CacheEntry, SlotKey
 from ._scheduler import Destination, run_layerwise
@@ -65,15 +66,23 @@ def _check_desc_for_memory(desc: CacheDesc) -> None:
     raise_if_false(desc.num_tensors > 0, "num_tensors must be > 0")
 
 
+def _block_lists(src_blocks: Any, dst_blocks: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Both block index lists as arrays. Raises TypeError / ValueError as check_index_list."""
+    src_b = check_index_list("src_blocks", src_blocks)
+    dst_b = check_index_list("dst_blocks", dst_blocks)
+    assert src_b is not None  # not optional
+    assert dst_b is not None
+    return src_b, dst_b
+
+
 class CacheManager:
     """Caches of one endpoint and the movements between them.
 
     Obtained from ``LLMDataDist.cache_manager``; valid until the engine is finalized.
     """
 
-    def __init__(self, engine: Engine, datadist: Any, cache_cls: type[Cache] = Cache) -> None:
+    def __init__(self, engine: Engine, cache_cls: type[Cache] = Cache) -> None:
         self._engine = engine
-        self._datadist = datadist
         self._cache_cls = cache_cls
 
     # ------------------------------------------------------------------ helpers
@@ -136,9 +145,7 @@ class CacheManager:
         self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey], registered: bool
     ) -> list[SlotKey | None]:
         check_isinstance("cache_desc", cache_desc, CacheDesc)
-        check_isinstance("cache_keys", cache_keys, (list, tuple))
-        for i, k in enumerate(cache_keys):
-            check_isinstance(f"cache_keys[{i}]", k, CacheKey)
+        check_list_of("cache_keys", cache_keys, CacheKey)
         # Registered caches skip keys whose req_id is unset (upstream); allocated caches treat
         # them as prefix keys or empty-slot placeholders.
         keys = [
@@ -149,6 +156,29 @@ class CacheManager:
         return keys
 
     # ------------------------------------------------------------------ registration
+    def _new_entry(
+        self,
+        desc: CacheDesc,
+        is_blocks: bool,
+        addrs: np.ndarray,
+        remote_accessible: bool,
+        **extra: Any,
+    ) -> CacheEntry:
+        """A registry entry with a fresh id for ``desc`` (not added to the registry yet)."""
+        return CacheEntry(
+            cache_id=self.engine.registry.new_id(),
+            num_tensors=desc.num_tensors,
+            tensor_bytes=desc.size,
+            count=desc.shape[0],
+            is_blocks=is_blocks,
+            placement=desc.placement,
+            dtype=desc.data_type.value,
+            shape=tuple(desc.shape),
+            addrs=addrs,
+            remote_accessible=remote_accessible,
+            **extra,
+        )
+
     def _register(
         self,
         cache_desc: CacheDesc,
@@ -178,24 +208,15 @@ class CacheManager:
             if cache_desc.placement == Placement.DEVICE:
                 resolved.append(engine.adapter.resolve(a, nbytes, f"addrs[{i}]"))
             else:
-                from ._memory import resolve_host_memory
-
                 resolved.append(resolve_host_memory(a, nbytes, f"addrs[{i}]"))
-        entry = CacheEntry(
-            cache_id=0,
-            num_tensors=cache_desc.num_tensors,
-            tensor_bytes=nbytes,
-            count=cache_desc.shape[0],
-            is_blocks=is_blocks,
-            placement=cache_desc.placement,
-            dtype=cache_desc.data_type.value,
-            shape=tuple(cache_desc.shape),
-            addrs=np.array([r[0] for r in resolved], dtype=np.uint64),
-            remote_accessible=remote_accessible,
+        entry = self._new_entry(
+            cache_desc,
+            is_blocks,
+            np.array([r[0] for r in resolved], dtype=np.uint64),
+            remote_accessible,
             allocated=False,
             keepalive=[r[1] for r in resolved],
         )
-        entry.cache_id = engine.registry.new_id()
         engine.registry.add(entry)
 
         def raw(i: int) -> np.ndarray:
@@ -291,24 +312,18 @@ class CacheManager:
         _check_desc_for_memory(cache_desc)
         pool = self._pool(cache_desc.placement)
         nbytes = cache_desc.size
-        page = pool.config.page_size if hasattr(pool, "config") else 1
+        page = pool.page_size
         per_tensor = math.ceil(nbytes / page) * page
         # One run for all tensors: whole-cache transfers then coalesce into one descriptor.
         alloc = pool.allocate(per_tensor * cache_desc.num_tensors)
         addrs = alloc.addr + np.arange(cache_desc.num_tensors, dtype=np.uint64) * np.uint64(
             per_tensor
         )
-        entry = CacheEntry(
-            cache_id=engine.registry.new_id(),
-            num_tensors=cache_desc.num_tensors,
-            tensor_bytes=nbytes,
-            count=cache_desc.shape[0],
-            is_blocks=is_blocks,
-            placement=cache_desc.placement,
-            dtype=cache_desc.data_type.value,
-            shape=tuple(cache_desc.shape),
-            addrs=addrs.astype(np.uint64),
-            remote_accessible=cache_desc.placement == Placement.DEVICE and not engine.comm_linked,
+        entry = self._new_entry(
+            cache_desc,
+            is_blocks,
+            addrs.astype(np.uint64),
+            cache_desc.placement == Placement.DEVICE and not engine.comm_linked,
             allocated=True,
             release=lambda: pool.free(alloc),
         )
@@ -366,11 +381,7 @@ class CacheManager:
         """
         check_isinstance("cache", cache, Cache)
         raise_if_false(not cache.is_blocks_cache, "use deallocate_blocks_cache for a blocks cache")
-        entry = self.engine.registry.entries.get(cache.cache_id)
-        if entry is None or not entry.allocated or cache._owner is not self:
-            return
-        cache._invalidate()
-        self._engine.registry.release_id(entry)
+        self._deallocate(cache)
 
     def deallocate_blocks_cache(self, cache: Cache) -> None:
         """Free an allocated blocks cache (after in-flight transfers on it are fenced).
@@ -380,6 +391,9 @@ class CacheManager:
         """
         check_isinstance("cache", cache, Cache)
         raise_if_false(cache.is_blocks_cache, "cache is not a blocks cache")
+        self._deallocate(cache)
+
+    def _deallocate(self, cache: Cache) -> None:
         entry = self.engine.registry.entries.get(cache.cache_id)
         if entry is None or not entry.allocated or cache._owner is not self:
             return
@@ -593,7 +607,25 @@ class CacheManager:
         assert sk is not None  # check_pullable ran
         return {"by": f"{sk[0]}_key", "id": sk[1], "model_id": sk[2]}
 
-    def _remote_task(self, kind: str, link: Any, spec: XferSpec, steps: int = 1) -> CacheTask:
+    def _start_remote(
+        self,
+        kind: str,
+        op: str,
+        key: Any,
+        shape: str,
+        entry: CacheEntry,
+        steps: int = 1,
+        **spec_fields: Any,
+    ) -> CacheTask:
+        """Start a transfer with the peer ``key`` names; ``steps`` layers of deadline budget.
+
+        Raises:
+            LLMException: LLM_PARAM_INVALID for a local cache the peer may not reach, or the
+                own cluster id; LLM_NOT_YET_LINK without a link.
+        """
+        self._check_remote_accessible(entry)
+        link = self._peer_check(key.cluster_id)
+        spec = XferSpec(op, self._target_of(key), shape, entry, **spec_fields)
         engine = self.engine
         registry = engine.registry
         entry = spec.local
@@ -678,11 +710,10 @@ class CacheManager:
         src_r, dst_r, n = self._check_layer_args(
             entry, kw["src_layer_range"], kw["dst_layer_range"], kw["tensor_num_per_layer"], True
         )
-        self._check_remote_accessible(entry)
-        link = self._peer_check(cache_key.cluster_id)
-        spec = XferSpec(
+        return self._start_remote(
+            "pull_cache",
             "pull",
-            self._target_of(cache_key),
+            cache_key,
             "slot",
             entry,
             local_slot=batch_index,
@@ -693,7 +724,6 @@ class CacheManager:
             dst_range=dst_r,
             tensor_num_per_layer=n,
         )
-        return self._remote_task("pull_cache", link, spec)
 
     def pull_blocks(
         self,
@@ -752,10 +782,7 @@ class CacheManager:
         blocks_by_id: bool,
     ) -> CacheTask:
         entry = self._entry(dst_cache, "dst_cache")
-        src_b = check_index_list("src_blocks", src_blocks)
-        dst_b = check_index_list("dst_blocks", dst_blocks)
-        assert src_b is not None
-        assert dst_b is not None
+        src_b, dst_b = _block_lists(src_blocks, dst_blocks)
         raise_if_false(entry.is_blocks, "pull_blocks needs a blocks destination cache")
         raise_if_false(len(dst_b) > 0, "dst_blocks must not be empty")
         raise_if_false(
@@ -779,11 +806,10 @@ class CacheManager:
         src_r, dst_r, n = self._check_layer_args(
             entry, kw["src_layer_range"], kw["dst_layer_range"], kw["tensor_num_per_layer"], True
         )
-        self._check_remote_accessible(entry)
-        link = self._peer_check(src_cache_key.cluster_id)
-        spec = XferSpec(
+        return self._start_remote(
+            "pull_blocks",
             "pull",
-            self._target_of(src_cache_key),
+            src_cache_key,
             shape,
             entry,
             src_range=src_r,
@@ -792,7 +818,13 @@ class CacheManager:
             src_blocks=src_b if shape == "blocks" else None,
             dst_blocks=dst_b,
         )
-        return self._remote_task("pull_blocks", link, spec)
+
+    def _require_remote_accessible_mode(self, kind: str) -> None:
+        """Raises LLMException(LLM_PARAM_INVALID) outside remote-accessible mode."""
+        raise_if_false(
+            self.engine.options.remote_accessible,
+            f"{kind} needs llm.EnableRemoteCacheAccessible=1",
+        )
 
     def _check_remote_accessible(self, entry: CacheEntry) -> None:
         if self.engine.options.remote_accessible:
@@ -850,11 +882,7 @@ class CacheManager:
             LLMException: LLM_PARAM_INVALID outside remote-accessible mode, for a blocks
                 cache, ``size != -1``, bad or unequal ranges; LLM_NOT_YET_LINK without a link.
         """
-        engine = self.engine
-        raise_if_false(
-            engine.options.remote_accessible,
-            "push_cache needs llm.EnableRemoteCacheAccessible=1",
-        )
+        self._require_remote_accessible_mode("push_cache")
         check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
         entry = self._entry(src_cache, "src_cache")
         check_uint32("src_batch_index", src_batch_index)
@@ -865,19 +893,18 @@ class CacheManager:
         src_r, dst_r, n, steps = self._push_ranges(
             entry, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
-        self._check_remote_accessible(entry)
-        link = self._peer_check(dst_cache_key.cluster_id)
-        spec = XferSpec(
+        return self._start_remote(
+            "push_cache",
             "push",
-            self._target_of(dst_cache_key),
+            dst_cache_key,
             "slot",
             entry,
+            steps,
             local_slot=src_batch_index,
             src_range=src_r,
             dst_range=dst_r,
             tensor_num_per_layer=n,
         )
-        return self._remote_task("push_cache", link, spec, steps=steps)
 
     def push_blocks(
         self,
@@ -898,11 +925,7 @@ class CacheManager:
                 LLM_NOT_YET_LINK without a link. The task fails with LLM_PARAM_INVALID for
                 remote indices out of range.
         """
-        engine = self.engine
-        raise_if_false(
-            engine.options.remote_accessible,
-            "push_blocks needs llm.EnableRemoteCacheAccessible=1",
-        )
+        self._require_remote_accessible_mode("push_blocks")
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey)
         return self._push_blocks(
             dst_cache_key,
@@ -925,10 +948,7 @@ class CacheManager:
         n: int,
     ) -> CacheTask:
         """Blocks -> blocks addressed by the peer's cache id (the C++ API's PushKvBlocks)."""
-        raise_if_false(
-            self.engine.options.remote_accessible,
-            "push_blocks needs llm.EnableRemoteCacheAccessible=1",
-        )
+        self._require_remote_accessible_mode("push_blocks")
         return self._push_blocks(key, src_cache, src_blocks, dst_blocks, src_r, dst_r, n)
 
     def _push_blocks(
@@ -942,10 +962,7 @@ class CacheManager:
         tensor_num_per_layer: Any,
     ) -> CacheTask:
         entry = self._entry(src_cache, "src_cache")
-        src_b = check_index_list("src_blocks", src_blocks)
-        dst_b = check_index_list("dst_blocks", dst_blocks)
-        assert src_b is not None
-        assert dst_b is not None
+        src_b, dst_b = _block_lists(src_blocks, dst_blocks)
         raise_if_false(entry.is_blocks, "push_blocks needs a blocks source cache")
         raise_if_false(len(dst_b) > 0, "dst_blocks must not be empty")
         raise_if_false(len(src_b) > 0, "src_blocks must not be empty")
@@ -960,20 +977,19 @@ class CacheManager:
         src_r, dst_r, n, steps = self._push_ranges(
             entry, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
-        self._check_remote_accessible(entry)
-        link = self._peer_check(dst_cache_key.cluster_id)
-        spec = XferSpec(
+        return self._start_remote(
+            "push_blocks",
             "push",
-            self._target_of(dst_cache_key),
+            dst_cache_key,
             "blocks",
             entry,
+            steps,
             src_range=src_r,
             dst_range=dst_r,
             tensor_num_per_layer=n,
             src_blocks=src_b,
             dst_blocks=dst_b,
         )
-        return self._remote_task("push_blocks", link, spec, steps=steps)
 
     def transfer_cache_async(
         self,

@@ -70,9 +70,7 @@ def check_uint16(name: str, value: Any, *, optional: bool = False) -> None:
     _check_int(name, value, 0, UINT16_MAX, optional)
 
 
-def check_index_list(
-    name: str, value: Any, *, optional: bool = False, list_only: bool = False
-) -> np.ndarray | None:
+def check_index_list(name: str, value: Any, *, optional: bool = False) -> np.ndarray | None:
     """Check a list/tuple of uint64 and return it as an int64 numpy array.
 
     Vectorised so that block lists of thousands of entries cost microseconds.
@@ -83,9 +81,8 @@ def check_index_list(
     """
     if value is None and optional:
         return None
-    allowed: tuple[type, ...] = (list,) if list_only else (list, tuple)
-    if not isinstance(value, allowed):
-        raise TypeError(f"{name} must be {type_name(allowed)}, got {type(value).__name__}")
+    if not isinstance(value, list | tuple):
+        raise TypeError(f"{name} must be list or tuple, got {type(value).__name__}")
     value = cast(Sequence[Any], value)
     if len(value) == 0:
         return np.zeros(0, dtype=np.int64)

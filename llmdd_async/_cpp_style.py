@@ -31,6 +31,14 @@ class CacheIndex:
         check_uint32("batch_index", batch_index)
         self.cluster_id, self.cache_id, self.batch_index = cluster_id, cache_id, batch_index
 
+    def key(self, batch_index: int | None = None) -> CacheKeyByIdAndIndex:
+        """The Python API's key for this cache (``batch_index`` overrides the own one)."""
+        return CacheKeyByIdAndIndex(
+            self.cluster_id,
+            self.cache_id,
+            self.batch_index if batch_index is None else batch_index,
+        )
+
 
 @dataclasses.dataclass
 class KvCacheExtParam:
@@ -69,6 +77,30 @@ class KvCacheExtParam:
         return src, dst, self.tensor_num_per_layer
 
 
+def _ranges(ext_param: KvCacheExtParam | None) -> tuple[range | None, range | None, int]:
+    return (ext_param or KvCacheExtParam()).ranges()
+
+
+def _cpp_keys(options: Mapping[str, str] | None) -> dict[str, str]:
+    """Options with the C++ spelling of the listen key renamed to the Python one."""
+    opts = dict(options or {})
+    if "llm.ListenIpInfo" in opts:
+        opts["llm.listenIpInfo"] = opts.pop("llm.ListenIpInfo")
+    return opts
+
+
+def _codes(
+    fn: Callable[[], tuple[LLMStatusCode, list[LLMStatusCode]]],
+) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    """Run a link/unlink call; bad arguments become a status code, as the C++ API reports."""
+    try:
+        return fn()
+    except LLMException as exc:
+        return exc.status_code, []
+    except (TypeError, ValueError):
+        return LLMStatusCode.LLM_PARAM_INVALID, []
+
+
 def _status(fn: Callable[[], Any]) -> LLMStatusCode:
     """Run ``fn`` and turn its outcome into a status code, as the C++ API reports."""
     try:
@@ -94,13 +126,9 @@ class LlmDataDist:
     def initialize(self, options: Mapping[str, str]) -> LLMStatusCode:
         """C++ keys (``llm.ListenIpInfo``, ``llm.DeviceId``, ...) are accepted; remote-accessible
         cache-manager mode is always on."""
-        opts = dict(options)
-        if "llm.ListenIpInfo" in opts:
-            opts["llm.listenIpInfo"] = opts.pop("llm.ListenIpInfo")
+        opts = _cpp_keys(options)
         if "llm.DeviceId" in opts:
             opts.setdefault("ge.exec.deviceId", opts.pop("llm.DeviceId"))
-        if "llm.EnableSwitchRole" in opts:
-            opts["llm.EnableSwitchRole"] = opts["llm.EnableSwitchRole"]
         opts["llm.EnableCacheManager"] = "1"
         opts["llm.EnableRemoteCacheAccessible"] = "1"
         return _status(lambda: self._dd.init(opts))
@@ -109,30 +137,18 @@ class LlmDataDist:
         self._dd.finalize()
 
     def set_role(self, role: LLMRole, options: Mapping[str, str] | None = None) -> LLMStatusCode:
-        opts = dict(options or {})
-        if "llm.ListenIpInfo" in opts:
-            opts["llm.listenIpInfo"] = opts.pop("llm.ListenIpInfo")
+        opts = _cpp_keys(options)
         return _status(lambda: self._dd.switch_role(role, opts))
 
     def link_llm_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 1000
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        try:
-            return self._dd.link_clusters(clusters, timeout)
-        except LLMException as exc:
-            return exc.status_code, []
-        except (TypeError, ValueError):
-            return LLMStatusCode.LLM_PARAM_INVALID, []
+        return _codes(lambda: self._dd.link_clusters(clusters, timeout))
 
     def unlink_llm_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 1000, force_flag: bool = False
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        try:
-            return self._dd.unlink_clusters(clusters, timeout, force_flag)
-        except LLMException as exc:
-            return exc.status_code, []
-        except (TypeError, ValueError):
-            return LLMStatusCode.LLM_PARAM_INVALID, []
+        return _codes(lambda: self._dd.unlink_clusters(clusters, timeout, force_flag))
 
     def register_kv_cache(
         self, cache_desc: CacheDesc, addrs: Sequence[Any], is_blocks: bool = True
@@ -179,12 +195,9 @@ class LlmDataDist:
         ext_param: KvCacheExtParam | None = None,
     ) -> LLMStatusCode:
         def run() -> None:
-            src, dst, n = (ext_param or KvCacheExtParam()).ranges()
-            key = CacheKeyByIdAndIndex(
-                src_cache_index.cluster_id, src_cache_index.cache_id, src_cache_index.batch_index
-            )
+            src, dst, n = _ranges(ext_param)
             self._dd.cache_manager.pull_cache(
-                key,
+                src_cache_index.key(),
                 self._cache(dst_cache),
                 batch_index,
                 size,
@@ -210,32 +223,20 @@ class LlmDataDist:
                 raise LLMException(
                     "batch_index must be 0 for blocks", status_code=LLMStatusCode.LLM_PARAM_INVALID
                 )
-            src, dst, n = (ext_param or KvCacheExtParam()).ranges()
-            key = CacheKeyByIdAndIndex(src_cache_index.cluster_id, src_cache_index.cache_id, 0)
-            self._pull_blocks_by_id(
-                key, self._cache(dst_cache), src_blocks, dst_blocks, src, dst, n
+            src, dst, n = _ranges(ext_param)
+            # Blocks by cache id: the C++ API addresses caches by id, not by model_id.
+            self._dd.cache_manager._move(
+                "_pull_blocks_by_id",
+                src_cache_index.key(0),
+                self._cache(dst_cache),
+                list(src_blocks),
+                list(dst_blocks),
+                src,
+                dst,
+                n,
             )
 
         return _status(run)
-
-    def _pull_blocks_by_id(
-        self,
-        key: CacheKeyByIdAndIndex,
-        dst: Cache,
-        src_blocks: Any,
-        dst_blocks: Any,
-        src: Any,
-        dst_r: Any,
-        n: int,
-    ) -> None:
-        # Blocks by cache id: the C++ API addresses caches by id, not by model_id.
-        from ._sync_loop import LoopThread
-
-        async def pull() -> None:
-            cm = self._dd._async.cache_manager
-            await cm._pull_blocks_by_id(key, dst, list(src_blocks), list(dst_blocks), src, dst_r, n)
-
-        LoopThread.get().run(pull)
 
     def push_kv_cache(
         self,
@@ -246,12 +247,9 @@ class LlmDataDist:
         ext_param: KvCacheExtParam | None = None,
     ) -> LLMStatusCode:
         def run() -> None:
-            src, dst, n = (ext_param or KvCacheExtParam()).ranges()
-            key = CacheKeyByIdAndIndex(
-                dst_cache_index.cluster_id, dst_cache_index.cache_id, dst_cache_index.batch_index
-            )
+            src, dst, n = _ranges(ext_param)
             self._dd.cache_manager.push_cache(
-                key, self._cache(src_cache), src_batch_index, src, dst, size, n
+                dst_cache_index.key(), self._cache(src_cache), src_batch_index, src, dst, size, n
             )
 
         return _status(run)
@@ -265,22 +263,17 @@ class LlmDataDist:
         ext_param: KvCacheExtParam | None = None,
     ) -> LLMStatusCode:
         def run() -> None:
-            src, dst, n = (ext_param or KvCacheExtParam()).ranges()
-            from ._sync_loop import LoopThread
-
-            async def push() -> None:
-                cm = self._dd._async.cache_manager
-                await cm._push_blocks_by_id(
-                    CacheKeyByIdAndIndex(dst_cache_index.cluster_id, dst_cache_index.cache_id, 0),
-                    self._cache(src_cache),
-                    list(src_blocks),
-                    list(dst_blocks),
-                    src,
-                    dst,
-                    n,
-                )
-
-            LoopThread.get().run(push)
+            src, dst, n = _ranges(ext_param)
+            self._dd.cache_manager._move(
+                "_push_blocks_by_id",
+                dst_cache_index.key(0),
+                self._cache(src_cache),
+                list(src_blocks),
+                list(dst_blocks),
+                src,
+                dst,
+                n,
+            )
 
         return _status(run)
 

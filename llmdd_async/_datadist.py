@@ -263,7 +263,7 @@ class LLMDataDist:
         if self._cache_manager is None:
             from ._cache_manager import CacheManager
 
-            self._cache_manager = CacheManager(engine, self)
+            self._cache_manager = CacheManager(engine)
         return self._cache_manager
 
     @property

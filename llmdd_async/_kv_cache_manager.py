@@ -93,7 +93,7 @@ class KvCacheManager:
     """``LLMDataDist.kv_cache_manager`` in legacy mode. Movements return CacheTasks."""
 
     def __init__(self, engine: Any, datadist: Any) -> None:
-        self._cm = CacheManager(engine, datadist, cache_cls=KvCache)
+        self._cm = CacheManager(engine, cache_cls=KvCache)
         self._engine = engine
         self._datadist = datadist
 

@@ -161,28 +161,18 @@ class PageAllocator:
             self._free_len[start] = n
 
 
-class MemoryPool:
-    """Host pool memory: one shareable ``memfd`` mapping carved by a :class:`PageAllocator`."""
+class PagedPool:
+    """``[base, base + nbytes)`` handed out in whole-page runs; subclasses provide the memory
+    (and set ``base``)."""
+
+    base: int
 
     def __init__(self, config: PoolConfig, name: str) -> None:
-        self.config = config
         self.page_size = config.page_size
         pages = config.memory_size // self.page_size
         raise_if_false(pages > 0, f"{name} pool is smaller than one page")
         self.nbytes = pages * self.page_size
         self._pages = PageAllocator(pages, self.page_size)
-        try:
-            self.fd = os.memfd_create(f"llmdd-{name}", os.MFD_CLOEXEC)
-            os.ftruncate(self.fd, self.nbytes)
-            self._map = mmap.mmap(self.fd, self.nbytes)
-        except OSError as exc:
-            raise LLMException(
-                f"cannot create the {name} memory pool of {self.nbytes} bytes: {exc}",
-                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
-            ) from None
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
-        self.base = int(self.array.ctypes.data)
-        self.pid = os.getpid()
 
     @property
     def free_bytes(self) -> int:
@@ -201,13 +191,29 @@ class MemoryPool:
         """Return an allocation's pages to the pool."""
         self._pages.free(alloc.offset, alloc.nbytes)
 
+
+class MemoryPool(PagedPool):
+    """Host pool memory: one shareable ``memfd`` mapping carved by a :class:`PageAllocator`."""
+
+    def __init__(self, config: PoolConfig, name: str) -> None:
+        super().__init__(config, name)
+        try:
+            self.fd = os.memfd_create(f"llmdd-{name}", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, self.nbytes)
+            self._map = mmap.mmap(self.fd, self.nbytes)
+        except OSError as exc:
+            raise LLMException(
+                f"cannot create the {name} memory pool of {self.nbytes} bytes: {exc}",
+                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
+            ) from None
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.base = int(self.array.ctypes.data)
+        self.pid = os.getpid()
+
     def view(self, alloc: PoolAllocation, offset: int, nbytes: int) -> np.ndarray:
         """A uint8 view inside ``alloc``; it keeps the mapping alive while it exists."""
         lo = alloc.offset + offset
         return self.array[lo : lo + nbytes]
-
-    def contains(self, addr: int, nbytes: int) -> bool:
-        return self.base <= addr and addr + nbytes <= self.base + self.nbytes
 
     def close(self) -> None:
         """Drop this pool. Views still held by users keep the pages mapped until they go."""
@@ -250,11 +256,6 @@ class CancelToken:
         if self.parent is not None and self.parent.cancelled:
             return True
         return self.deadline is not None and time.monotonic() >= self.deadline
-
-    @property
-    def expired(self) -> bool:
-        """True when the deadline (not an explicit cancel) stopped the work."""
-        return not self._event.is_set() and self.cancelled
 
 
 class CopyCancelled(Exception):

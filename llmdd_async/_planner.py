@@ -79,20 +79,6 @@ class Plan:
         z = np.zeros(0, dtype=_U64)
         return cls(z, z, z)
 
-    @classmethod
-    def concat(cls, plans: Sequence[Plan]) -> Plan:
-        if not plans:
-            return cls.empty()
-        return cls(
-            np.concatenate([p.src for p in plans]),
-            np.concatenate([p.dst for p in plans]),
-            np.concatenate([p.nbytes for p in plans]),
-        )
-
-    def swapped(self) -> Plan:
-        """The same ranges with source and destination exchanged."""
-        return Plan(self.dst, self.src, self.nbytes)
-
 
 def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Plan:
     """Merge consecutive descriptors that are contiguous on both sides (order is kept)."""

@@ -76,7 +76,6 @@ class Registry:
         self._slot_keys: dict[SlotKey, tuple[int, int]] = {}
         self._blocks_keys: dict[int, int] = {}
         self._regions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self.version = 0
 
     # ---------------------------------------------------------------- ids and entries
     def new_id(self) -> int:
@@ -120,7 +119,6 @@ class Registry:
 
     def _changed(self) -> None:
         self._regions = None
-        self.version += 1
 
     def regions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sorted ``(starts, ends, cache_ids)`` of every live tensor, for bounds checks."""

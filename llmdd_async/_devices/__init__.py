@@ -23,6 +23,7 @@ class DevicePool(Protocol):
 
     base: int
     nbytes: int
+    page_size: int
 
     def allocate(self, nbytes: int) -> Any: ...
     def free(self, alloc: Any) -> None: ...

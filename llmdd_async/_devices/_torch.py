@@ -26,7 +26,7 @@ import numpy as np
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException, raise_if_false
-from .._memory import CancelToken, CopyCancelled, PageAllocator, PoolAllocation, host_view
+from .._memory import CancelToken, CopyCancelled, PagedPool, PoolAllocation, host_view
 from .._options import PoolConfig
 from .._planner import Plan
 from .._synchronizer import LayerEvents
@@ -86,15 +86,11 @@ class _Regions:
         return any(self.find(int(a), 1) is not None for a in addrs[:1])
 
 
-class TorchPool:
+class TorchPool(PagedPool):
     """``allocate_cache`` memory on the device: one tensor carved into page runs."""
 
     def __init__(self, adapter: TorchAdapter, config: PoolConfig) -> None:
-        self.config = config
-        self.page_size = config.page_size
-        pages = config.memory_size // self.page_size
-        raise_if_false(pages > 0, "device pool is smaller than one page")
-        self.nbytes = pages * self.page_size
+        super().__init__(config, "device")
         try:
             self.tensor = torch.empty(self.nbytes, dtype=torch.uint8, device=adapter.device)
         except (RuntimeError, MemoryError) as exc:
@@ -103,20 +99,8 @@ class TorchPool:
                 status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
             ) from None
         self.base = int(self.tensor.data_ptr())
-        self._pages = PageAllocator(pages, self.page_size)
         self._adapter = adapter
         adapter.regions.add(self.base, self.tensor)
-
-    @property
-    def free_bytes(self) -> int:
-        return self._pages.free_bytes
-
-    def allocate(self, nbytes: int) -> PoolAllocation:
-        off, n = self._pages.allocate(nbytes)
-        return PoolAllocation(off, n, self.base + off)
-
-    def free(self, alloc: PoolAllocation) -> None:
-        self._pages.free(alloc.offset, alloc.nbytes)
 
     def view(self, alloc: PoolAllocation, offset: int, nbytes: int) -> Any:
         return self.tensor.narrow(0, alloc.offset + offset, nbytes)
