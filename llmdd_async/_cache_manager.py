@@ -1085,8 +1085,8 @@ class CacheManager:
         )
         dests: list[Destination] = []
         slots: list[int] = []
-        slot_of_cluster: dict[int, int] = {}
-        seen_links: dict[int, Any] = {}
+        #: cluster id -> (result slot, link): configs to one cluster share both
+        per_cluster: dict[int, tuple[int, Any]] = {}
         for i, c in enumerate(transfer_configs):
             src_r = c.src_layer_range or range(0, layers)
             raise_if_false(
@@ -1108,9 +1108,9 @@ class CacheManager:
                     f"each of {len(src_r)} layers), got {len(c.dst_addrs)}",
                 )
             cid = c.dst_cluster_id
-            link = seen_links.get(cid) or self._peer_check(cid)
-            seen_links[cid] = link
-            slot = slot_of_cluster.setdefault(cid, len(slot_of_cluster))
+            if cid not in per_cluster:
+                per_cluster[cid] = (len(per_cluster), self._peer_check(cid))
+            slot, link = per_cluster[cid]
             slots.append(slot)
             dests.append(
                 Destination(
@@ -1176,8 +1176,8 @@ class CacheManager:
 
             return keyed
         addrs = np.asarray(config.dst_addrs, dtype=np.uint64)
+        unit = dbm or entry.stride  # bytes of one destination block
         if dst_b is not None:
-            unit = dbm or entry.stride
             count = int(dst_b.max()) + 1
             raw_tb, raw_count, raw_blocks = unit * count, count, True
         else:
@@ -1195,7 +1195,7 @@ class CacheManager:
                 dst_range=range(0, 1),
                 src_blocks=src_b,
                 dst_blocks=dst_b,
-                dst_block_bytes=(dbm or entry.stride) if dst_b is not None else None,
+                dst_block_bytes=unit if dst_b is not None else None,
                 raw_addrs=addrs[k : k + 2],
                 raw_tensor_bytes=raw_tb,
                 raw_count=raw_count,

@@ -14,11 +14,12 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from ._errors import LLMException
 
@@ -103,13 +104,22 @@ class CommandServer:
         sys.stdout.flush()
 
 
+T = TypeVar("T")
+
+#: the longest reply line (base64 tensors of test caches)
+_MAX_REPLY = 1 << 30
+
+
+def run_on_loop(loop: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``anyio.run`` on the loop named ``asyncio``, ``uvloop`` or ``trio``."""
+    if loop == "trio":
+        return anyio.run(fn, *args, backend="trio")
+    return anyio.run(fn, *args, backend="asyncio", backend_options={"use_uvloop": loop == "uvloop"})
+
+
 def run_server(server: CommandServer) -> None:
     """Serve commands on the event loop named by ``LLMDD_PEER_LOOP``."""
-    loop = os.environ.get("LLMDD_PEER_LOOP", "asyncio")
-    if loop == "uvloop":
-        anyio.run(server.serve, backend="asyncio", backend_options={"use_uvloop": True})
-    else:
-        anyio.run(server.serve, backend=loop)
+    run_on_loop(os.environ.get("LLMDD_PEER_LOOP", "asyncio"), server.serve)
 
 
 class ChildProcess:
@@ -147,16 +157,17 @@ class ChildProcess:
 
     async def _read_replies(self) -> None:
         assert self.process.stdout is not None
-        buf = b""
-        async for chunk in self.process.stdout:
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                reply = json.loads(line)
-                self._results[reply["id"]] = reply
-                ev = self._waiters.pop(reply["id"], None)
-                if ev is not None:
-                    ev.set()
+        lines = BufferedByteReceiveStream(self.process.stdout)
+        while True:
+            try:
+                line = await lines.receive_until(b"\n", _MAX_REPLY)
+            except anyio.IncompleteRead:  # the child is gone
+                break
+            reply = json.loads(line)
+            self._results[reply["id"]] = reply
+            ev = self._waiters.pop(reply["id"], None)
+            if ev is not None:
+                ev.set()
         for ev in self._waiters.values():
             ev.set()
 

@@ -12,8 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; returns the exit status (also used as the process's)."""
     parser = argparse.ArgumentParser(prog="llmdd-async", description="llmdd_async tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    from .demo.runner import build_parser
-    from .demo.runner import main as demo_main
+    from .demo.runner import build_parser, run
 
     build_parser(
         sub.add_parser(
@@ -21,10 +20,9 @@ def main(argv: list[str] | None = None) -> int:
             help="disaggregated prefill/decode of a small transformer, verified end to end",
         )
     )
-    args, _ = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
     if args.command == "demo":
-        rest = list(sys.argv[2:] if argv is None else argv[1:])
-        return demo_main(rest)
+        return run(args)
     return 2
 
 

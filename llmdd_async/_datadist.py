@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from ._checks import check_int32, check_isinstance, check_uint64
+from ._checks import check_int32, check_isinstance, check_list_of, check_uint64
 from ._config import LLMConfig
 from ._enums import LLMRole, LLMStatusCode, RegisterMemStatus
 from ._errors import LLMException, raise_if_false, raise_param
@@ -73,12 +73,11 @@ class LLMDataDist:
             options = options.generate_options()
         if self.is_initialized():
             raise RuntimeError("llm datadist is already initialized")
-        parsed = parse_options(dict(options) if isinstance(options, dict) else options)
+        parsed = parse_options(options)
         raise_if_false(
             parsed.cache_manager or self._role != LLMRole.PROMPT or parsed.listen is not None,
             "a PROMPT endpoint in legacy mode needs llm.listenIpInfo",
         )
-        parsed.raw["llm.Role"] = {1: "Prompt", 2: "Decoder", 3: "Mix"}[int(self._role)]
         engine = Engine(self._role, self._cluster_id, parsed)
         async with engine.run():
             self._engine = engine
@@ -154,9 +153,7 @@ class LLMDataDist:
         return engine.links.listen_address
 
     def _check_clusters(self, clusters: Any, timeout: Any) -> None:
-        check_isinstance("clusters", clusters, (list, tuple))
-        for i, c in enumerate(clusters):
-            check_isinstance(f"clusters[{i}]", c, LLMClusterInfo)
+        for i, c in enumerate(check_list_of("clusters", clusters, LLMClusterInfo)):
             if c.remote_cluster_id is None:
                 raise TypeError(f"clusters[{i}].remote_cluster_id must be set (uint64)")
             check_uint64(f"clusters[{i}].remote_cluster_id", c.remote_cluster_id)

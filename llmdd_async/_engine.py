@@ -77,7 +77,7 @@ class Engine:
                 self._tg = tg
                 self._portal = portal
                 try:
-                    await self.start_services(tg)
+                    await self.start_services()
                     self.log.info("engine.up", role=str(self.role))
                     yield self
                 except BaseException as exc:
@@ -101,7 +101,7 @@ class Engine:
         if body_error is not None:
             raise body_error
 
-    async def start_services(self, tg: TaskGroup) -> None:
+    async def start_services(self) -> None:
         """Start listening when ``llm.listenIpInfo`` was given."""
         if self.options.listen is not None:
             await self.links.listen(self.options.listen)

@@ -34,6 +34,17 @@ __all__ = ["LinkManager"]
 
 _ACCEPT_HANDSHAKE_S = 10.0
 _PARALLEL_LINKS = 16
+#: what a failed connect or handshake may raise: the peer's doing, reported, never raised
+_HANDSHAKE_ERRORS = (
+    HandshakeFailed,
+    OSError,
+    EOFError,
+    ProtocolError,
+    TimeoutError,
+    ValueError,
+    KeyError,
+    TypeError,
+)
 
 
 class LinkManager:
@@ -179,16 +190,8 @@ class LinkManager:
         try:
             with anyio.fail_after(_ACCEPT_HANDSHAKE_S):
                 decoder, peer, access = await server_handshake(self.engine, conn, self._make_access)
-        except (
-            HandshakeFailed,
-            OSError,
-            EOFError,
-            ProtocolError,
-            TimeoutError,
-            ValueError,
-            KeyError,
-            TypeError,
-        ) as exc:  # whatever a hostile or broken client sends, it only loses its connection
+        except _HANDSHAKE_ERRORS as exc:
+            # Whatever a hostile or broken client sends, it only loses its connection.
             self.log.info("link.refused", reason=str(exc))
             conn.close()
             return
@@ -277,24 +280,11 @@ class LinkManager:
                 sock = await connect_socket(ip, port)
                 decoder, peer = await client_handshake(self.engine, sock, cid)
             access = self._make_access(peer)
-        except HandshakeFailed as exc:
-            log.info("link.failed", address=f"{ip}:{port}", reason=str(exc))
-            if sock is not None:
-                sock.close()
-            return exc.code
-        except (
-            OSError,
-            EOFError,
-            ProtocolError,
-            TimeoutError,
-            ValueError,
-            KeyError,
-            TypeError,
-        ) as exc:  # link_clusters reports, never raises
+        except _HANDSHAKE_ERRORS as exc:  # link_clusters reports, never raises
             log.info("link.failed", address=f"{ip}:{port}", reason=str(exc) or repr(exc))
             if sock is not None:
                 sock.close()
-            return LLMStatusCode.LLM_LINK_FAILED
+            return exc.code if isinstance(exc, HandshakeFailed) else LLMStatusCode.LLM_LINK_FAILED
         finally:
             self._linking.discard(cid)
         link = self._register(sock, decoder, peer, access)

@@ -43,8 +43,6 @@ class EngineOptions:
     local_comm_res: str | None
     transport: str
     auth_key: bytes | None
-    device_id: int
-    enable_switch_role: bool
     layer_sync_timeout_ms: int | None = None
     layer_window: int = 4
     #: legacy mode's KV memory: ge.flowGraphMemMaxSize x llm.MemoryUtilization
@@ -181,8 +179,6 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         local_comm_res=opts.get("llm.LocalCommRes"),
         transport=transport,
         auth_key=auth.encode() if auth else None,
-        device_id=int(device_s),
-        enable_switch_role=opts.get("llm.EnableSwitchRole") == "1",
         layer_sync_timeout_ms=int(sync_to) if sync_to else None,
         layer_window=int(window),
         legacy_kv_pool=legacy_pool,

@@ -98,9 +98,9 @@ class Registry:
         )
         if self.entries:
             r_starts, r_ends, _ = self.regions()
-            j = np.searchsorted(r_starts, s, side="right").astype(np.int64) - 1
-            lo_hit = (j >= 0) & (s < r_ends[np.maximum(j, 0)])
             k = np.searchsorted(r_starts, s, side="right")
+            j = k.astype(np.int64) - 1  # the region starting at or before each start
+            lo_hit = (j >= 0) & (s < r_ends[np.maximum(j, 0)])
             hi_hit = (k < len(r_starts)) & (r_starts[np.minimum(k, len(r_starts) - 1)] < e)
             raise_if_false(
                 not bool(np.any(lo_hit | hi_hit)), "cache memory overlaps a registered cache"

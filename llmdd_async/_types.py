@@ -19,7 +19,7 @@ from ._checks import (
     check_uint64,
 )
 from ._enums import DataType, LLMRole, Memtype, Placement
-from ._errors import raise_if_false, raise_param
+from ._errors import raise_if_false
 
 __all__ = [
     "BlocksCacheKey",
@@ -224,6 +224,37 @@ def _valid_id(value: int) -> bool:
     return 0 <= value != UINT64_MAX
 
 
+def _bind_key_args(
+    cls_name: str,
+    fields: tuple[str, ...],
+    required: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """Map a key's positional and keyword arguments to its fields, as upstream binds them
+    (``prompt_cluster_id`` is an alias of ``cluster_id``; the first ``required`` fields must be
+    given).
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for too many, missing, unknown or repeated parameters.
+    """
+    raise_if_false(
+        len(args) + len(kwargs) <= len(fields),
+        f"{cls_name} takes at most {len(fields)} parameters",
+    )
+    if "prompt_cluster_id" in kwargs:
+        raise_if_false("cluster_id" not in kwargs, "cluster_id given twice")
+        kwargs["cluster_id"] = kwargs.pop("prompt_cluster_id")
+    values = dict(zip(fields, args, strict=False))
+    for name, value in kwargs.items():
+        raise_if_false(name in fields, f"{cls_name} got an unknown parameter {name!r}")
+        raise_if_false(name not in values, f"{cls_name} got {name!r} twice")
+        values[name] = value
+    for name in fields[:required]:
+        raise_if_false(name in values, f"{cls_name} needs {name}")
+    return values
+
+
 class CacheKey:
     """Key of a contiguous cache slot: ``(cluster_id, req_id, model_id=0, prefix_id=2**64-1)``.
 
@@ -237,17 +268,7 @@ class CacheKey:
     _FIELDS = ("cluster_id", "req_id", "model_id", "prefix_id")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise_if_false(len(args) + len(kwargs) <= 4, "CacheKey takes at most 4 parameters")
-        if "prompt_cluster_id" in kwargs:
-            raise_if_false("cluster_id" not in kwargs, "cluster_id given twice")
-            kwargs["cluster_id"] = kwargs.pop("prompt_cluster_id")
-        values = dict(zip(self._FIELDS, args, strict=False))
-        for name, value in kwargs.items():
-            raise_if_false(name in self._FIELDS, f"CacheKey got an unknown parameter {name!r}")
-            raise_if_false(name not in values, f"CacheKey got {name!r} twice")
-            values[name] = value
-        raise_if_false("cluster_id" in values, "CacheKey needs cluster_id")
-        raise_if_false("req_id" in values, "CacheKey needs req_id")
+        values = _bind_key_args("CacheKey", self._FIELDS, 2, args, kwargs)
         values.setdefault("model_id", 0)
         values.setdefault("prefix_id", UINT64_MAX)
         for name in self._FIELDS:
@@ -343,18 +364,7 @@ class BlocksCacheKey:
     _FIELDS = ("cluster_id", "model_id")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise_if_false(len(args) + len(kwargs) <= 2, "BlocksCacheKey takes at most 2 parameters")
-        if "prompt_cluster_id" in kwargs:
-            raise_if_false("cluster_id" not in kwargs, "cluster_id given twice")
-            kwargs["cluster_id"] = kwargs.pop("prompt_cluster_id")
-        values = dict(zip(self._FIELDS, args, strict=False))
-        for name, value in kwargs.items():
-            raise_if_false(
-                name in self._FIELDS, f"BlocksCacheKey got an unknown parameter {name!r}"
-            )
-            raise_if_false(name not in values, f"BlocksCacheKey got {name!r} twice")
-            values[name] = value
-        raise_if_false("cluster_id" in values, "BlocksCacheKey needs cluster_id")
+        values = _bind_key_args("BlocksCacheKey", self._FIELDS, 1, args, kwargs)
         values.setdefault("model_id", 0)
         for name in self._FIELDS:
             check_isinstance(name, values[name], int)
@@ -611,7 +621,3 @@ class LLMClusterInfo:
     def __repr__(self) -> str:
         remotes = [f"{int_to_ip(ip)}:{port}" for ip, port in self._remote_ip_info]
         return f"LLMClusterInfo(remote_cluster_id={self._remote_cluster_id}, remote={remotes})"
-
-
-def raise_unsupported_key(name: str, value: object) -> None:
-    raise_param(f"{name}: unsupported key type {type(value).__name__}")

@@ -100,11 +100,10 @@ class CacheTask:
 
     def cancel(self) -> None:
         """Stop the transfer and wait until it is fenced (its buffers are no longer touched)."""
-        loop = LoopThread.get()
-        loop.call(self._task.cancel)
-        loop.run(self._wait_quietly)
+        LoopThread.get().run(self._cancel_and_wait)
 
-    async def _wait_quietly(self) -> None:
+    async def _cancel_and_wait(self) -> None:
+        self._task.cancel()
         with contextlib.suppress(LLMException):
             await self._task
 
@@ -142,8 +141,7 @@ class _ManagerBase:
         self._get = get
 
     def _manager(self) -> Any:
-        if not self._owner._async.is_initialized():
-            raise RuntimeError(_NOT_INITIALIZED)
+        self._owner._check()
         return self._get()
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -217,7 +215,7 @@ class KvCacheManager(_ManagerBase):
     swap_blocks = _movement("swap_blocks")
 
     def is_initialized(self) -> bool:
-        return self._owner._async.is_initialized()
+        return self._owner.is_initialized()
 
 
 _live_lock = threading.Lock()

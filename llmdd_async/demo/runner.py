@@ -15,7 +15,6 @@ import base64
 import contextlib
 import dataclasses
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +23,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from llmdd_async._childproc import ChildProcess
+from llmdd_async._childproc import ChildProcess, run_on_loop
+from llmdd_async.demo.model import ModelConfig
 
 __all__ = ["DemoConfig", "main", "run_demo"]
 
@@ -57,15 +57,11 @@ class DemoConfig:
             "seed": self.seed,
         }
 
-    @property
-    def kv_bytes(self) -> int:
-        return 2 * self.layers * self.heads * self.head_dim * 4 * self.prompt
-
 
 def _options(config: DemoConfig, capacity_tokens: int) -> dict[str, str]:
-    per_token = 2 * config.layers * config.heads * config.head_dim * 4
-    blocks = math.ceil(capacity_tokens / config.block_size) + 16
-    pool = blocks * config.block_size * per_token + (4 << 20)
+    model = ModelConfig(**config.model())
+    blocks = model.blocks_for(capacity_tokens) + 16
+    pool = blocks * config.block_size * model.kv_bytes_per_token() + (4 << 20)
     return {
         "llm.EnableCacheManager": "1",
         "llm.EnableRemoteCacheAccessible": "1",
@@ -387,27 +383,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    config = DemoConfig(
-        layers=args.layers,
-        heads=args.heads,
-        head_dim=args.head_dim,
-        vocab=args.vocab,
-        block_size=args.block_size,
-        prompt=args.prompt,
-        tokens=args.tokens,
-        seed=args.seed,
-        transport=args.transport,
-        mode=args.mode,
-        loop=args.loop,
-    )
-    backend, options = (
-        ("trio", {})
-        if config.loop == "trio"
-        else ("asyncio", {"use_uvloop": config.loop == "uvloop"})
-    )
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo for parsed command-line arguments; returns the exit status."""
+    config = DemoConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DemoConfig)})
     with _Progress(not args.json) as progress:
-        report = anyio.run(run_demo, config, progress, backend=backend, backend_options=options)
+        report = run_on_loop(config.loop, run_demo, config, progress)
     if args.timeline:
         write_timeline(report, args.timeline)
     if args.json:

@@ -138,23 +138,23 @@ class Peer(CommandServer):
             if not wait:
                 self.tasks[id(result)] = result
                 return id(result)
-            try:
-                await result
-            except dd.LLMException as exc:
-                return int(exc.status_code)
-            return 0
+            return await _status_of(result)
         if isinstance(result, dd.Cache):
             self.caches[result.cache_id] = result
             return result.cache_id
         return None
 
     async def wait_task(self, task: int) -> int:
-        t = self.tasks.pop(task)
-        try:
-            await t
-        except dd.LLMException as exc:
-            return int(exc.status_code)
-        return 0
+        return await _status_of(self.tasks.pop(task))
+
+
+async def _status_of(task: dd.CacheTask) -> int:
+    """Await ``task``; its status code (0 for success)."""
+    try:
+        await task
+    except dd.LLMException as exc:
+        return int(exc.status_code)
+    return 0
 
 
 def main() -> None:
