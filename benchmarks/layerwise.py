@@ -32,12 +32,33 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import numpy as np
-from _common import print_table, write_json
+from _common import csv_of, parser, positive_floats, positive_int, print_table, write_json
 
 import llmdd_async as dd
 from llmdd_async.testing import PeerProcess, encode_key
 
-BLOCK = 1 << 20  # 1 MiB blocks
+BLOCK = 1 << 19  # 512 KiB blocks: K and V of a layer of n MiB are n blocks each
+
+
+def layer_blocks(layer_mib: int) -> int:
+    """Blocks per K (and per V) tensor for ``layer_mib`` MiB of K+V per layer.
+
+    Raises:
+        ValueError: ``layer_mib`` < 1.
+    """
+    if layer_mib < 1:
+        raise ValueError(f"layer_mib must be >= 1, got {layer_mib}")
+    return layer_mib * (1 << 20) // (2 * BLOCK)
+
+
+def hidden_percent(exposed: float, after_prefill: float) -> float:
+    """How much of the after-prefill transfer time layer-wise streaming hid, in [0, 100].
+
+    0 when streaming exposed as much as (or, through overheads on small runs, more than)
+    sending everything after the prefill."""
+    if after_prefill <= 0:
+        return 0.0
+    return 100 * min(1.0, max(0.0, 1 - exposed / after_prefill))
 
 
 def calibrate(seconds: float) -> tuple[np.ndarray, int]:
@@ -71,7 +92,7 @@ def options(transport: str, listen: bool, pool: int) -> dict[str, str]:
 async def run(
     transport: str, layers: int, layer_mib: int, ratios: list[float], repeat: int
 ) -> list[dict[str, Any]]:
-    blocks = layer_mib // 2  # K and V of one layer: layer_mib MiB
+    blocks = layer_blocks(layer_mib)  # K and V of one layer: layer_mib MiB
     pool = 2 * layers * blocks * BLOCK + (64 << 20)
     shape = [blocks, BLOCK]
     rows = []
@@ -158,7 +179,7 @@ async def run(
                         "exposed ms (layer-wise)": exp * 1e3,
                         "exposed ms (after prefill)": statistics.median(after) * 1e3,
                         "exposed / one layer": exp / one_layer,
-                        "hidden %": 100 * (1 - exp / statistics.median(after)),
+                        "hidden %": hidden_percent(exp, statistics.median(after)),
                         "target": 1.5 if compute >= one_layer else None,
                         "ok": exp / one_layer <= 1.5 if compute >= one_layer else None,
                     }
@@ -166,19 +187,33 @@ async def run(
     return rows
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = parser(__doc__, "layerwise")
+    p.add_argument("--layers", type=positive_int, default=16, help="layers of the prefill")
+    p.add_argument("--layer-mib", type=positive_int, default=8, help="K+V bytes per layer, MiB")
+    p.add_argument(
+        "--ratios",
+        type=positive_floats,
+        default="0.5,1.25,2",
+        help="per-layer compute time / per-layer transfer time, comma-separated cases",
+    )
+    p.add_argument(
+        "--transports",
+        type=csv_of("tcp", "same-host"),
+        default="tcp,same-host",
+        help="llm.Transport values to measure, comma-separated",
+    )
+    p.add_argument(
+        "--repeat", type=positive_int, default=3, help="timed runs per case (median reported)"
+    )
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--layer-mib", type=int, default=8, help="K+V bytes per layer, MiB")
-    parser.add_argument("--ratios", default="0.5,1.25,2", help="compute / transfer per layer")
-    parser.add_argument("--transports", default="tcp,same-host")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    ratios = [float(r) for r in args.ratios.split(",")]
+    args = build_parser().parse_args()
     rows: list[dict[str, Any]] = []
-    for transport in args.transports.split(","):
-        rows += anyio.run(run, transport, args.layers, args.layer_mib, ratios, args.repeat)
+    for transport in args.transports:
+        rows += anyio.run(run, transport, args.layers, args.layer_mib, args.ratios, args.repeat)
     print_table(
         "Layer-wise streaming (exposed = last compute done -> last byte landed)",
         rows,

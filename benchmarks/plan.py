@@ -13,7 +13,7 @@ import time
 
 import anyio
 import numpy as np
-from _common import median_time, memcpy_gbps, print_table, write_json
+from _common import median_time, memcpy_gbps, parser, positive_int, print_table, write_json
 
 import llmdd_async as dd
 from llmdd_async._planner import Layout, plan_blocks
@@ -127,11 +127,16 @@ async def bench_copies(repeat: int, memcpy: float) -> list[dict[str, object]]:
     return rows
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = parser(__doc__, "plan")
+    p.add_argument(
+        "--repeat", type=positive_int, default=7, help="timed runs per case (median reported)"
+    )
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--json", default=None, help="where to write results (JSON)")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     plan_rows = bench_planning(args.repeat)
     memcpy = memcpy_gbps(COPY_BYTES, args.repeat)
     copy_rows = anyio.run(bench_copies, args.repeat, memcpy)

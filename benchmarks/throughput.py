@@ -20,7 +20,15 @@ from typing import Any
 
 import anyio
 import numpy as np
-from _common import memcpy_gbps, print_table, raw_socket_gbps, write_json
+from _common import (
+    csv_of,
+    memcpy_gbps,
+    parser,
+    positive_int,
+    print_table,
+    raw_socket_gbps,
+    write_json,
+)
 
 import llmdd_async as dd
 from llmdd_async.testing import PeerProcess, encode_key
@@ -113,16 +121,31 @@ async def run_case(
     return rows
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = parser(__doc__, "throughput")
+    p.add_argument(
+        "--repeat", type=positive_int, default=5, help="timed runs per case (median reported)"
+    )
+    p.add_argument(
+        "--loops",
+        type=csv_of("asyncio", "uvloop"),
+        default="asyncio,uvloop",
+        help="event loops to measure, comma-separated",
+    )
+    p.add_argument(
+        "--transports",
+        type=csv_of("tcp", "same-host"),
+        default="tcp,same-host",
+        help="llm.Transport values to measure, comma-separated",
+    )
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--loops", default="asyncio,uvloop")
-    parser.add_argument("--transports", default="tcp,same-host")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     rows: list[dict[str, Any]] = []
-    for loop in args.loops.split(","):
-        for transport in args.transports.split(","):
+    for loop in args.loops:
+        for transport in args.transports:
             backend_options = {"use_uvloop": True} if loop == "uvloop" else {}
             limit = (
                 (lambda: raw_socket_gbps(TOTAL, repeat=1))

@@ -5,6 +5,7 @@ Reference §8. Every argument check runs synchronously at the call, before a tas
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from ._checks import (
 from ._engine import Engine
 from ._enums import LLMStatusCode, Memtype, Placement
 from ._errors import LLMException, raise_if_false
-from ._memory import host_view, resolve_host_memory
+from ._memory import check_memory_dtype, host_view, resolve_host_memory
 from ._planner import Layout, Plan, mapping_arrays, plan_block_copies, plan_slots
 from ._registry import CacheEntry, SlotKey
 from ._scheduler import Destination, run_layerwise
@@ -203,6 +204,8 @@ class CacheManager:
             "remote_accessible=True is not allowed after link()",
         )
         nbytes = cache_desc.size
+        for i, a in enumerate(addrs):
+            check_memory_dtype(a, cache_desc.data_type, f"addrs[{i}]")
         resolved = []
         for i, a in enumerate(addrs):
             if cache_desc.placement == Placement.DEVICE:
@@ -241,10 +244,16 @@ class CacheManager:
         are kept alive while registered. ``cache_keys[i]`` binds batch slot ``i``; keys of
         registered caches are never consumed.
 
+        A typed object must hold ``cache_desc.data_type`` elements; untyped or byte (uint8)
+        memory is taken as it is. An object larger than ``cache_desc.size`` bytes is accepted
+        and only its first ``size`` bytes are registered (as for a raw address into a larger
+        buffer: a cache may be carved out of one arena); ``cache.tensors`` covers that part.
+
         Raises:
             TypeError / ValueError: wrong argument types.
             LLMException: LLM_PARAM_INVALID for an empty or wrong-length ``addrs``, address 0,
-                overlapping memory, bad shape, too many or already-bound keys.
+                memory smaller than the description or of another element type, overlapping
+                memory, bad shape, too many or already-bound keys.
         """
         keys = self._slot_keys(cache_desc, cache_keys, registered=True)
         entry, views = self._register(cache_desc, addrs, False, remote_accessible)
@@ -265,7 +274,8 @@ class CacheManager:
 
         Raises:
             TypeError / ValueError: wrong argument types.
-            LLMException: LLM_PARAM_INVALID as for :meth:`register_cache`.
+            LLMException: LLM_PARAM_INVALID as for :meth:`register_cache` (memory of another
+                element type, or smaller than the description, included).
         """
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, optional=True)
         entry, views = self._register(cache_desc, addrs, True, remote_accessible)
@@ -1009,7 +1019,9 @@ class CacheManager:
         Destinations: raw peer addresses (``TransferConfig``, request/response mode) or a key
         (``TransferWithCacheKeyConfig``, remote-accessible mode), contiguous or blocks.
         ``dst_layer_range`` maps relative to ``src_layer_range`` (upstream indexed it by the
-        absolute source layer, which broke ranges not starting at 0).
+        absolute source layer, which broke ranges not starting at 0). ``src_block_indices`` on a
+        contiguous source select its batch slots (dim 0), as upstream's engine reads them;
+        destination blocks are then slot-sized unless ``dst_block_memory_size`` says otherwise.
 
         ``get_results()`` gives one code per config (None where no layer started); configs to
         the same cluster share one result, as upstream.
@@ -1048,8 +1060,12 @@ class CacheManager:
             f"the source needs K and V per layer: an even tensor count, got {entry.num_tensors}",
         )
         layers = entry.num_tensors // 2
+        #: what the requests describe as the source: a contiguous cache with block indices
+        #: is read as blocks of its dim-0 slices, as upstream's engine does (§7, §9.1)
+        source = entry
         if src_b is not None:
-            raise_if_false(entry.is_blocks, "src_block_indices need a blocks source cache")
+            if not entry.is_blocks:
+                source = dataclasses.replace(entry, is_blocks=True)
             raise_if_false(
                 dst_b is not None, "dst_block_indices are required with src_block_indices"
             )
@@ -1118,7 +1134,7 @@ class CacheManager:
                     slot,
                     link,
                     list(src_r),
-                    self._layer_spec_factory(entry, c, src_r, shape, src_b, dst_b, dbm),
+                    self._layer_spec_factory(source, c, src_r, shape, src_b, dst_b, dbm),
                 )
             )
         self._check_remote_accessible(entry)

@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -135,11 +136,22 @@ class ChildProcess:
     @classmethod
     @contextlib.asynccontextmanager
     async def spawn(
-        cls, module: str, loop: str = "asyncio", env: dict[str, str] | None = None
+        cls,
+        module: str,
+        loop: str = "asyncio",
+        env: dict[str, str] | None = None,
+        inherit_stderr: bool = False,
     ) -> AsyncIterator[Any]:
-        """Start ``python -m module``; on exit ask it to stop, and kill it if it does not."""
+        """Start ``python -m module``; on exit ask it to stop, and kill it if it does not.
+
+        ``inherit_stderr``: the child writes to this process's stderr (its log lines, say)
+        instead of a pipe."""
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", LLMDD_PEER_LOOP=loop, **(env or {}))
-        process = await anyio.open_process([sys.executable, "-m", module], env=full_env)
+        process = await anyio.open_process(
+            [sys.executable, "-m", module],
+            env=full_env,
+            stderr=None if inherit_stderr else subprocess.PIPE,
+        )
         child = cls(process)
         body_error: BaseException | None = None
         async with anyio.create_task_group() as tg:

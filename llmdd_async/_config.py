@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from ._checks import (
@@ -11,9 +12,9 @@ from ._checks import (
     check_isinstance,
     check_uint32,
 )
-from ._errors import raise_if_false
+from ._errors import raise_if_false, raise_param
 
-__all__ = ["LLMConfig", "LlmConfig"]
+__all__ = ["LLMConfig", "LlmConfig", "legacy_device_options"]
 
 
 def _prop(name: str, check: Any, doc: str) -> property:
@@ -240,3 +241,111 @@ class LLMConfig:
 
 
 LlmConfig = LLMConfig
+
+
+def _cluster_info_lists(text: str) -> tuple[list[Any] | None, list[Any] | None]:
+    """``(logic_device_id, listen_ip_info)`` of an ``llm.ClusterInfo`` JSON (None if absent).
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for invalid JSON or lists of the wrong shape.
+    """
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise_param(f"llm.ClusterInfo is not valid JSON: {exc}")
+    raise_if_false(isinstance(info, dict), "llm.ClusterInfo must be a JSON object")
+    devices, listen = info.get("logic_device_id"), info.get("listen_ip_info")
+    raise_if_false(
+        devices is None or (isinstance(devices, list) and len(devices) > 0),
+        "llm.ClusterInfo logic_device_id must be a non-empty list",
+    )
+    raise_if_false(
+        listen is None
+        or (
+            isinstance(listen, list)
+            and all(isinstance(x, dict) and "ip" in x and "port" in x for x in listen)
+        ),
+        'llm.ClusterInfo listen_ip_info must be a list of {"ip": ..., "port": ...}',
+    )
+    return devices, listen
+
+
+def _listen_text(item: dict[str, Any]) -> str:
+    from ._types import int_to_ip
+
+    ip, port = item["ip"], item["port"]
+    raise_if_false(
+        isinstance(ip, int | str) and isinstance(port, int) and 0 <= port < 65536,
+        f"llm.ClusterInfo listen_ip_info entry {item} is invalid",
+    )
+    if isinstance(ip, int):
+        raise_if_false(0 <= ip < 2**32, f"llm.ClusterInfo listen ip {ip} is not an IPv4 int")
+        ip = int_to_ip(ip)
+    return f"{ip}:{port}"
+
+
+def _device_number(logic_id: Any, index: int) -> str:
+    """The device of a ``logic_device_id`` entry ``"server:die:device:x"`` (else its index)."""
+    parts = str(logic_id).split(":")
+    return parts[2] if len(parts) == 4 and parts[2].isdigit() else str(index)
+
+
+def legacy_device_options(options: Mapping[str, str]) -> list[dict[str, str]]:
+    """Split legacy-mode ``init`` options into one option dict per device (reference §4, §11).
+
+    The devices are ``llm.ClusterInfo``'s ``logic_device_id`` list, else the ``;``-separated
+    ``ge.exec.deviceId``; their listen addresses (a PROMPT needs them) are ``llm.ClusterInfo``'s
+    ``listen_ip_info`` (integer or text ips), else the ``;``-separated ``llm.listenIpInfo``,
+    one per device. Device ``i``'s dict names its own address in ``llm.listenIpInfo`` and its
+    device in ``ge.exec.deviceId``. Cache-manager mode, and anything that is not a dict, come
+    back as one unchanged dict (``init`` checks those); so does a single device given only
+    ``llm.listenIpInfo``.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for a malformed ``llm.ClusterInfo``, or a number of
+            listen addresses other than the number of devices.
+    """
+    if not isinstance(options, dict):
+        return [options]  # type: ignore[list-item]
+    opts = dict(options)
+    cache_manager = opts.get("llm.EnableCacheManager", "1" if "llm.LocalCommRes" in opts else "0")
+    if cache_manager == "1" or any(not isinstance(v, str) for v in opts.values()):
+        return [opts]
+    logic, listen_items = (None, None)
+    if "llm.ClusterInfo" in opts:
+        logic, listen_items = _cluster_info_lists(opts["llm.ClusterInfo"])
+    device_ids = opts["ge.exec.deviceId"].split(";") if "ge.exec.deviceId" in opts else None
+    if logic is not None:
+        n = len(logic)
+        devices = [_device_number(d, i) for i, d in enumerate(logic)]
+    else:
+        n = len(device_ids) if device_ids else 1
+        devices = device_ids if device_ids else ["0"]
+    if listen_items:
+        listens: list[str] | None = [_listen_text(x) for x in listen_items]
+    elif opts.get("llm.listenIpInfo"):
+        if n == 1:
+            return [opts]  # one device: init takes the first address, as it always did
+        listens = opts["llm.listenIpInfo"].split(";")
+    else:
+        listens = None
+    if listens is not None:
+        raise_if_false(
+            len(listens) == n,
+            f"{n} device(s) need {n} listen address(es) (one per device), got {len(listens)}",
+        )
+    if n == 1 and logic is None:
+        if listens is not None:
+            opts["llm.listenIpInfo"] = listens[0]
+        return [opts]
+    out = []
+    for i in range(n):
+        one = dict(opts)
+        one.pop("llm.ClusterInfo", None)
+        one["ge.exec.deviceId"] = devices[i]
+        if listens is not None:
+            one["llm.listenIpInfo"] = listens[i]
+        else:
+            one.pop("llm.listenIpInfo", None)
+        out.append(one)
+    return out

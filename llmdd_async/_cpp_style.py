@@ -14,6 +14,7 @@ from typing import Any
 from ._checks import check_int64, check_uint32, check_uint64
 from ._enums import LLMRole, LLMStatusCode
 from ._errors import LLMException
+from ._facade import LLMDataDist
 from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKeyByIdAndIndex, LLMClusterInfo
 
 __all__ = ["CacheIndex", "KvCacheExtParam", "LlmDataDist"]
@@ -118,8 +119,6 @@ class LlmDataDist:
     """The C++ ``llm_datadist::LlmDataDist`` surface, in Python, over the blocking facade."""
 
     def __init__(self, cluster_id: int, role: LLMRole) -> None:
-        from .sync import LLMDataDist
-
         self._dd = LLMDataDist(role, cluster_id)
         self._caches: dict[int, Cache] = {}
 

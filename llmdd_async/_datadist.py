@@ -11,7 +11,7 @@ from ._checks import check_int32, check_isinstance, check_list_of, check_uint64
 from ._config import LLMConfig
 from ._enums import LLMRole, LLMStatusCode, RegisterMemStatus
 from ._errors import LLMException, raise_if_false, raise_param
-from ._options import parse_listen, parse_options
+from ._options import parse_listen, parse_options, warn_unknown_options
 from ._types import LLMClusterInfo
 
 __all__ = ["LLMDataDist"]
@@ -74,6 +74,7 @@ class LLMDataDist:
         if self.is_initialized():
             raise RuntimeError("llm datadist is already initialized")
         parsed = parse_options(options)
+        warn_unknown_options(options, self._cluster_id)
         raise_if_false(
             parsed.cache_manager or self._role != LLMRole.PROMPT or parsed.listen is not None,
             "a PROMPT endpoint in legacy mode needs llm.listenIpInfo",
@@ -167,6 +168,28 @@ class LLMDataDist:
             RuntimeError: not initialised. LLMException: LLM_NOT_YET_LINK without a link.
         """
         return self._live_engine().links.get(cluster_id).statistics()
+
+    async def wait_for_link(self, cluster_id: int, timeout_in_millis: int | None = None) -> None:
+        """Return once a live link to ``cluster_id`` exists, whichever side made it (a prompt
+        endpoint waiting for its decoder to link, without polling).
+
+        Raises:
+            TypeError: ``cluster_id`` is not an int. RuntimeError: not initialised.
+            LLMException: LLM_TIMEOUT when no link came within ``timeout_in_millis``.
+        """
+        check_uint64("cluster_id", cluster_id)
+        check_int32("timeout_in_millis", timeout_in_millis, optional=True)
+        timeout = None if timeout_in_millis is None else max(0, timeout_in_millis) / 1000
+        await self._live_engine().links.wait_for(int(cluster_id), timeout)
+
+    def link_failure(self, cluster_id: int) -> str | None:
+        """Why the last link to ``cluster_id`` failed or broke (refused port, wrong cluster
+        id, silent listener, peer closed the connection, ...); None once a link is up.
+
+        Raises:
+            RuntimeError: not initialised.
+        """
+        return self._live_engine().links.failures.get(int(cluster_id))
 
     async def link_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000

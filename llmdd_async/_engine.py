@@ -25,6 +25,24 @@ from ._task import CacheTask, TaskControl
 __all__ = ["Engine"]
 
 
+class ScratchPool:
+    """Scratch buffers lent for one frame at a time: memory scales with transfers in
+    progress, not with links."""
+
+    SIZE = 4 << 20
+
+    def __init__(self, keep: int = 2) -> None:
+        self._free: list[memoryview] = []
+        self._keep = keep
+
+    def acquire(self) -> memoryview:
+        return self._free.pop() if self._free else memoryview(bytearray(self.SIZE))
+
+    def release(self, buf: memoryview) -> None:
+        if len(self._free) < self._keep:
+            self._free.append(buf)
+
+
 class Engine:
     """State and task group of one initialised endpoint."""
 
@@ -42,6 +60,8 @@ class Engine:
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._thread: int | None = None
         self.closed = False
+        #: scratch buffers borrowed by links that must discard incoming bytes
+        self.scratch = ScratchPool()
         #: set by ``link()`` (comm-domain links): later registrations default to not accessible.
         self.comm_linked = False
         from ._links import LinkManager
@@ -102,7 +122,8 @@ class Engine:
             raise body_error
 
     async def start_services(self) -> None:
-        """Start listening when ``llm.listenIpInfo`` was given."""
+        """Open the same-host side channel; listen when ``llm.listenIpInfo`` was given."""
+        await self.links.start()
         if self.options.listen is not None:
             await self.links.listen(self.options.listen)
 
@@ -114,6 +135,14 @@ class Engine:
     def stall_timeout_s(self) -> float:
         """How long a worker waits on a silent peer when no request deadline applies."""
         return max(10.0, self.sync_kv_timeout_s)
+
+    def serve_budget_s(self, tensors: int) -> float:
+        """The most a peer's request over ``tensors`` tensors may run here, whatever deadline
+        the peer asked for: ``llm.ServeTimeout``, else ``sync_kv_timeout`` per layer (K and V),
+        as this side's own pushes get."""
+        if self.options.limits.serve_timeout_s:
+            return self.options.limits.serve_timeout_s
+        return self.sync_kv_timeout_s * max(1, (tensors + 1) // 2)
 
     def published_table(self) -> dict[str, Any]:
         """This endpoint's cache table, as a peer snapshots it (remote-accessible mode)."""

@@ -5,41 +5,85 @@
     client                                   server
     HELLO {version, nonce_c}          ->
                                       <-     CHALLENGE {nonce_s, auth}
-    LINK_REQ {mac_c, identity}        ->     (checks mac_c; on failure: LINK_ACK{LINK_FAILED})
-                                      <-     LINK_ACK {status, mac_s, identity}
+    LINK_REQ {identity, mac_c}        ->     (checks mac_c; on failure: LINK_ACK{LINK_FAILED})
+                                             (same host: proves both pids on the side channel)
+                                      <-     LINK_ACK {status, identity, mac_s}
 
-A peer that fails authentication only ever sees ``LLM_LINK_FAILED``: the server says nothing
-about itself before the client proved it knows the key. With a key configured, a side also
-refuses a peer that does not ask for authentication (so nobody is downgraded silently).
+With ``llm.AuthKey`` the MACs cover the whole transcript (every field of every frame so far,
+identities, roles, cluster ids and the side-channel name included), and both sides derive a
+per-link key from it: every later frame of the link carries a tag under that key (see
+``_protocol.FrameAuth``). A peer that fails authentication only ever sees ``LLM_LINK_FAILED``:
+the server says nothing about itself before the client proved it knows the key. With a key
+configured, a side also refuses a peer that does not ask for authentication (so nobody is
+downgraded silently).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import json
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 
 from ._enums import LLMStatusCode
-from ._link import auth_mac, new_nonce, wire_status
-from ._protocol import MT, NEED_DATA, PROTOCOL_VERSION, Decoder, Message, ProtocolError, encode
+from ._link import new_nonce, wire_status
+from ._protocol import (
+    MT,
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    Decoder,
+    FrameAuth,
+    Message,
+    ProtocolError,
+    encode,
+)
 
-__all__ = ["HandshakeFailed", "client_handshake", "connect_socket", "server_handshake"]
+__all__ = [
+    "Binding",
+    "HandshakeFailed",
+    "LinkAuth",
+    "client_handshake",
+    "connect_socket",
+    "new_nonce",
+    "recv_message",
+    "send_message",
+    "server_handshake",
+]
 
 _HANDSHAKE_META = 1 << 20
+#: (send, receive) frame authenticators of a keyed link
+LinkAuth = tuple[FrameAuth, FrameAuth]
 
 
 class HandshakeFailed(Exception):
-    """The link could not be set up; ``code`` is what link_clusters reports."""
+    """The link could not be set up; ``code`` is what link_clusters reports. ``yielded``: the
+    peer refused because its own simultaneous link to us wins (it is on its way)."""
 
-    def __init__(self, message: str, code: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED):
+    def __init__(
+        self,
+        message: str,
+        code: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED,
+        yielded: bool = False,
+    ):
         super().__init__(message)
         self.code = code
+        self.yielded = yielded
 
 
-async def _send(sock: socket.socket, msg: Message) -> None:
+class Binding:
+    """What ties a side channel to one TCP handshake: its nonces and its socket."""
+
+    def __init__(self, nonce_c: str, nonce_s: str, sock: socket.socket) -> None:
+        self.nonces = (nonce_c, nonce_s)
+        self.sock = sock
+
+
+async def send_message(sock: socket.socket, msg: Message) -> None:
+    """Send one frame on a non-blocking socket. Raises OSError."""
     data = memoryview(encode(msg))
     while data:
         try:
@@ -50,7 +94,12 @@ async def _send(sock: socket.socket, msg: Message) -> None:
         data = data[n:]
 
 
-async def _recv(sock: socket.socket, decoder: Decoder, expect: MT) -> Message:
+async def recv_message(sock: socket.socket, decoder: Decoder, expect: MT) -> Message:
+    """The next frame, which must be an ``expect`` without payload.
+
+    Raises:
+        ProtocolError: anything else. EOFError / OSError: the connection failed.
+    """
     buf = bytearray(4096)
     while True:
         ev = decoder.next_event()
@@ -93,16 +142,42 @@ async def connect_socket(ip: str, port: int) -> socket.socket:
         raise
 
 
-def _check_mac(key: bytes | None, role: bytes, got: Any, *parts: str) -> bool:
-    if key is None:
-        return True
-    return isinstance(got, str) and hmac.compare_digest(got, auth_mac(key, role, *parts))
+class _Transcript:
+    """Running hash of every handshake frame's fields (the MAC fields left out)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def add(self, msg: Message) -> None:
+        fields = {k: v for k, v in msg.fields.items() if k != "mac"}
+        self._h.update(int(msg.type).to_bytes(2, "little"))
+        self._h.update(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+
+    def mac(self, key: bytes, who: bytes) -> str:
+        return hmac.new(key, who + b"|" + self._h.digest(), hashlib.sha256).hexdigest()
+
+    def link_auth(self, key: bytes, client: bool) -> LinkAuth:
+        link_key = hmac.new(key, b"link|" + self._h.digest(), hashlib.sha256).digest()
+        c2s = FrameAuth(hmac.new(link_key, b"c2s", hashlib.sha256).digest())
+        s2c = FrameAuth(hmac.new(link_key, b"s2c", hashlib.sha256).digest())
+        return (c2s, s2c) if client else (s2c, c2s)
+
+
+def _mac_ok(expected: str, got: Any) -> bool:
+    return isinstance(got, str) and hmac.compare_digest(got, expected)
 
 
 async def client_handshake(
-    engine: Any, sock: socket.socket, expected_cluster_id: int
-) -> tuple[Decoder, dict[str, Any]]:
-    """Run the client side; returns the decoder (it may hold read-ahead) and the peer identity.
+    engine: Any,
+    sock: socket.socket,
+    expected_cluster_id: int,
+    nonce_c: str,
+    on_binding: Callable[[Binding], None] | None = None,
+) -> tuple[Decoder, dict[str, Any], LinkAuth | None]:
+    """Run the client side; returns the decoder (it may hold read-ahead), the peer identity
+    and, on a keyed link, the frame authenticators. ``nonce_c`` (from :func:`new_nonce`) is
+    known before connecting, to settle simultaneous links. ``on_binding`` is told the handshake's
+    binding before the server may prove itself on the side channel.
 
     Raises:
         HandshakeFailed: with the code link_clusters reports.
@@ -110,36 +185,53 @@ async def client_handshake(
     """
     key = engine.options.auth_key
     decoder = Decoder(_HANDSHAKE_META)
-    nonce_c = new_nonce()
-    await _send(sock, Message(MT.HELLO, 0, {"version": PROTOCOL_VERSION, "nonce": nonce_c}))
-    ch = await _recv(sock, decoder, MT.CHALLENGE)
+    transcript = _Transcript()
+    hello = Message(MT.HELLO, 0, {"version": PROTOCOL_VERSION, "nonce": nonce_c})
+    transcript.add(hello)
+    await send_message(sock, hello)
+    ch = await recv_message(sock, decoder, MT.CHALLENGE)
+    transcript.add(ch)
     nonce_s = str(ch.fields.get("nonce", ""))
     if bool(ch.fields.get("auth")) != (key is not None):
         raise HandshakeFailed("authentication settings differ (llm.AuthKey set on one side only)")
-    me = engine.identity_for_link()
-    mac_c = auth_mac(key, b"client", nonce_c, nonce_s, str(engine.cluster_id)) if key else None
-    await _send(sock, Message(MT.LINK_REQ, 0, {"mac": mac_c, **me}))
-    ack = await _recv(sock, decoder, MT.LINK_ACK)
+    req = Message(MT.LINK_REQ, 0, dict(engine.identity_for_link()))
+    transcript.add(req)
+    if key is not None:
+        req.fields["mac"] = transcript.mac(key, b"client")
+    if on_binding is not None:
+        on_binding(Binding(nonce_c, nonce_s, sock))
+    await send_message(sock, req)
+    ack = await recv_message(sock, decoder, MT.LINK_ACK)
     status = wire_status(ack)
+    if "cluster_id" in ack.fields and ack.fields["cluster_id"] != expected_cluster_id:
+        raise HandshakeFailed(
+            f"the endpoint there is cluster {ack.fields['cluster_id']}, not {expected_cluster_id}"
+        )
     if status != LLMStatusCode.LLM_SUCCESS:
-        raise HandshakeFailed(str(ack.fields.get("message", "refused by peer")), status)
+        raise HandshakeFailed(
+            str(ack.fields.get("message", "refused by peer")),
+            status,
+            yielded=ack.fields.get("yield") is True,
+        )
+    transcript.add(ack)
     peer = ack.fields
-    if not _check_mac(
-        key, b"server", peer.get("mac"), nonce_c, nonce_s, str(peer.get("cluster_id"))
-    ):
+    if key is not None and not _mac_ok(transcript.mac(key, b"server"), peer.get("mac")):
         raise HandshakeFailed("the peer failed authentication")
     if peer.get("cluster_id") != expected_cluster_id:
         raise HandshakeFailed(
             f"the endpoint there is cluster {peer.get('cluster_id')}, not {expected_cluster_id}"
         )
-    return decoder, peer
+    return decoder, peer, transcript.link_auth(key, client=True) if key is not None else None
 
 
 async def server_handshake(
-    engine: Any, sock: socket.socket, prepare: Callable[[dict[str, Any]], Any]
-) -> tuple[Decoder, dict[str, Any], Any]:
-    """Run the server side; returns the decoder, the peer identity and what ``prepare`` made
-    of it (called before the client is told yes, so a refusal reaches the client).
+    engine: Any,
+    sock: socket.socket,
+    prepare: Callable[[dict[str, Any], Binding], Awaitable[Any]],
+) -> tuple[Decoder, dict[str, Any], Any, LinkAuth | None]:
+    """Run the server side; returns the decoder, the peer identity, what ``prepare`` made of
+    it (awaited before the client is told yes, so a refusal reaches the client) and, on a
+    keyed link, the frame authenticators.
 
     Raises:
         HandshakeFailed: the client was refused (it has been told so).
@@ -147,25 +239,33 @@ async def server_handshake(
     """
     key = engine.options.auth_key
     decoder = Decoder(_HANDSHAKE_META)
-    hello = await _recv(sock, decoder, MT.HELLO)
+    transcript = _Transcript()
+    hello = await recv_message(sock, decoder, MT.HELLO)
     if hello.fields.get("version") != PROTOCOL_VERSION:
         raise ProtocolError(f"client speaks protocol {hello.fields.get('version')}")
+    transcript.add(hello)
     nonce_c = str(hello.fields.get("nonce", ""))
     nonce_s = new_nonce()
-    await _send(sock, Message(MT.CHALLENGE, 0, {"nonce": nonce_s, "auth": key is not None}))
-    req = await _recv(sock, decoder, MT.LINK_REQ)
+    ch = Message(MT.CHALLENGE, 0, {"nonce": nonce_s, "auth": key is not None})
+    transcript.add(ch)
+    await send_message(sock, ch)
+    req = await recv_message(sock, decoder, MT.LINK_REQ)
+    transcript.add(req)
     peer = req.fields
 
-    async def refuse(code: LLMStatusCode, message: str, tell: bool) -> HandshakeFailed:
+    async def refuse(
+        code: LLMStatusCode, message: str, tell: bool, yielded: bool = False
+    ) -> HandshakeFailed:
         fields: dict[str, Any] = {"status": int(code)}
-        if tell:
+        if tell:  # the client proved the key, if there is one
             fields["message"] = message
-        await _send(sock, Message(MT.LINK_ACK, 0, fields))
+            fields["cluster_id"] = engine.cluster_id
+            if yielded:
+                fields["yield"] = True
+        await send_message(sock, Message(MT.LINK_ACK, 0, fields))
         return HandshakeFailed(message, code)
 
-    if key is not None and not _check_mac(
-        key, b"client", peer.get("mac"), nonce_c, nonce_s, str(peer.get("cluster_id"))
-    ):
+    if key is not None and not _mac_ok(transcript.mac(key, b"client"), peer.get("mac")):
         raise await refuse(LLMStatusCode.LLM_LINK_FAILED, "client failed authentication", False)
     cid = peer.get("cluster_id")
     if not isinstance(cid, int) or isinstance(cid, bool) or not 0 <= cid < 2**64:
@@ -181,10 +281,12 @@ async def server_handshake(
             True,
         )
     try:
-        prepared = prepare(peer)
+        prepared = await prepare(peer, Binding(nonce_c, nonce_s, sock))
     except HandshakeFailed as exc:
-        raise await refuse(exc.code, str(exc), False) from None
-    me = engine.identity_for_link()
-    mac_s = auth_mac(key, b"server", nonce_c, nonce_s, str(engine.cluster_id)) if key else None
-    await _send(sock, Message(MT.LINK_ACK, 0, {"status": 0, "mac": mac_s, **me}))
-    return decoder, peer, prepared
+        raise await refuse(exc.code, str(exc), True, exc.yielded) from None
+    ack = Message(MT.LINK_ACK, 0, {"status": 0, **engine.identity_for_link()})
+    transcript.add(ack)
+    if key is not None:
+        ack.fields["mac"] = transcript.mac(key, b"server")
+    await send_message(sock, ack)
+    return decoder, peer, prepared, transcript.link_auth(key, False) if key is not None else None

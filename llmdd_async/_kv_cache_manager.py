@@ -26,12 +26,52 @@ __all__ = ["KvCache", "KvCacheManager", "Tensor", "TensorDesc"]
 class KvCache(Cache):
     """A legacy cache: like :class:`Cache`, with addresses per device.
 
+    In single-process multi-device mode one KvCache stands for one cache per device
+    (:attr:`devices`); ``tensor_addrs``, ``tensors`` and ``cache_id`` are device 0's.
     Dropping the last reference deallocates it while its manager still runs (as upstream).
     """
 
+    _devices: list[KvCache] | None = None
+
+    @property
+    def devices(self) -> list[KvCache]:
+        """The per-device caches (``[self]`` with one device)."""
+        return list(self._devices) if self._devices is not None else [self]
+
     @property
     def per_device_tensor_addrs(self) -> list[list[int]]:
-        return [self.tensor_addrs]
+        return [d.tensor_addrs for d in self.devices]
+
+    @property
+    def valid(self) -> bool:
+        if self._devices is not None:
+            return self._valid and all(d.valid for d in self._devices)
+        return super().valid
+
+    @property
+    def tensors(self) -> list[np.ndarray]:
+        if self._devices is not None:
+            return self._devices[0].tensors
+        return super().tensors
+
+    @classmethod
+    def of_devices(cls, parts: Sequence[KvCache]) -> KvCache:
+        """One KvCache over the caches of every device (same id and description on each).
+
+        Raises:
+            LLMException: LLM_PARAM_INVALID for no parts.
+        """
+        raise_if_false(len(parts) > 0, "a cache needs at least one device")
+        first = parts[0]
+        cache = cls(
+            first.cache_id,
+            first.cache_desc,
+            first.tensor_addrs,
+            first.is_blocks_cache,
+            is_registered=first.is_registered,
+        )
+        cache._devices = list(parts)
+        return cache
 
     @classmethod
     def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: Sequence[Any]) -> KvCache:
@@ -39,12 +79,16 @@ class KvCache(Cache):
 
         Raises:
             TypeError / ValueError: bad types. LLMException: LLM_PARAM_INVALID as
-                :meth:`Cache.create_cpu_cache`, or more than one device.
+                :meth:`Cache.create_cpu_cache`, or lists mixed with plain addresses.
         """
         check_isinstance("addrs", addrs, (list, tuple))
-        if addrs and isinstance(addrs[0], list | tuple):
-            raise_if_false(len(addrs) == 1, "this library serves one device per process")
-            addrs = addrs[0]
+        if addrs and any(isinstance(a, list | tuple) for a in addrs):
+            raise_if_false(
+                all(isinstance(a, list | tuple) for a in addrs),
+                "per-device address lists should be consistent: all lists, or all addresses",
+            )
+            parts = [cls.create_cpu_cache(cache_desc, list(a)) for a in addrs]
+            return parts[0] if len(parts) == 1 else cls.of_devices(parts)
         base = Cache.create_cpu_cache(cache_desc, addrs)
         return cls(-1, base.cache_desc, base.tensor_addrs, True)
 
@@ -203,6 +247,13 @@ class KvCacheManager:
         return self._cm.copy_blocks(cache, copy_block_info)
 
     def swap_blocks(self, src: Cache, dst: Cache, src_to_dst: dict[int, int]) -> CacheTask:
+        """Raises: as CacheManager.swap_blocks; LLM_PARAM_INVALID for a cache of several
+        devices (this endpoint serves one)."""
+        for name, cache in (("src", src), ("dst", dst)):
+            raise_if_false(
+                not isinstance(cache, KvCache) or len(cache.devices) == 1,
+                f"{name} holds addresses of several devices; this endpoint serves one",
+            )
         return self._cm.swap_blocks(src, dst, src_to_dst)
 
     def transfer_cache_async(

@@ -10,8 +10,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hashlib
-import hmac
 import itertools
 import os
 import socket
@@ -27,7 +25,17 @@ from ._enums import LLMStatusCode
 from ._errors import LLMException, status_from_exception
 from ._log import get_logger
 from ._memory import CancelToken, CopyCancelled
-from ._protocol import MT, NEED_DATA, Decoder, Message, PayloadBytes, ProtocolError, encode
+from ._planner import check_within
+from ._protocol import (
+    MT,
+    NEED_DATA,
+    Decoder,
+    FrameAuth,
+    Message,
+    PayloadBytes,
+    ProtocolError,
+    encode,
+)
 from ._transports.tcp import (
     CHUNK_BYTES,
     Fence,
@@ -43,15 +51,16 @@ __all__ = [
     "LinkBroken",
     "Pending",
     "Serving",
-    "auth_mac",
     "wire_status",
 ]
 
 #: DATA/ABORT flag: the frame concerns a request that the *receiver* of the frame started.
 FLAG_TO_INITIATOR = 1
 _READ_AHEAD = 64 << 10
-MAX_SERVING = 16
-_SCRATCH = 4 << 20
+#: replies (PONG, TABLE, ...) owed to a peer before its link stops reading from it
+_MAX_REPLIES = 64
+#: how often a cancelled request checks that its worker let go
+_FENCE_POLL_S = 0.002
 
 
 def wire_status(msg: Message) -> LLMStatusCode:
@@ -88,11 +97,6 @@ class LinkBroken(LLMException):
 
     def __init__(self, message: str, status_code: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED):
         super().__init__(message, status_code=status_code)
-
-
-def auth_mac(key: bytes, role: bytes, *parts: str) -> str:
-    """HMAC-SHA256 over the handshake transcript, labelled by who proves it."""
-    return hmac.new(key, role + b"|" + "|".join(parts).encode(), hashlib.sha256).hexdigest()
 
 
 class _Request:
@@ -179,6 +183,8 @@ class Link:
         decoder: Decoder,
         peer: dict[str, Any],
         access: Any,
+        auth: tuple[FrameAuth, FrameAuth] | None = None,
+        outbound: bool = False,
     ) -> None:
         self.engine = engine
         self.sock = sock
@@ -186,6 +192,11 @@ class Link:
         self.peer = peer
         self.peer_cluster_id: int = int(peer["cluster_id"])
         self.access = access  # PeerAccess or None (stream only)
+        self._send_auth = auth[0] if auth is not None else None
+        decoder.set_auth(auth[1] if auth is not None else None)
+        #: this side's link_clusters made or adopted the link (a second call: ALREADY_LINK)
+        self.claimed = outbound
+        limits = engine.options.limits
         self.log = get_logger(
             "link", cluster_id=engine.cluster_id, peer_cluster_id=self.peer_cluster_id
         )
@@ -201,10 +212,19 @@ class Link:
         self.table: dict[str, Any] | None = None
         #: requests waiting for a reply of a given type (TABLE, UNLINK_ACK, PONG)
         self._waiters: dict[MT, list[Pending]] = {MT.TABLE: [], MT.UNLINK_ACK: [], MT.PONG: []}
-        self._scratch = memoryview(bytearray(_SCRATCH))
         self._reader_scope: anyio.CancelScope | None = None
         #: requests of the peer served at once; more wait (bounds staging memory and threads)
-        self.serving_limiter = anyio.CapacityLimiter(MAX_SERVING)
+        self.serving_limiter = anyio.CapacityLimiter(limits.serving)
+        #: worker threads this link may hold (never the whole process's pool: one stalled
+        #: peer must not starve the others)
+        self.threads = anyio.CapacityLimiter(limits.threads)
+        self._replies = anyio.Semaphore(_MAX_REPLIES)
+        #: (starts, ends) of the peer's memory that it let us reach directly, refreshed from
+        #: its table when a grant names memory outside it
+        self.peer_regions: tuple[np.ndarray, np.ndarray] = _no_regions()
+        self._released = False
+        #: the peer unlinked or finalized (it knows the link is gone)
+        self.peer_left = False
         self.stats_bytes = 0
         self.stats_transfers = 0
         self.up_since = time.time()
@@ -216,13 +236,23 @@ class Link:
     def alive(self) -> bool:
         return self.broken is None and not self.closed
 
-    def check_alive(self) -> None:
-        """Raises LLMException(LLM_NOT_YET_LINK) when the link is gone."""
-        if not self.alive:
-            raise LLMException(
-                f"link to cluster {self.peer_cluster_id} is down ({self.broken or 'closed'})",
+    def down_error(self) -> LLMException:
+        """The one error of work on a link that is down: LLM_NOT_YET_LINK once this side or
+        the peer unlinked or finalized, LLM_LINK_FAILED (with the reason) when it broke."""
+        if self.closed:
+            return LLMException(
+                f"link to cluster {self.peer_cluster_id} was closed (unlink_clusters)",
                 status_code=LLMStatusCode.LLM_NOT_YET_LINK,
             )
+        broken = self.broken
+        if isinstance(broken, LLMException):
+            return LinkBroken(str(broken), status_code=broken.status_code)
+        return LinkBroken(f"link to cluster {self.peer_cluster_id} is down: {broken}")
+
+    def check_alive(self) -> None:
+        """Raises :meth:`down_error` when the link is down."""
+        if not self.alive:
+            raise self.down_error()
 
     def statistics(self) -> LinkStatistics:
         return LinkStatistics(
@@ -244,18 +274,21 @@ class Link:
         return self.access.caps() if self.access is not None else self.no_caps()
 
     def fail(self, exc: BaseException, expected: bool = False) -> None:
-        """Mark the link broken, fail every request on it, close the socket."""
+        """Mark the link broken, fail every request on it, release what it holds."""
         if self.broken is not None or self.closed:
             return
+        reason = str(exc) if isinstance(exc, LLMException) else _reason(exc)
         self.broken = (
             exc
             if isinstance(exc, LLMException)
-            else LinkBroken(f"link to cluster {self.peer_cluster_id} failed: {exc!r}")
+            else LinkBroken(f"link to cluster {self.peer_cluster_id} is down: {reason}")
         )
-        (self.log.info if expected else self.log.warning)("link.down", reason=str(exc))
-        self._teardown(self.broken)
+        (self.log.info if expected else self.log.warning)("link.down", reason=reason)
+        self.engine.links.note_failure(self.peer_cluster_id, reason)
+        self._teardown()
 
-    def _teardown(self, exc: BaseException) -> None:
+    def _teardown(self) -> None:
+        exc = self.down_error()
         waiters = [w for ws in self._waiters.values() for w in ws]
         for req in [*self.pending.values(), *self.serving.values(), *waiters]:
             req.fail(exc)
@@ -263,7 +296,26 @@ class Link:
             self.sock.shutdown(socket.SHUT_RDWR)
         if self._reader_scope is not None:
             self._reader_scope.cancel()
-        self._scratch = memoryview(b"")  # a down link keeps no buffers
+        with contextlib.suppress(RuntimeError):  # the engine has stopped: release now
+            self.engine.spawn(self._release_when_idle)
+            return
+        self._release()
+
+    async def _release_when_idle(self) -> None:
+        """Close the socket and drop same-host mappings once no request uses them any more
+        (workers return promptly from a shut-down socket or a cancelled token)."""
+        with anyio.move_on_after(self.engine.stall_timeout_s):
+            while self.pending or self.serving:  # noqa: ASYNC110 (dicts, no event)
+                await anyio.sleep(_FENCE_POLL_S * 5)
+        self._release()
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.sock.close()
+        if self.access is not None:
+            self.access.close()
 
     async def close(self, notify: bool) -> None:
         """Drop the link (unlink/finalize). In-flight transfers fail with LLM_NOT_YET_LINK."""
@@ -274,14 +326,7 @@ class Link:
                 await self.send(Message(MT.BYE))
         self.closed = True
         self.log.info("link.down", reason="closed")
-        self._teardown(
-            LLMException(
-                f"link to cluster {self.peer_cluster_id} was closed",
-                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
-            )
-        )
-        if self.access is not None:
-            self.access.close()
+        self._teardown()
 
     # ------------------------------------------------------------------ sending
     async def abort(self, req_id: int, exc: BaseException, flags: int = 0) -> None:
@@ -299,10 +344,11 @@ class Link:
         Raises:
             LinkBroken: the link is down or the socket failed.
         """
-        data = memoryview(encode(msg))
         async with self.send_lock:
             if not self.alive:
-                raise LinkBroken(f"link to cluster {self.peer_cluster_id} is down")
+                raise self.down_error()
+            # Encoded under the lock: on a keyed link each frame's tag counts frames in order.
+            data = memoryview(encode(msg, self._send_auth))
             try:
                 # Once the first byte is out the frame must be finished, whoever cancels us:
                 # a half-sent frame would desynchronise the stream. A peer that stops reading
@@ -341,17 +387,22 @@ class Link:
             if token.cancelled or not self.alive:
                 return False
             n = min(CHUNK_BYTES, stream.total - off)
-            header = encode(Message(MT.DATA, req.req_id, {"off": off}, payload_len=n, flags=flags))
             views = await stream.prepare(off, n, token)
             deadline = req.deadline or (time.monotonic() + self.engine.stall_timeout_s)
             fence = Fence(token, deadline)
             async with self.send_lock:
                 if not self.alive:
-                    raise self.broken or LinkBroken("link closed")
+                    raise self.down_error()
+                header = encode(
+                    Message(MT.DATA, req.req_id, {"off": off}, payload_len=n, flags=flags),
+                    self._send_auth,
+                )
                 try:
                     # Set only now, next to the worker that will release it.
                     req.fence = fence
-                    await anyio.to_thread.run_sync(send_views, self.sock, header, views, fence)
+                    await anyio.to_thread.run_sync(
+                        send_views, self.sock, header, views, fence, limiter=self.threads
+                    )
                 except (OSError, TimeoutError) as exc:
                     self.fail(exc)
                     raise LinkBroken(f"sending to cluster {self.peer_cluster_id}: {exc}") from exc
@@ -383,10 +434,14 @@ class Link:
             return
         # Workers notice the token within tens of milliseconds; if one does not release even
         # so (stuck in the kernel), the link is shut down, which returns it from any syscall.
-        done = await anyio.to_thread.run_sync(fence.released.wait, self.engine.stall_timeout_s)
-        if not done:
+        # Polled, not waited for in a thread: a stalled peer must not hold worker threads.
+        with anyio.move_on_after(self.engine.stall_timeout_s):
+            while not fence.released.is_set():  # noqa: ASYNC110 (set by a thread)
+                await anyio.sleep(_FENCE_POLL_S)
+        if not fence.released.is_set():
             self.fail(TimeoutError("a worker did not let go of a cancelled transfer"))
-            await anyio.to_thread.run_sync(fence.released.wait)
+            while not fence.released.is_set():  # noqa: ASYNC110 (set by a thread)
+                await anyio.sleep(_FENCE_POLL_S)
 
     async def roundtrip(self, msg: Message, reply: MT, timeout_s: float) -> Message | None:
         """Send ``msg`` and wait for the next ``reply`` frame; None if none came in time.
@@ -420,7 +475,25 @@ class Link:
                 )
             if self.table is None:
                 self.table = msg.fields
+                self.peer_regions = regions_of_table(msg.fields)
         return self.table
+
+    async def check_remote(self, remote: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> None:
+        """Every range a grant names in the peer's memory must lie in what the peer published
+        as reachable (its remote-accessible caches); a miss refreshes that once.
+
+        Raises:
+            ProtocolError: the grant points elsewhere. LinkBroken / LLMException: the table
+                could not be fetched.
+        """
+        if check_within(remote, nbytes, *self.peer_regions):
+            return
+        msg = await self.roundtrip(Message(MT.TABLE_REQ), MT.TABLE, timeout_s)
+        if msg is not None:
+            self.peer_regions = regions_of_table(msg.fields)
+            if check_within(remote, nbytes, *self.peer_regions):
+                return
+        raise ProtocolError("GRANT points outside the peer's published caches")
 
     # ------------------------------------------------------------------ reading
     async def run_reader(self, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
@@ -439,7 +512,7 @@ class Link:
                         if ev.payload_len:
                             await self._receive_payload(ev)
                         else:
-                            self._dispatch(ev)
+                            await self._dispatch(ev)
                     else:  # payload bytes outside a DATA frame cannot happen
                         raise ProtocolError("unexpected payload bytes")
             except (OSError, EOFError, ProtocolError, TimeoutError, LLMException) as exc:
@@ -491,15 +564,21 @@ class Link:
             time.monotonic() + self.engine.stall_timeout_s
         )
         if rest:
-            target = _slice_views(views, pos, rest) if views else scratch_views(rest, self._scratch)
+            # Scratch (to discard what nobody receives) is borrowed only for this frame: an
+            # idle link holds no buffers.
+            scratch = self.engine.scratch.acquire()
+            target = _slice_views(views, pos, rest) if views else scratch_views(rest, scratch)
             fence = Fence(token, deadline)
             if req is not None:
                 req.fence = fence
             try:
-                await anyio.to_thread.run_sync(recv_views, self.sock, target, fence, self._scratch)
+                await anyio.to_thread.run_sync(
+                    recv_views, self.sock, target, fence, scratch, limiter=self.threads
+                )
             finally:
                 if req is not None:
                     req.fence = None
+                self.engine.scratch.release(scratch)
             self.decoder.payload_consumed(rest)
         if req is not None and stream is not None and not token.cancelled:
             # Staged (device) streams scatter now; that worker is fenced like the receive.
@@ -518,16 +597,31 @@ class Link:
             if req.received >= stream.total:
                 req.data_event.set()
 
-    def _dispatch(self, msg: Message) -> None:
+    async def _dispatch(self, msg: Message) -> None:
         t = msg.type
         if t == MT.XFER_REQ:
             if msg.req_id in self.serving:
                 raise ProtocolError(f"request id {msg.req_id} reused")
+            if len(self.serving) >= self.engine.options.limits.queued:
+                await self._owe_reply(
+                    Message(
+                        MT.GRANT,
+                        msg.req_id,
+                        {
+                            "status": int(LLMStatusCode.LLM_LINK_BUSY),
+                            "message": f"cluster {self.engine.cluster_id} already has "
+                            f"{len(self.serving)} requests of this link queued",
+                        },
+                    )
+                )
+                return
+            # The peer's deadline, but never more than this side would give itself: one
+            # stalled peer must not hold our workers for longer (upstream: 1800 s).
             deadline_ms = msg.fields.get("timeout_ms")
-            deadline = time.monotonic() + (
-                deadline_ms / 1000 if isinstance(deadline_ms, int) and deadline_ms > 0 else 1800
-            )
-            req = Serving(msg.req_id, deadline)
+            budget = self.engine.serve_budget_s(1024)
+            if isinstance(deadline_ms, int) and deadline_ms > 0:
+                budget = min(budget, deadline_ms / 1000)
+            req = Serving(msg.req_id, time.monotonic() + budget)
             self.serving[msg.req_id] = req
             self.engine.spawn(self.engine.serve_request, self, req, msg)
         elif t == MT.GRANT:
@@ -558,16 +652,18 @@ class Link:
             if aborted is not None:
                 aborted.fail(LLMException(text, status_code=code))
         elif t == MT.TABLE_REQ:
-            self.engine.spawn(self._reply, Message(MT.TABLE, 0, self.engine.published_table()))
+            await self._owe_reply(Message(MT.TABLE, 0, self.engine.published_table()))
         elif t == MT.PING:
-            self.engine.spawn(self._reply, Message(MT.PONG))
+            await self._owe_reply(Message(MT.PONG))
         elif t == MT.UNLINK:
+            await self._replies.acquire()
             self.engine.spawn(self._peer_unlinked)
         elif t in self._waiters:
             for w in self._waiters[t]:
                 w.result = msg
                 w.result_event.set()
         elif t == MT.BYE:
+            self.peer_left = True
             self.fail(
                 LinkBroken(
                     f"cluster {self.peer_cluster_id} finalized",
@@ -578,19 +674,79 @@ class Link:
         else:
             raise ProtocolError(f"unexpected {t.name} on an established link")
 
+    async def _owe_reply(self, msg: Message) -> None:
+        """Answer the peer from a task of its own; once ``_MAX_REPLIES`` answers are still
+        unsent (a peer that sends but never reads), the reader waits here, so the peer's
+        flood stays in its own socket buffers instead of our memory."""
+        await self._replies.acquire()
+        self.engine.spawn(self._reply, msg)
+
     async def _reply(self, msg: Message) -> None:
-        with contextlib.suppress(LinkBroken):
-            await self.send(msg)
+        try:
+            with contextlib.suppress(LLMException):
+                await self.send(msg)
+        finally:
+            self._replies.release()
 
     async def _peer_unlinked(self) -> None:
-        with contextlib.suppress(LinkBroken):
-            await self.send(Message(MT.UNLINK_ACK))
-        self.engine.drop_link(self)
-        await self.close(notify=False)
+        try:
+            with contextlib.suppress(LLMException):
+                await self.send(Message(MT.UNLINK_ACK))
+        finally:
+            self._replies.release()
+        # Listed (as down) until this side unlinks too, as for a peer that died.
+        self.peer_left = True
+        self.fail(
+            LinkBroken(
+                f"cluster {self.peer_cluster_id} unlinked",
+                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+            ),
+            expected=True,
+        )
 
 
 _CANCELLED = CancelToken()
 _CANCELLED.cancel()
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a link broke, in words a user can act on."""
+    if isinstance(exc, EOFError):
+        return "peer closed the connection"
+    if isinstance(exc, ConnectionResetError):
+        return "connection reset by peer"
+    if isinstance(exc, ProtocolError):
+        return f"protocol error: {exc}"
+    return str(exc) or repr(exc)
+
+
+def _no_regions() -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
+
+
+def regions_of_table(table: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted ``(starts, ends)`` of the tensors of the remote-accessible caches a peer's table
+    (or proof message) lists; malformed entries count as nothing."""
+    starts: list[int] = []
+    ends: list[int] = []
+    caches = table.get("caches") if isinstance(table, dict) else None
+    for c in caches if isinstance(caches, list) else []:
+        if not isinstance(c, dict) or c.get("remote_accessible") is not True:
+            continue
+        size, addrs = c.get("tensor_bytes"), c.get("addrs")
+        if not isinstance(size, int) or not isinstance(addrs, list):
+            continue
+        for a in addrs:
+            if isinstance(a, int) and a > 0 and size > 0 and a + size < 2**64:
+                starts.append(a)
+                ends.append(a + size)
+    if not starts:
+        return _no_regions()
+    order = np.argsort(np.array(starts, dtype=np.uint64), kind="stable")
+    return (
+        np.array(starts, dtype=np.uint64)[order],
+        np.array(ends, dtype=np.uint64)[order],
+    )
 
 
 def _copy_into(views: list[memoryview], pos: int, data: memoryview) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import hashlib
-import hmac
 import json
 import os
 import socket
@@ -20,19 +18,37 @@ import numpy as np
 from ._checks import check_isinstance, check_uint32, check_uint64
 from ._enums import LLMStatusCode, RegisterMemStatus
 from ._errors import LLMException, raise_if_false, raise_param
-from ._handshake import HandshakeFailed, client_handshake, connect_socket, server_handshake
-from ._link import Link, LinkBroken, probe_token
+from ._handshake import (
+    Binding,
+    HandshakeFailed,
+    LinkAuth,
+    client_handshake,
+    connect_socket,
+    new_nonce,
+    recv_message,
+    send_message,
+    server_handshake,
+)
+from ._link import Link, probe_token, regions_of_table
 from ._log import get_logger
 from ._planner import check_within
-from ._protocol import MAX_META, MT, Message, ProtocolError
+from ._protocol import MT, Decoder, Message, ProtocolError
 from ._transports.in_process import InProcessAccess
-from ._transports.same_host import SameHostAccess, host_identity, on_same_host, pvr_probe
+from ._transports.same_host import (
+    SameHostAccess,
+    host_identity,
+    on_same_host,
+    peer_pid,
+    tcp_binding,
+)
 from ._transports.tcp import configure_socket
 from ._types import LLMClusterInfo, int_to_ip
 
 __all__ = ["LinkManager"]
 
 _ACCEPT_HANDSHAKE_S = 10.0
+#: the same-host side channel's exchange (one local round trip)
+_PROOF_S = 5.0
 _PARALLEL_LINKS = 16
 #: what a failed connect or handshake may raise: the peer's doing, reported, never raised
 _HANDSHAKE_ERRORS = (
@@ -54,7 +70,17 @@ class LinkManager:
         self.engine = engine
         self.log = get_logger("link", cluster_id=engine.cluster_id)
         self.links: dict[int, Link] = {}
-        self._linking: set[int] = set()
+        #: our own link_clusters in progress: peer cluster id -> its client nonce
+        self._linking: dict[int, str] = {}
+        #: the peer's links to us being accepted, by peer cluster id
+        self._accepting: set[int] = set()
+        #: client handshakes waiting for the server's side-channel proof, by nonces
+        self._expect: dict[tuple[str, str], _Expect] = {}
+        self._uds: socket.socket | None = None
+        self._uds_name: str | None = None
+        self._uds_scope: anyio.CancelScope | None = None
+        #: the last reason a link to each cluster failed (``LLMDataDist.link_failure``)
+        self.failures: dict[int, str] = {}
         self._listen_scope: anyio.CancelScope | None = None
         self._listen_closed: anyio.Event | None = None
         self.listen_address: tuple[str, int] | None = None
@@ -62,69 +88,231 @@ class LinkManager:
         self._host = host_identity()
         self._comms: dict[int, _Comm] = {}
         self._comm_ids = 0
-        #: set (and replaced) whenever a link is registered
+        #: set (and replaced) whenever a link is registered or an accept ends
         self._link_added = anyio.Event()
+
+    def _changed(self) -> None:
+        added, self._link_added = self._link_added, anyio.Event()
+        added.set()
+
+    def note_failure(self, cluster_id: int, reason: str) -> None:
+        self.failures[cluster_id] = reason
 
     # ------------------------------------------------------------------ identity
     def identity(self) -> dict[str, Any]:
-        """What this endpoint tells a peer about itself during the handshake."""
+        """What this endpoint tells a peer about itself during the handshake: nothing about
+        its memory (that goes over the side channel, to a peer the kernel vouches for)."""
         e = self.engine
-        pools = [
-            {"fd": p.fd, "base": p.base, "size": p.nbytes}
-            for p in e.pools.values()
-            if hasattr(p, "fd")
-        ]
         return {
             "cluster_id": e.cluster_id,
             "role": int(e.role),
             "remote_accessible": e.options.remote_accessible,
             "host": self._host,
-            "pools": pools,
-            "probe": [int(self._probe.ctypes.data), self._probe.tobytes().hex()],
             "transport": e.options.transport,
-            "inproc": in_process_proof({"cluster_id": e.cluster_id, "host": self._host}),
+            "uds": self._uds_name,
         }
 
-    def _make_access(self, peer: dict[str, Any]) -> Any:
-        """How this side reaches the peer's memory directly, or None (stream only).
-
-        Raises:
-            HandshakeFailed: ``llm.Transport=same-host`` but the peer is elsewhere.
-        """
+    def _proof(self) -> dict[str, Any]:
+        """What a proven same-host peer learns: pool files, the probe, reachable caches."""
         e = self.engine
-        transport = e.options.transport
-        if transport == "tcp" or not e.adapter.host_addressable:
+        pools = [[p.fd, p.base, p.nbytes] for p in e.pools.values() if hasattr(p, "fd")]
+        return {
+            "pools": pools,
+            "probe": [int(self._probe.ctypes.data), self._probe.tobytes().hex()],
+            "caches": e.published_table()["caches"],
+        }
+
+    def _direct_allowed(self) -> bool:
+        e = self.engine
+        return e.options.transport != "tcp" and e.adapter.host_addressable
+
+    def _access_for(self, pid: int, proof: dict[str, Any]) -> Any:
+        """Direct access to the process the kernel named, from what it sent; None if there is
+        nothing it lets us reach."""
+        if pid <= 0:
             return None
-        host = peer.get("host") or {}
-        if not on_same_host(self._host, host):
-            if transport == "same-host":
-                raise HandshakeFailed(
-                    f"llm.Transport=same-host, but cluster {peer.get('cluster_id')} runs on "
-                    f"another host ({host.get('hostname')})"
-                )
-            return None
-        pid = int(host["pid"])
+        copy = self.engine.adapter.copy
         if pid == os.getpid():
-            # Anyone on this host can claim our pid; only an endpoint of this very process
-            # knows the process secret behind this proof.
-            if not hmac.compare_digest(str(peer.get("inproc", "")), in_process_proof(peer)):
-                raise HandshakeFailed("the peer claims to run in this process but cannot prove it")
-            return InProcessAccess(e.adapter.copy)
-        probe = peer.get("probe") or [0, ""]
-        pvr = pvr_probe(pid, int(probe[0]), bytes.fromhex(str(probe[1])))
-        access = SameHostAccess(pid, list(peer.get("pools") or []), pvr, e.adapter.copy)
-        if not pvr:
-            self.log.info(
-                "transport.fallback",
-                peer_cluster_id=peer.get("cluster_id"),
-                reason="process_vm_readv is not permitted here: registered (non-pool) memory "
-                "of this peer moves over TCP; pool memory is still shared",
-            )
+            access: Any = InProcessAccess(copy)
+        else:
+            access = SameHostAccess(pid, proof.get("pools"), proof.get("probe"), copy)
+            if not access.pools and not access.pvr:
+                access.close()
+                return None
+            if not access.pvr:
+                self.log.info(
+                    "transport.fallback",
+                    reason="process_vm_readv is not permitted here: registered (non-pool) "
+                    "memory of this peer moves over TCP; pool memory is still shared",
+                )
+        access.regions = regions_of_table(proof)
         return access
 
+    def _require_direct(self, peer: dict[str, Any], access: Any) -> None:
+        """Raises HandshakeFailed when ``llm.Transport=same-host`` got no proven direct path."""
+        e = self.engine
+        if access is not None or e.options.transport != "same-host":
+            return
+        if not e.adapter.host_addressable:
+            return  # device memory is never reached directly: the stream is the same-host path
+        host = peer.get("host") or {}
+        if not on_same_host(self._host, host):
+            raise HandshakeFailed(
+                f"llm.Transport=same-host, but cluster {peer.get('cluster_id')} runs on "
+                f"another host ({host.get('hostname')})"
+            )
+        raise HandshakeFailed(
+            f"llm.Transport=same-host, but the kernel could not vouch for cluster "
+            f"{peer.get('cluster_id')} (no side channel, or no access to its memory)"
+        )
+
+    async def _server_prepare(self, peer: dict[str, Any], binding: Binding) -> Any:
+        """Admit a client's link (never over a live one), then prove both sides' pids on the
+        side channel when the client may share this host. Returns the access, or None.
+
+        Raises:
+            HandshakeFailed: refused (the client is told why).
+        """
+        cid = int(peer["cluster_id"])
+        self._admit(cid, binding.nonces[0])
+        self._accepting.add(cid)
+        try:
+            access = None
+            name = peer.get("uds")
+            if (
+                self._direct_allowed()
+                and isinstance(name, str)
+                and peer.get("transport") != "tcp"
+                and on_same_host(self._host, peer.get("host") or {})
+            ):
+                try:
+                    with anyio.fail_after(_PROOF_S):
+                        access = await self._prove_to(name, binding)
+                except (OSError, EOFError, ProtocolError, TimeoutError, ValueError) as exc:
+                    self.log.info("transport.fallback", peer_cluster_id=cid, reason=str(exc))
+            self._require_direct(peer, access)
+            return access
+        except BaseException:
+            self._accepting.discard(cid)
+            self._changed()
+            raise
+
+    def _admit(self, cid: int, nonce_c: str) -> None:
+        """A live link is never replaced; of two links two endpoints start to each other at
+        once, the one whose client nonce is lower wins on both sides.
+
+        Raises:
+            HandshakeFailed: LLM_ALREADY_LINK.
+        """
+        existing = self.links.get(cid)
+        if existing is not None and existing.alive:
+            raise HandshakeFailed(
+                f"cluster {cid} already has a live link to cluster {self.engine.cluster_id}",
+                LLMStatusCode.LLM_ALREADY_LINK,
+            )
+        if cid in self._accepting:
+            raise HandshakeFailed(
+                f"cluster {cid} is already linking to cluster {self.engine.cluster_id}",
+                LLMStatusCode.LLM_ALREADY_LINK,
+            )
+        mine = self._linking.get(cid)
+        if mine is not None and not nonce_c < mine:
+            raise HandshakeFailed(
+                f"cluster {self.engine.cluster_id} is linking to cluster {cid} at the same time; "
+                "that link is used",
+                LLMStatusCode.LLM_ALREADY_LINK,
+                yielded=True,
+            )
+
+    async def _prove_to(self, name: str, binding: Binding) -> Any:
+        """Server side of the side channel: connect to the client's socket, learn its pid
+        from the kernel, and exchange what each lets the other reach."""
+        u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            u.setblocking(False)
+            u.connect("\0" + name)
+            pid = peer_pid(u)
+            fields = {"nonces": list(binding.nonces), "tcp": tcp_binding(binding.sock)}
+            await send_message(u, Message(MT.PROVE, 0, {**fields, **self._proof()}))
+            ack = await recv_message(u, Decoder(16 << 20), MT.PROVE_ACK)
+            if ack.fields.get("status") != 0:
+                return None
+            return self._access_for(pid, ack.fields)
+        finally:
+            u.close()
+
+    async def _serve_proof(self, conn: socket.socket) -> None:
+        """Client side of the side channel: answer a server that names one of our handshakes
+        in progress, from the other end of that very TCP connection."""
+        try:
+            with anyio.fail_after(_PROOF_S):
+                pid = peer_pid(conn)
+                msg = await recv_message(conn, Decoder(16 << 20), MT.PROVE)
+                nonces = msg.fields.get("nonces")
+                exp = (
+                    self._expect.get((str(nonces[0]), str(nonces[1])))
+                    if isinstance(nonces, list) and len(nonces) == 2
+                    else None
+                )
+                if (
+                    exp is None
+                    or exp.done
+                    or msg.fields.get("tcp") != tcp_binding(exp.sock, mirrored=True)
+                ):
+                    await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 1}))
+                    return
+                exp.done = True
+                exp.access = self._access_for(pid, msg.fields)
+                await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 0, **self._proof()}))
+        except (OSError, EOFError, ProtocolError, TimeoutError, ValueError, TypeError) as exc:
+            self.log.info("side_channel.refused", reason=str(exc))
+        finally:
+            conn.close()
+
+    async def _side_channel_loop(self, usock: socket.socket, scope: anyio.CancelScope) -> None:
+        try:
+            with scope:
+                while True:
+                    await anyio.wait_readable(usock)
+                    try:
+                        conn, _ = usock.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as exc:
+                        self.log.warning("side_channel.accept_failed", error=str(exc))
+                        await anyio.sleep(0.1)
+                        continue
+                    conn.setblocking(False)
+                    self.engine.spawn(self._serve_proof, conn)
+        finally:
+            usock.close()
+
+    async def start(self) -> None:
+        """Open the same-host side channel (an abstract ``AF_UNIX`` socket: no file, gone
+        with the process) when this endpoint may move bytes directly."""
+        if not self._direct_allowed() or not hasattr(socket, "AF_UNIX"):
+            return
+        usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"llmdd-async/{os.getpid()}/{os.urandom(8).hex()}"
+        try:
+            usock.bind("\0" + name)
+            usock.listen(128)
+            usock.setblocking(False)
+        except OSError as exc:
+            usock.close()
+            self.log.info("transport.fallback", reason=f"no side channel: {exc}")
+            return
+        self._uds, self._uds_name = usock, name
+        self._uds_scope = anyio.CancelScope()
+        self.engine.spawn(self._side_channel_loop, usock, self._uds_scope)
+
     def reachable_by_peer(self, caps: Any, ranges: np.ndarray, nbytes: np.ndarray) -> bool:
-        """Can the initiator that sent ``caps`` copy these ranges of ours directly?"""
+        """Can the initiator that sent ``caps`` copy these ranges of ours directly? Only
+        memory of remote-accessible caches is ever reached directly."""
         if not isinstance(caps, dict):
+            return False
+        starts, ends = self.engine.registry.reachable_regions()
+        if not check_within(ranges, nbytes, starts, ends):
             return False
         if caps.get("inproc") or caps.get("pvr"):
             return True
@@ -187,34 +375,52 @@ class LinkManager:
 
     async def _accept_one(self, conn: socket.socket) -> None:
         conn.setblocking(False)
+        admitted: list[int] = []
+
+        async def prepare(peer: dict[str, Any], binding: Binding) -> Any:
+            access = await self._server_prepare(peer, binding)
+            admitted.append(int(peer["cluster_id"]))
+            return access
+
         try:
             with anyio.fail_after(_ACCEPT_HANDSHAKE_S):
-                decoder, peer, access = await server_handshake(self.engine, conn, self._make_access)
+                decoder, peer, access, auth = await server_handshake(self.engine, conn, prepare)
         except _HANDSHAKE_ERRORS as exc:
             # Whatever a hostile or broken client sends, it only loses its connection.
             self.log.info("link.refused", reason=str(exc))
             conn.close()
             return
-        link = self._register(conn, decoder, peer, access)
+        finally:
+            for cid in admitted:
+                self._accepting.discard(cid)
+                self._changed()
+        link = self._register(conn, decoder, peer, access, auth, outbound=False)
         await link.run_reader()
 
     def _register(
-        self, sock: socket.socket, decoder: Any, peer: dict[str, Any], access: Any
+        self,
+        sock: socket.socket,
+        decoder: Any,
+        peer: dict[str, Any],
+        access: Any,
+        auth: LinkAuth | None,
+        outbound: bool,
     ) -> Link:
         configure_socket(sock)
-        decoder.set_max_meta(MAX_META)
-        link = Link(self.engine, sock, decoder, peer, access)
+        decoder.set_max_meta(self.engine.options.limits.meta_bytes)
+        link = Link(self.engine, sock, decoder, peer, access, auth, outbound)
+        if access is not None:
+            link.peer_regions = access.regions
         old = self.links.get(link.peer_cluster_id)
         if old is not None:
-            # The peer linked again although we still had a link: ours is stale (upstream's
-            # "force link"), e.g. the peer restarted. Its transfers fail with NOT_YET_LINK.
+            # Only a link that is already down is ever replaced (``_admit`` refuses a live one).
             self.engine.spawn(old.close, False)
         # A link that breaks or that the peer drops stays listed (as down) until this side
         # unlinks it, as upstream's link entities do: "on link faults, both sides must call"
         # unlink_clusters(force=True), and that must succeed.
         self.links[link.peer_cluster_id] = link
-        added, self._link_added = self._link_added, anyio.Event()
-        added.set()
+        self.failures.pop(link.peer_cluster_id, None)
+        self._changed()
         self.log.info(
             "link.up",
             peer_cluster_id=link.peer_cluster_id,
@@ -231,15 +437,35 @@ class LinkManager:
         """The live link to ``cluster_id``.
 
         Raises:
-            LLMException: LLM_NOT_YET_LINK when there is none.
+            LLMException: LLM_NOT_YET_LINK when there is none (or it was unlinked),
+                LLM_LINK_FAILED with the reason when it broke.
         """
         link = self.links.get(cluster_id)
-        if link is None or not link.alive:
+        if link is None:
             raise LLMException(
                 f"cluster {self.engine.cluster_id} has no link to cluster {cluster_id}",
                 status_code=LLMStatusCode.LLM_NOT_YET_LINK,
             )
+        link.check_alive()
         return link
+
+    async def wait_for(self, cluster_id: int, timeout_s: float | None) -> None:
+        """Return once a live link to ``cluster_id`` exists (made by either side).
+
+        Raises:
+            LLMException: LLM_TIMEOUT when none came within ``timeout_s``.
+        """
+        with anyio.move_on_after(timeout_s):
+            while True:
+                link = self.links.get(cluster_id)
+                if link is not None and link.alive:
+                    return
+                await self._link_added.wait()
+        raise LLMException(
+            f"cluster {cluster_id} did not link to cluster {self.engine.cluster_id} "
+            f"within {timeout_s} s",
+            status_code=LLMStatusCode.LLM_TIMEOUT,
+        )
 
     async def link_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout_s: float
@@ -269,26 +495,77 @@ class LinkManager:
             return LLMStatusCode.LLM_PARAM_INVALID
         if cid in self._linking:
             return LLMStatusCode.LLM_PROCESSING_LINK
+        deadline = anyio.current_time() + timeout_s
+        if cid in self._accepting:
+            # The peer is linking to us right now: that link will do for both sides.
+            return await self._adopt(cid, deadline)
         existing = self.links.get(cid)
         if existing is not None and existing.alive:
-            return LLMStatusCode.LLM_ALREADY_LINK
+            return await self._adopt(cid, deadline)
         ip, port = int_to_ip(remotes[0][0]), remotes[0][1]
-        self._linking.add(cid)
         sock: socket.socket | None = None
+        nonces: list[tuple[str, str]] = []
+
+        def expect(binding: Binding) -> None:
+            nonces.append(binding.nonces)
+            self._expect[binding.nonces] = _Expect(binding.sock)
+
+        nonce_c = new_nonce()
+        self._linking[cid] = nonce_c  # settles a simultaneous link from the peer (``_admit``)
         try:
             with anyio.fail_after(timeout_s):
                 sock = await connect_socket(ip, port)
-                decoder, peer = await client_handshake(self.engine, sock, cid)
-            access = self._make_access(peer)
+                decoder, peer, auth = await client_handshake(
+                    self.engine, sock, cid, nonce_c, expect
+                )
+            exp = self._expect.get(nonces[0])
+            access = exp.access if exp is not None else None
+            self._require_direct(peer, access)
         except _HANDSHAKE_ERRORS as exc:  # link_clusters reports, never raises
-            log.info("link.failed", address=f"{ip}:{port}", reason=str(exc) or repr(exc))
             if sock is not None:
                 sock.close()
+            if nonces and (exp := self._expect.get(nonces[0])) and exp.access is not None:
+                exp.access.close()
+            self._linking.pop(cid, None)
+            if isinstance(exc, HandshakeFailed) and exc.code == LLMStatusCode.LLM_ALREADY_LINK:
+                # The peer keeps a link it already has, or its own simultaneous one: both do.
+                return await self._adopt(cid, deadline if exc.yielded else 0.0, str(exc))
+            reason = str(exc) or repr(exc)
+            self.note_failure(cid, f"{ip}:{port}: {reason}")
+            log.warning("link.failed", address=f"{ip}:{port}", reason=reason)
             return exc.code if isinstance(exc, HandshakeFailed) else LLMStatusCode.LLM_LINK_FAILED
         finally:
-            self._linking.discard(cid)
-        link = self._register(sock, decoder, peer, access)
+            self._linking.pop(cid, None)
+            for n in nonces:
+                self._expect.pop(n, None)
+        link = self._register(sock, decoder, peer, access, auth, outbound=True)
         self.engine.spawn(link.run_reader)
+        return LLMStatusCode.LLM_SUCCESS
+
+    async def _adopt(
+        self,
+        cid: int,
+        deadline: float,
+        refused: str = "the peer keeps another link to us, which did not come up",
+    ) -> LLMStatusCode:
+        """link_clusters to a peer that links (or linked) to us: SUCCESS once that link is
+        up, the first time; ALREADY_LINK for a link this side already made or adopted."""
+        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            while True:
+                link = self.links.get(cid)
+                if link is not None and link.alive:
+                    break
+                if cid not in self._accepting and deadline <= anyio.current_time():
+                    break
+                await self._link_added.wait()
+        link = self.links.get(cid)
+        if link is None or not link.alive:
+            self.log.warning("link.failed", peer_cluster_id=cid, reason=refused)
+            self.note_failure(cid, refused)
+            return LLMStatusCode.LLM_ALREADY_LINK
+        if link.claimed:
+            return LLMStatusCode.LLM_ALREADY_LINK
+        link.claimed = True
         return LLMStatusCode.LLM_SUCCESS
 
     async def unlink_clusters(
@@ -305,9 +582,11 @@ class LinkManager:
             if not force:
                 ack = None
                 if link.alive:
-                    with contextlib.suppress(LinkBroken):
+                    # The peer may unlink (or finalize) at the same moment: that closes the
+                    # link under our roundtrip, and the peer knows already.
+                    with contextlib.suppress(LLMException):
                         ack = await link.roundtrip(Message(MT.UNLINK), MT.UNLINK_ACK, timeout_s)
-                if ack is None:  # the peer could not be told; our side goes anyway
+                if ack is None and not link.peer_left:
                     code = LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
             self.forget(link)
             await link.close(notify=False)
@@ -411,21 +690,23 @@ class LinkManager:
 
     async def close_all(self) -> None:
         await self.stop_listening()
+        if self._uds_scope is not None:
+            self._uds_scope.cancel()
+            self._uds_scope = None
+            self._uds_name = None
         for link in list(self.links.values()):
             self.forget(link)
             with contextlib.suppress(Exception):
                 await link.close(notify=True)
 
 
-#: never leaves this process: proves that a peer claiming our pid really shares it
-_PROCESS_SECRET = os.urandom(32)
+class _Expect:
+    """A client handshake in progress, waiting for the server's side-channel proof."""
 
-
-def in_process_proof(identity: dict[str, Any]) -> str:
-    """HMAC of an endpoint's identity under this process's secret."""
-    host = identity.get("host") or {}
-    text = f"{identity.get('cluster_id')}|{host.get('boot_id')}|{host.get('pid')}"
-    return hmac.new(_PROCESS_SECRET, text.encode(), hashlib.sha256).hexdigest()
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.done = False
+        self.access: Any = None
 
 
 def _bind_listener(address: tuple[str, int], backlog: int, purpose: str) -> socket.socket:

@@ -28,6 +28,7 @@ __all__ = [
     "MemoryPool",
     "PageAllocator",
     "PoolAllocation",
+    "check_memory_dtype",
     "copy_ranges",
     "host_view",
     "resolve_host_memory",
@@ -42,6 +43,22 @@ def host_view(addr: int, nbytes: int) -> np.ndarray:
     if nbytes == 0:
         return np.zeros(0, dtype=np.uint8)
     return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(addr))
+
+
+def _numpy_typed(obj: Any) -> Any:
+    """A CPU torch tensor of a type numpy lacks (bfloat16, float8...) as a uint8 view of the
+    same memory (no copy); anything else unchanged."""
+    dtype = getattr(obj, "dtype", None)
+    if dtype is None or not type(dtype).__module__.startswith("torch"):
+        return obj
+    if isinstance(memory_dtype(obj), np.dtype) or getattr(obj.device, "type", None) != "cpu":
+        return obj
+    import torch
+
+    try:
+        return obj.view(torch.uint8)
+    except RuntimeError:
+        return obj
 
 
 def resolve_host_memory(obj: Any, nbytes: int, name: str) -> tuple[int, Any]:
@@ -64,7 +81,7 @@ def resolve_host_memory(obj: Any, nbytes: int, name: str) -> tuple[int, Any]:
     arr: np.ndarray | None = None
     if hasattr(obj, "__dlpack__") and not isinstance(obj, np.ndarray):
         try:
-            arr = np.from_dlpack(obj)
+            arr = np.from_dlpack(_numpy_typed(obj))
         except (BufferError, RuntimeError, TypeError, ValueError) as exc:
             raise LLMException(
                 f"{name}: {type(obj).__name__} is not in host memory ({exc}); accelerator "
@@ -88,6 +105,73 @@ def resolve_host_memory(obj: Any, nbytes: int, name: str) -> tuple[int, Any]:
     )
     raise_if_false(arr.nbytes > 0, f"{name} is empty")
     return int(arr.ctypes.data), (obj, arr)
+
+
+def memory_dtype(obj: Any) -> np.dtype[Any] | str | None:
+    """The element type of a memory object without touching its memory: a numpy dtype, a
+    torch dtype's name (``"bfloat16"``, ...) when numpy has no such type, or None when the
+    object carries none (a raw address, an untyped buffer, an object it cannot tell)."""
+    if isinstance(obj, int | np.integer):
+        return None
+    if isinstance(obj, np.ndarray):
+        return obj.dtype
+    try:
+        iface = getattr(obj, "__array_interface__", None)
+        if isinstance(iface, dict) and "typestr" in iface:
+            return np.dtype(iface["typestr"])
+        dtype = getattr(obj, "dtype", None)
+        if dtype is not None and type(dtype).__module__.startswith("torch"):
+            name = str(dtype).removeprefix("torch.")
+            try:
+                return np.dtype(name)
+            except TypeError:
+                return name  # bfloat16, float8 variants: no numpy equivalent
+        if hasattr(obj, "__dlpack__"):
+            return np.from_dlpack(obj).dtype
+        fmt = memoryview(obj).format
+    except (BufferError, RuntimeError, TypeError, ValueError, AttributeError):
+        return None
+    try:
+        return np.dtype(fmt) if fmt not in ("B", "b", "c") else None
+    except TypeError:
+        return None
+
+
+#: element type names that also match a ``DataType`` (numpy has no bfloat16; ml_dtypes and torch
+#: call it so)
+_DTYPE_ALIASES = {"DT_BF16": ("bfloat16",)}
+
+
+def check_memory_dtype(obj: Any, data_type: Any, name: str) -> None:
+    """Refuse a memory object whose element type is not ``data_type`` (a ``DataType``).
+
+    Raw addresses, untyped buffers (bytearray, mmap, ...) and byte-typed arrays (uint8, void,
+    bytes) describe no element type and pass; so does a ``uint16`` array for ``DT_BF16``
+    (numpy has no bfloat16; the cache's views are raw uint16 too).
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID when the types differ.
+    """
+    got = memory_dtype(obj)
+    if got is None:
+        return
+    want = np.dtype(data_type.numpy_dtype)
+    aliases = _DTYPE_ALIASES.get(data_type.name, ())
+    if isinstance(got, np.dtype):
+        if got.kind == "V" or (got.kind in "uS" and got.itemsize == 1):
+            return  # bytes
+        if got == want or got.name in aliases:
+            return
+        shown = got.name if got.isnative or got.byteorder == "|" else got.str
+    else:
+        if got in aliases:
+            return
+        shown = got
+    raise LLMException(
+        f"{name} holds {shown} elements but the CacheDesc says {data_type.name} "
+        f"({want.name} in numpy); pass {want.name} memory, raw bytes (uint8) or an address",
+        status_code=LLMStatusCode.LLM_PARAM_INVALID,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,13 +3,76 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import json
 from collections.abc import Mapping
+from typing import Any
 
 from ._errors import raise_if_false, raise_param
 
-__all__ = ["EngineOptions", "PoolConfig", "parse_options", "TRANSPORTS"]
+__all__ = [
+    "EngineOptions",
+    "KNOWN_OPTIONS",
+    "PoolConfig",
+    "TRANSPORTS",
+    "option_key_hints",
+    "parse_options",
+    "warn_unknown_options",
+]
+
+#: Option keys of upstream (reference §4: emitted by ``LLMConfig``, accepted or derived by
+#: ``init``) and this library's own ``llm.`` options.
+UPSTREAM_OPTIONS = frozenset(
+    {
+        "ge.exec.deviceId",
+        "ge.session_device_id",
+        "ge.flowGraphMemMaxSize",
+        "ge.resourceConfigPath",
+        "llm.SyncKvCacheWaitTime",
+        "llm.deployResPath",
+        "llm.BufPoolCfg",
+        "llm.MemPoolConfig",
+        "llm.HostMemPoolConfig",
+        "llm.EnableCacheManager",
+        "llm.EnableRemoteCacheAccessible",
+        "llm.listenIpInfo",
+        "llm.LinkTotalTime",
+        "llm.LinkRetryCount",
+        "llm.RdmaTrafficClass",
+        "llm.RdmaServiceLevel",
+        "llm.LocalCommRes",
+        "llm.TransferBackend",
+        "llm.GlobalResourceConfig",
+        "llm.ClusterInfo",
+        "llm.OutputMaxSize",
+        "llm.EnableSwitchRole",
+        "llm.MemoryUtilization",
+        "llm.Role",
+        "llm.ListenIp",
+        "llm.ListenPort",
+    }
+)
+OWN_OPTIONS = frozenset(
+    {
+        "llm.Transport",
+        "llm.DeviceAdapter",
+        "llm.TorchDevice",
+        "llm.LayerWindow",
+        "llm.LayerSyncTimeout",
+        "llm.CopyThreads",
+        "llm.AuthKey",
+        "llm.CommPortBase",
+        "llm.LinkMaxMeta",
+        "llm.LinkServing",
+        "llm.LinkQueue",
+        "llm.LinkThreads",
+        "llm.ServeTimeout",
+    }
+)
+KNOWN_OPTIONS = UPSTREAM_OPTIONS | OWN_OPTIONS
+_BY_LOWER = {k.lower(): k for k in KNOWN_OPTIONS}
+_LLM_LOWER = sorted(k for k in _BY_LOWER if k.startswith("llm."))
 
 TRANSPORTS = ("auto", "tcp", "same-host")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
@@ -27,6 +90,47 @@ class PoolConfig:
     @property
     def page_size(self) -> int:
         return 1 << self.page_shift
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkLimits:
+    """What one linked peer may hold of this endpoint (README: Security model)."""
+
+    #: bytes of one frame's meta (JSON fields are capped at 1 MiB within it)
+    meta_bytes: int = 64 << 20
+    #: the peer's requests served at once
+    serving: int = 16
+    #: the peer's requests accepted but not finished; more are refused with LLM_LINK_BUSY
+    queued: int = 256
+    #: worker threads the link may hold at once
+    threads: int = 8
+    #: most seconds one request of the peer may run here, 0 = derive from sync_kv_timeout
+    serve_timeout_s: float = 0.0
+
+
+_LIMIT_KEYS = {
+    "llm.LinkMaxMeta": ("meta_bytes", 1 << 16, 1 << 30),
+    "llm.LinkServing": ("serving", 1, 1024),
+    "llm.LinkQueue": ("queued", 1, 1 << 16),
+    "llm.LinkThreads": ("threads", 1, 256),
+    "llm.ServeTimeout": ("serve_timeout_s", 1, 1 << 31),
+}
+
+
+def parse_limits(opts: Mapping[str, str]) -> LinkLimits:
+    """Raises LLMException(LLM_PARAM_INVALID) for a limit that is not an int in range."""
+    values: dict[str, Any] = {}
+    for key, (field, lo, hi) in _LIMIT_KEYS.items():
+        raw = opts.get(key)
+        if raw is None:
+            continue
+        raise_if_false(
+            raw.isdigit() and lo <= int(raw) <= hi, f"{key} must be an int in [{lo}, {hi}]"
+        )
+        values[field] = int(raw) / 1000 if field == "serve_timeout_s" else int(raw)
+    limits = LinkLimits(**values)
+    raise_if_false(limits.queued >= limits.serving, "llm.LinkQueue must be >= llm.LinkServing")
+    return limits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +152,7 @@ class EngineOptions:
     #: legacy mode's KV memory: ge.flowGraphMemMaxSize x llm.MemoryUtilization
     legacy_kv_pool: PoolConfig | None = None
     link_total_time_s: int = 0
+    limits: LinkLimits = LinkLimits()
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -94,6 +199,37 @@ def parse_pool(key: str, value: str) -> PoolConfig | None:
     )
     raise_if_false((size >> shift) < 2**32, f"{key}: too many pages")
     return PoolConfig(size, shift)
+
+
+def option_key_hints(options: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(key, closest known key)`` for every unknown key that looks like a misspelling: a
+    known key up to letter case, or (for ``llm.`` keys) one that ``difflib`` finds close.
+    Unknown keys without a close match are not listed (upstream accepts any key)."""
+    hints = []
+    for key in options:
+        if not isinstance(key, str) or key in KNOWN_OPTIONS:
+            continue
+        low = key.lower()
+        if low in _BY_LOWER:
+            hints.append((key, _BY_LOWER[low]))
+        elif low.startswith("llm."):
+            close = difflib.get_close_matches(low, _LLM_LOWER, n=1, cutoff=0.8)
+            if close:
+                hints.append((key, _BY_LOWER[close[0]]))
+    return hints
+
+
+def warn_unknown_options(options: Mapping[str, Any], cluster_id: int | None = None) -> None:
+    """Log ``option.unknown`` (a warning on the ``llmdd_async.engine`` logger, naming the
+    closest known key) for every key that :func:`option_key_hints` finds. Never raises."""
+    hints = option_key_hints(options)
+    if not hints:
+        return
+    from ._log import get_logger
+
+    log = get_logger("engine", cluster_id=cluster_id)
+    for key, known in hints:
+        log.warning("option.unknown", key=key, did_you_mean=known)
 
 
 def parse_options(options: Mapping[str, str]) -> EngineOptions:
@@ -146,6 +282,8 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
     device_s = opts.get("ge.exec.deviceId", "0").split(";")[0]
     raise_if_false(device_s.isdigit(), f"ge.exec.deviceId must be a number, got {device_s!r}")
     auth = opts.get("llm.AuthKey")
+    # An empty key is a mistake (a missing environment variable), never "auth off".
+    raise_if_false(auth is None or len(auth) > 0, "llm.AuthKey must not be empty")
     sync_to = opts.get("llm.LayerSyncTimeout")
     raise_if_false(
         sync_to is None or (sync_to.isdigit() and int(sync_to) > 0),
@@ -178,9 +316,10 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         host_pool=parse_pool("llm.HostMemPoolConfig", opts.get("llm.HostMemPoolConfig", "")),
         local_comm_res=opts.get("llm.LocalCommRes"),
         transport=transport,
-        auth_key=auth.encode() if auth else None,
+        auth_key=auth.encode() if auth is not None else None,
         layer_sync_timeout_ms=int(sync_to) if sync_to else None,
         layer_window=int(window),
         legacy_kv_pool=legacy_pool,
         link_total_time_s=int(total_time),
+        limits=parse_limits(opts),
     )

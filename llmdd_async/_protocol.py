@@ -9,12 +9,19 @@ of the arrays it names (``"arrays": [[name, nbytes], ...]``; arrays hold little-
 i64 integers, so their sizes are multiples of 8). ``payload_len`` bytes of bulk data follow
 the meta; the decoder hands them out without copying them into messages, so the I/O layer can
 receive them straight into their destination. There is no pickle anywhere.
+
+On a keyed link (``llm.AuthKey``) every frame's meta ends with a 32-byte HMAC-SHA256 tag over
+the frame's sequence number in its direction, its header and its meta (a :class:`FrameAuth`
+on each side): a relay can neither inject, drop, replay nor reorder frames. Payload bytes are
+not covered (see the README's security model).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import hmac
 import json
 import struct
 from typing import Any
@@ -26,7 +33,9 @@ __all__ = [
     "MT",
     "NEED_DATA",
     "PROTOCOL_VERSION",
+    "MAX_FIELDS",
     "Decoder",
+    "FrameAuth",
     "Message",
     "PayloadBytes",
     "ProtocolError",
@@ -37,7 +46,10 @@ MAGIC = 0x3144444C  # b"LDD1" little-endian
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<IHHQIIQ")
 MAX_META = 256 << 20  # descriptor arrays of very large requests; anything larger is hostile
+#: the JSON part of a frame's meta (scalar fields); arrays carry everything big
+MAX_FIELDS = 1 << 20
 MAX_PAYLOAD = 1 << 40
+_TAG = 32
 
 
 class ProtocolError(Exception):
@@ -51,6 +63,8 @@ class MT(enum.IntEnum):
     CHALLENGE = 2  # server -> client: nonce, whether auth is required
     LINK_REQ = 3  # client -> server: identity (+ MAC)
     LINK_ACK = 4  # server -> client: status, identity (+ MAC)
+    PROVE = 5  # same-host side channel, server -> client: binding, pools, probe
+    PROVE_ACK = 6  # same-host side channel, client -> server: status, pools, probe
     XFER_REQ = 10  # initiator -> target: what to move
     GRANT = 11  # target -> initiator: status and the resolved plan
     DATA = 12  # either way: a chunk of a granted plan's bytes (payload)
@@ -85,6 +99,22 @@ class PayloadBytes:
     data: memoryview
 
 
+class FrameAuth:
+    """Per-direction frame authentication: HMAC-SHA256 under a link key, with a sequence number
+    so frames cannot be replayed or reordered."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self.seq = 0
+
+    def tag(self, header: bytes | memoryview, meta: bytes | memoryview) -> bytes:
+        mac = hmac.new(self._key, struct.pack("<Q", self.seq), hashlib.sha256)
+        mac.update(header)
+        mac.update(meta)
+        self.seq += 1
+        return mac.digest()
+
+
 class _NeedData:
     def __repr__(self) -> str:
         return "NEED_DATA"
@@ -93,8 +123,11 @@ class _NeedData:
 NEED_DATA = _NeedData()
 
 
-def encode(msg: Message) -> bytes:
+def encode(msg: Message, auth: FrameAuth | None = None) -> bytes:
     """Header and meta of ``msg``; its payload (``payload_len`` bytes) is sent after it.
+
+    With ``auth`` the meta ends with the frame's tag (frames must then be sent in the order
+    they were encoded).
 
     Raises:
         ProtocolError: an array whose size is not a multiple of 8, or meta over the limit.
@@ -107,7 +140,7 @@ def encode(msg: Message) -> bytes:
     if arrays:
         fields["arrays"] = [[name, a.nbytes] for name, a in arrays]
     js = json.dumps(fields, separators=(",", ":")).encode()
-    meta_len = 4 + len(js) + sum(a.nbytes for _, a in arrays)
+    meta_len = 4 + len(js) + sum(a.nbytes for _, a in arrays) + (_TAG if auth else 0)
     if meta_len > MAX_META:
         raise ProtocolError(f"meta of {meta_len} bytes exceeds {MAX_META}")
     parts: list[bytes | memoryview] = [
@@ -124,7 +157,10 @@ def encode(msg: Message) -> bytes:
         js,
     ]
     parts.extend(a for _, a in arrays)
-    return b"".join(parts)
+    frame = b"".join(parts)
+    if auth is None:
+        return frame
+    return frame + auth.tag(memoryview(frame)[: HEADER.size], memoryview(frame)[HEADER.size :])
 
 
 def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: bytes) -> Message:
@@ -133,6 +169,8 @@ def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: byt
     (js_len,) = struct.unpack_from("<I", meta)
     if 4 + js_len > len(meta):
         raise ProtocolError("JSON length runs past the meta")
+    if js_len > MAX_FIELDS:
+        raise ProtocolError(f"JSON fields of {js_len} bytes exceed {MAX_FIELDS}")
     try:
         fields = json.loads(bytes(meta[4 : 4 + js_len]))
     except (ValueError, RecursionError) as exc:  # JSON errors, huge integers, bad UTF-8
@@ -183,10 +221,15 @@ class Decoder:
         self._max_meta = max_meta
         self._payload_left = 0
         self._broken: ProtocolError | None = None
+        self._auth: FrameAuth | None = None
 
     def set_max_meta(self, max_meta: int) -> None:
         """Change the meta size limit (small during a handshake, larger afterwards)."""
         self._max_meta = max_meta
+
+    def set_auth(self, auth: FrameAuth | None) -> None:
+        """Require every later frame to carry a valid tag (a keyed link, after the handshake)."""
+        self._auth = auth
 
     @property
     def payload_remaining(self) -> int:
@@ -265,6 +308,12 @@ class Decoder:
         start = self._pos + HEADER.size
         with memoryview(self._buf) as view:
             meta = bytes(view[start : start + meta_len])
+            if self._auth is not None:
+                if meta_len < _TAG or not hmac.compare_digest(
+                    self._auth.tag(view[self._pos : start], meta[:-_TAG]), meta[-_TAG:]
+                ):
+                    raise self._fail("frame authentication failed")
+                meta = meta[:-_TAG]
         self._pos = start + meta_len
         try:
             msg = _decode_meta(mt, req_id, flags, payload_len, meta)

@@ -55,10 +55,11 @@ class CacheEntry:
         return Layout(self.addrs, self.tensor_bytes, self.count, self.is_blocks)
 
     def describe(self) -> dict[str, Any]:
-        """The entry as published to peers (JSON-able)."""
+        """The entry as published to peers (JSON-able); the addresses of a cache that is not
+        remote accessible are nobody's business."""
         return {
             "cache_id": self.cache_id,
-            "addrs": [int(a) for a in self.addrs],
+            "addrs": [int(a) for a in self.addrs] if self.remote_accessible else [],
             "tensor_bytes": self.tensor_bytes,
             "count": self.count,
             "is_blocks": self.is_blocks,
@@ -76,6 +77,7 @@ class Registry:
         self._slot_keys: dict[SlotKey, tuple[int, int]] = {}
         self._blocks_keys: dict[int, int] = {}
         self._regions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._reachable: tuple[np.ndarray, np.ndarray] | None = None
 
     # ---------------------------------------------------------------- ids and entries
     def new_id(self) -> int:
@@ -119,6 +121,20 @@ class Registry:
 
     def _changed(self) -> None:
         self._regions = None
+        self._reachable = None
+
+    def reachable_regions(self) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted ``(starts, ends)`` of the tensors of live remote-accessible caches: all a
+        peer may ever reach directly (the published table lists exactly these addresses)."""
+        if self._reachable is None:
+            starts, ends, ids = self.regions()
+            ra = (
+                np.array([self.entries[int(c)].remote_accessible for c in ids], dtype=bool)
+                if len(ids)
+                else np.zeros(0, dtype=bool)
+            )
+            self._reachable = (starts[ra], ends[ra])
+        return self._reachable
 
     def regions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sorted ``(starts, ends, cache_ids)`` of every live tensor, for bounds checks."""

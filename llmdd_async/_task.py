@@ -16,7 +16,7 @@ from ._errors import LLMException, TransferCancelled, status_from_exception
 from ._log import get_logger
 from ._memory import CancelToken, CopyCancelled
 
-__all__ = ["CacheTask", "LayerTiming", "TaskStatistics"]
+__all__ = ["CacheTask", "LayerTiming", "TaskStatistics", "busy_time"]
 
 _log = get_logger("transfer")
 
@@ -32,9 +32,25 @@ class LayerTiming:
     nbytes: int
 
 
+def busy_time(intervals: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (overlaps counted once)."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskStatistics:
-    """What a task moved and how fast. ``descriptors`` counts copies after coalescing."""
+    """What a task moved and how fast. ``descriptors`` counts copies after coalescing.
+
+    ``seconds`` is wall time, from the task's start to its end. ``busy_seconds`` is the time
+    bytes were moving: for a layer-wise transfer the union of its layers' transfer intervals
+    (waiting for the synchronizer or for the link is not counted), else the wall time.
+    """
 
     kind: str
     bytes: int
@@ -43,10 +59,21 @@ class TaskStatistics:
     layers: tuple[LayerTiming, ...] = ()
     #: ``time.perf_counter()`` when the task started: layer times are relative to it
     started: float = 0.0
+    #: seconds during which bytes were moving (see the class docstring); not given: ``seconds``
+    busy_seconds: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.busy_seconds < 0:
+            object.__setattr__(self, "busy_seconds", self.seconds)
 
     @property
     def gbps(self) -> float:
-        """Decimal gigabytes per second over the task's whole duration."""
+        """Decimal gigabytes per second while bytes were moving (``bytes / busy_seconds``)."""
+        return self.bytes / self.busy_seconds / 1e9 if self.busy_seconds > 0 else 0.0
+
+    @property
+    def wall_gbps(self) -> float:
+        """Decimal gigabytes per second over the whole task (``bytes / seconds``)."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
@@ -284,14 +311,22 @@ class CacheTask:
         return len(self._layers)
 
     def statistics(self) -> TaskStatistics:
-        """Bytes, descriptors, duration and per-layer timings (final once ``done()``)."""
+        """Bytes, descriptors, wall and busy time, per-layer timings (final once ``done()``)."""
+        layers = tuple(self._layers)
+        if layers:
+            busy = busy_time([(lt.started, lt.finished) for lt in layers])
+            if self._seconds > 0:
+                busy = min(busy, self._seconds)
+        else:
+            busy = self._seconds
         return TaskStatistics(
             kind=self.kind,
             bytes=self._bytes,
             descriptors=self._descriptors,
             seconds=self._seconds,
-            layers=tuple(self._layers),
+            layers=layers,
             started=self._t0,
+            busy_seconds=busy,
         )
 
     def __repr__(self) -> str:

@@ -177,6 +177,8 @@ async def initiate(
             remote = _arr(grant, "remote")
             if remote is None or len(remote) != len(nbytes) or link.access is None:
                 raise ProtocolError("local-mode GRANT without remote ranges")
+            # The peer's word is not enough to touch its memory: only what it published.
+            await link.check_remote(remote, nbytes, engine.sync_kv_timeout_s)
             try:
                 if spec.op == "pull":
                     await link.access.read(remote, local, nbytes, token)
@@ -208,6 +210,9 @@ async def initiate(
         if isinstance(exc, ProtocolError):
             link.fail(exc)
             raise LinkBroken(f"peer sent an invalid answer: {exc}") from exc
+        if not link.alive and isinstance(exc, (LLMException, OSError, CopyCancelled)):
+            # Whatever this request tripped over first, the link going down is the reason.
+            raise link.down_error() from exc
         raise
     finally:
         link.close_pending(req)
@@ -229,9 +234,10 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
     registry = engine.registry
     pinned: list[CacheEntry] = []
     granted = False
+    t0 = time.monotonic()
     try:
         try:
-            entries, plan, slot_info, mode = _resolve_and_plan(engine, msg)
+            entries, plan, slot_info, mode, ntensors = _resolve_and_plan(engine, msg)
         except Exception as exc:  # any malformed or unfulfillable request gets an answer
             code = (
                 exc.status_code
@@ -245,6 +251,8 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
         for e in entries:
             registry.pin(e)
             pinned.append(e)
+        if req.deadline is not None:
+            req.deadline = min(req.deadline, t0 + engine.serve_budget_s(ntensors))
         op = msg.fields["op"]
         local_side, target_side = (plan.dst, plan.src) if op == "pull" else (plan.src, plan.dst)
         arrays: dict[str, bytes | memoryview] = {
@@ -315,11 +323,14 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
 
 def _resolve_and_plan(
     engine: Any, msg: Message
-) -> tuple[list[CacheEntry], Plan, tuple[int, np.ndarray] | None, str]:
+) -> tuple[list[CacheEntry], Plan, tuple[int, np.ndarray] | None, str, int]:
     """Find the target's cache, plan the request, and check every range.
 
-    Returns ``(caches touched, plan, (slot, tensor indices) for key consumption, mode)``; the
-    first cache is the one the request named, if it named one.
+    Returns ``(caches touched, plan, (slot, tensor indices) for key consumption, mode,
+    tensors)``; the first cache is the one the request named, if it named one.
+
+    A peer reaches a cache that is not remote accessible only through a key bound to it
+    (request/response mode, where this side moves the bytes); never by id or address.
 
     Raises:
         LLMException: LLM_KV_CACHE_NOT_EXIST for a missing cache/key, LLM_PARAM_INVALID for
@@ -350,7 +361,7 @@ def _resolve_and_plan(
         )
     elif by != "addrs":
         raise ProtocolError(f"bad addressing {by!r}")
-    if entry is not None and engine.options.remote_accessible:
+    if entry is not None and (engine.options.remote_accessible or by == "cache_id"):
         raise_if_false(
             entry.remote_accessible,
             f"cache {entry.cache_id} of cluster {engine.cluster_id} is not remote accessible",
@@ -442,12 +453,19 @@ def _resolve_and_plan(
         )
         j = np.searchsorted(starts, target_side, side="right").astype(np.int64) - 1
         entries = [registry.entries[int(c)] for c in np.unique(ids[j])]
-        if engine.options.remote_accessible:
-            for e in entries:
-                raise_if_false(
-                    e.remote_accessible,
-                    f"cache {e.cache_id} of cluster {engine.cluster_id} is not remote accessible",
-                )
+        for e in entries:
+            raise_if_false(
+                e.remote_accessible,
+                f"cache {e.cache_id} of cluster {engine.cluster_id} is not remote accessible",
+            )
+    # Repeated block indices must not turn a small request into unbounded work: a request
+    # moves at most what the caches it touches here hold.
+    held = sum(e.num_tensors * e.tensor_bytes for e in entries)
+    raise_if_false(
+        plan.total_bytes <= held,
+        f"the request would move {plan.total_bytes} bytes, more than the {held} bytes of the "
+        f"caches it touches on cluster {engine.cluster_id}",
+    )
     slot_info = None
     if entry is not None and op == "pull" and not entry.is_blocks:
         slot_info = (src_slot, src_idx)
@@ -456,7 +474,7 @@ def _resolve_and_plan(
         if engine.reachable_by_peer(f.get("caps", {}), target_side, plan.nbytes)
         else "stream"
     )
-    return entries, plan, slot_info, mode
+    return entries, plan, slot_info, mode, len(src_idx)
 
 
 __all__ += ["FLAG_TO_INITIATOR", "Pending"]

@@ -1,4 +1,5 @@
-"""The two-terminal facade example, run as two processes."""
+"""Every example in examples/: the two-terminal facade pair as two processes, the async pair
+on each event loop."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -36,3 +39,22 @@ def test_prompt_and_decoder_examples() -> None:
     finally:
         prompt.kill()
         prompt.wait()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
+def test_async_pair_example(loop: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "async_pair.py"), "--loop", loop],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("bytes match: True") == 2, out.stdout
+
+
+def test_every_example_is_run() -> None:
+    """A new example needs a test here."""
+    run_here = {"prompt.py", "decoder.py", "async_pair.py"}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == run_here

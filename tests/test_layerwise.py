@@ -487,6 +487,52 @@ async def test_two_links_proceed_independently() -> None:
         await slow
 
 
+# ------------------------------------------------------------------ statistics
+class SlowLayers(dd.AsyncLayerSynchronizer):
+    """A forward pass whose layers come 0.2 s apart."""
+
+    async def synchronize_layer(self, layer_index, timeout_in_millis):
+        if layer_index:
+            await anyio.sleep(0.2)
+        return True
+
+
+async def test_gbps_counts_the_time_bytes_moved_not_the_wait_for_layers() -> None:
+    async with decoders("tcp") as ([dec], prompt):
+        await dec.request(
+            "register",
+            kind="blocks",
+            num_tensors=8,
+            shape=[16, 4096],
+            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
+        )
+        cm = prompt.cache_manager
+        src = cm.allocate_blocks_cache(dd.CacheDesc(8, [16, 4096], dd.DataType.DT_UINT8))
+        cfg = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(2, 0), range(0, 4), range(0, 4))
+        task = cm.transfer_cache_async(src, SlowLayers(), [cfg], list(range(16)), list(range(16)))
+        await task
+        stats = task.statistics()
+    assert stats.bytes == 8 * 16 * 4096
+    assert [lt.layer for lt in stats.layers] == [0, 1, 2, 3]
+    # One destination: its layers go out one after the other, so their intervals are disjoint
+    # and the busy time is their sum; the wall time also holds the 3 x 0.2 s waits for layers.
+    moving = sum(lt.finished - lt.started for lt in stats.layers)
+    assert stats.busy_seconds == pytest.approx(moving)
+    assert stats.busy_seconds < stats.seconds
+    assert stats.gbps == pytest.approx(stats.bytes / stats.busy_seconds / 1e9)
+    assert stats.wall_gbps == pytest.approx(stats.bytes / stats.seconds / 1e9)
+    assert stats.gbps > stats.wall_gbps
+
+
+def test_busy_time_is_the_union_of_intervals() -> None:
+    from llmdd_async._task import busy_time
+
+    assert busy_time([]) == 0
+    assert busy_time([(0.0, 1.0), (2.0, 3.0)]) == 2.0
+    assert busy_time([(2.0, 3.0), (0.0, 1.5), (1.0, 2.5)]) == 3.0  # overlaps count once
+    assert busy_time([(0.0, 4.0), (1.0, 2.0)]) == 4.0  # nested
+
+
 # ------------------------------------------------------------------ validation
 async def test_validation_rules_raise_at_the_call() -> None:
     async with decoders("tcp") as (_, prompt):

@@ -194,3 +194,51 @@ async def test_same_cluster_id_on_both_sides_is_allowed_in_legacy_mode() -> None
             await d.kv_cache_manager.pull_cache(dd.CacheKey(prompt_cluster_id=0, req_id=3), dst)
             got = base64.b64encode(dst.tensors[1].tobytes())
             assert got == base64.b64encode(expected_tensor(83, 1, (1, 32)).tobytes())
+
+
+class _AllReady:
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+async def test_transfer_cache_async_src_block_indices_on_a_contiguous_cache() -> None:
+    """Ascend's old prompt_transfer_cache_sample: src_block_indices on an allocate_cache cache.
+
+    The engine reads dim 0 as the blocks axis of any cache (reference §7, §9.1), so block i of
+    a contiguous source is its batch slot i; without dst_block_memory_size the destination's
+    blocks are that size too."""
+    async with PeerProcess.start(dd.LLMRole.DECODER, 2, legacy()) as d:
+        dst_id = await d.request("alloc", kind="blocks", num_tensors=4, shape=[6, 64])
+        wide_id = await d.request("alloc", kind="blocks", num_tensors=4, shape=[3, 128])
+        dst_addrs = await d.request("addrs", cache_id=dst_id)
+        wide_addrs = await d.request("addrs", cache_id=wide_id)
+        popts = legacy(**{"llm.listenIpInfo": "127.0.0.1:0"})
+        async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(popts) as p:
+            linked = await d.request("link", cluster_id=1, ip="127.0.0.1", port=p.listen_address[1])
+            assert linked == [0, [0]]
+            kvm = p.kv_cache_manager
+            src = kvm.allocate_cache(dd.CacheDesc(4, [4, 64], dd.DataType.DT_UINT8))
+            for t in range(4):
+                src.tensors[t][...] = expected_tensor(90, t, (4, 64))
+            config = dd.TransferConfig(2, dst_addrs)
+            for bad in (([0, 1], [2]), ([0], None), ([4], [0])):  # lengths, no dst, range
+                with pytest.raises(dd.LLMException) as err:
+                    kvm.transfer_cache_async(src, _AllReady(), [config], *bad)
+                assert err.value.status_code == S.LLM_PARAM_INVALID
+            await kvm.transfer_cache_async(src, _AllReady(), [config], [3, 0, 1], [5, 2, 3])
+            # into larger destination blocks: each slot lands at the start of its block
+            await kvm.transfer_cache_async(
+                src, _AllReady(), [dd.TransferConfig(2, wide_addrs)], [2], [1], 128
+            )
+            for t in range(4):
+                want = expected_tensor(90, t, (4, 64))
+                got = np.frombuffer(
+                    base64.b64decode(await d.request("read", cache_id=dst_id, tensor=t)), np.uint8
+                ).reshape(6, 64)
+                assert np.array_equal(got[[5, 2, 3]], want[[3, 0, 1]])
+                assert not got[[0, 1, 4]].any()
+                wide = np.frombuffer(
+                    base64.b64decode(await d.request("read", cache_id=wide_id, tensor=t)), np.uint8
+                ).reshape(3, 128)
+                assert np.array_equal(wide[1, :64], want[2])
+                assert not wide[1, 64:].any() and not wide[[0, 2]].any()

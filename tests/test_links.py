@@ -196,7 +196,9 @@ async def test_peer_death_is_noticed_and_relinking_works() -> None:
             # ("on link faults, both sides must call it").
             with pytest.raises(dd.LLMException) as err:
                 d.link_statistics(1)
-            assert err.value.status_code == S.LLM_NOT_YET_LINK
+            # ...and says why it is down.
+            assert err.value.status_code == S.LLM_LINK_FAILED
+            assert "peer closed the connection" in str(err.value)
             assert await d.unlink_clusters([cluster(1)], force=True) == (
                 S.LLM_SUCCESS,
                 [S.LLM_SUCCESS],

@@ -212,3 +212,40 @@ def test_corrupted_frames_never_crash_the_decoder(msg: Message, flips) -> None:
     dec.receive_data(bytes(frame))
     with contextlib.suppress(ProtocolError):
         collect(dec)
+
+
+def test_authenticated_frames_round_trip_and_reject_tampering_replay_and_reorder() -> None:
+    from llmdd_async._protocol import FrameAuth
+
+    key = b"k" * 32
+    msgs = [Message(MT.PING), Message(MT.TABLE, 0, {"caches": []}), Message(MT.PONG)]
+    wire = [encode(m, sender) for sender in [FrameAuth(key)] for m in msgs]
+    dec = Decoder()
+    dec.set_auth(FrameAuth(key))
+    for frame, m in zip(wire, msgs, strict=True):
+        dec.receive_data(frame)
+        got = dec.next_event()
+        assert isinstance(got, Message) and got.type == m.type and got.fields == m.fields
+    # A flipped bit, a replayed frame, a frame out of order, a frame under another key: refused.
+    bad = bytearray(wire[0])
+    bad[36] ^= 1  # the first byte of the JSON fields
+    for stream in (bytes(bad), wire[0] + wire[0], wire[1], encode(msgs[0], FrameAuth(b"x" * 32))):
+        d = Decoder()
+        d.set_auth(FrameAuth(key))
+        d.receive_data(stream)
+        with pytest.raises(ProtocolError, match="authentication"):
+            while True:
+                assert d.next_event() is not NEED_DATA
+    # Unauthenticated frames on a keyed link are refused too.
+    d = Decoder()
+    d.set_auth(FrameAuth(key))
+    d.receive_data(encode(Message(MT.PING)))
+    with pytest.raises(ProtocolError):
+        d.next_event()
+
+
+def test_json_fields_are_capped() -> None:
+    d = Decoder()
+    d.receive_data(encode(Message(MT.XFER_REQ, 1, {"x": "a" * (2 << 20)})))
+    with pytest.raises(ProtocolError, match="JSON fields"):
+        d.next_event()

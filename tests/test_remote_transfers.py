@@ -378,13 +378,14 @@ async def test_peer_killed_mid_transfer_fails_promptly_other_links_survive() -> 
         p.kill()
         with anyio.fail_after(5), pytest.raises(dd.LLMException) as err:
             await task
-        assert err.value.status_code in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK)
+        assert err.value.status_code == S.LLM_LINK_FAILED
         small = cm.allocate_blocks_cache(dd.CacheDesc(1, [4, 64], dd.DataType.DT_UINT8))
         await cm.pull_blocks(dd.BlocksCacheKey(3, 0), small, [0], [3])
         assert np.array_equal(small.tensors[0][3], expected_tensor(5, 0, (4, 64))[0])
         with pytest.raises(dd.LLMException) as err:
             cm.pull_blocks(dd.BlocksCacheKey(PROMPT, 0), dst, [0], [0])
-        assert err.value.status_code == S.LLM_NOT_YET_LINK
+        assert err.value.status_code == S.LLM_LINK_FAILED  # the link is down, and says why
+        assert "peer closed the connection" in str(err.value)
 
 
 async def test_cancelling_a_pull_fences_it_and_keeps_the_link(transport) -> None:

@@ -183,6 +183,42 @@ def test_cann_transfer_cache_async_sample() -> None:
     assert out["decoder"]["bytes_checked"] > 0
 
 
+def test_ascend_multiple_devices_sample() -> None:
+    """Ascend's pull_cache_multiple_devices_sample: legacy single-process multi-device mode,
+    four devices per process (llm.ClusterInfo, four ip infos per LLMClusterInfo, one pull_cache
+    for every device)."""
+    ports = rc.free_ports(8)
+    out = rc.run_replay(
+        {
+            "prompt": (rc.md_prompt, {"ports": ports}),
+            "decoder": (rc.md_decoder, {"ports": ports}),
+        }
+    )
+    invalid = int(rc.LLMStatusCode.LLM_PARAM_INVALID)
+    assert out["decoder"]["short_ret"] == [invalid, [invalid]]
+    assert out["decoder"]["link_rets"] == [0] and out["decoder"]["unlink_rets"] == [0]
+    assert out["decoder"]["devices"] == 4 and out["prompt"]["distinct_devices"] == 4
+    assert out["decoder"]["bytes_checked"] == 4 * 8 * 4 * 1024 * 2
+    assert out["prompt"]["cache_id"] == 1
+
+
+def test_legacy_multi_device_calls() -> None:
+    """The rest of multi-device legacy mode: device lists from LLMConfig.device_id and
+    "ip:port;ip:port", blocks pulled per device, copy_blocks, check_link_status, force unlink;
+    transfer_cache_async and switch_role refused (as upstream)."""
+    ports = rc.free_ports(2)
+    out = rc.run_replay(
+        {
+            "prompt": (rc.mdx_prompt, {"ports": ports}),
+            "decoder": (rc.mdx_decoder, {"ports": ports}),
+        }
+    )
+    invalid = int(rc.LLMStatusCode.LLM_PARAM_INVALID)
+    assert out["prompt"]["refused"] == [invalid, invalid]
+    assert out["decoder"]["bytes_checked"] == 2 * 3 * 256
+    assert out["decoder"]["after_unlink"] == int(rc.LLMStatusCode.LLM_NOT_YET_LINK)
+
+
 def test_torchair_pd_separate() -> None:
     """§7: legacy mode, both sides cluster 0, CacheKey pulls into batch slot i % 4."""
     (port,) = rc.free_ports(1)

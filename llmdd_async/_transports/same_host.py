@@ -1,8 +1,17 @@
 """Same host: one copy straight from/to the peer's memory.
 
-Pool memory (``allocate_cache``) is a ``memfd`` that we map through ``/proc/<pid>/fd/<fd>``;
-other registered memory is reached with ``process_vm_readv`` / ``process_vm_writev`` when the
-kernel allows it (same user, ptrace permission), which a probe checks at link time.
+Who the peer is comes from the kernel, never from its messages: after the TCP handshake the
+server connects to the client's abstract ``AF_UNIX`` socket (named in the handshake), and each
+side reads the other's pid with ``SO_PEERCRED``. The exchange is bound to the TCP link by the
+handshake's nonces *and* the TCP connection's two addresses seen mirrored from the other end,
+so a relay between two honest endpoints cannot make one of them act on the other's memory.
+
+Pool memory (``allocate_cache``) is a ``memfd`` that we map through ``/proc/<pid>/fd/<fd>`` of
+that proven pid; other registered memory is reached with ``process_vm_readv`` /
+``process_vm_writev`` when the kernel allows it (same user, ptrace permission), which a probe
+checks. Both are the kernel's own ptrace access checks: a peer reaches nothing of ours that it
+could not already reach with ``ptrace``. A ``pidfd`` guards against pid reuse after the peer
+exits. When no proof is possible the link moves bytes over TCP.
 """
 
 from __future__ import annotations
@@ -12,7 +21,9 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import select
 import socket
+import struct
 from typing import Any
 
 import anyio.to_thread
@@ -21,7 +32,14 @@ import numpy as np
 from .._memory import CancelToken, CopyCancelled
 from .._planner import Plan
 
-__all__ = ["SameHostAccess", "host_identity", "on_same_host", "pvr_probe"]
+__all__ = [
+    "SameHostAccess",
+    "host_identity",
+    "on_same_host",
+    "peer_pid",
+    "pvr_probe",
+    "tcp_binding",
+]
 
 _IOV_MAX = 1024
 _BATCH_BYTES = 64 << 20
@@ -35,17 +53,23 @@ def _read(path: str) -> str:
         return ""
 
 
-def host_identity() -> dict[str, Any]:
-    """What two processes compare to know they share a kernel and a pid namespace."""
+def _ns(name: str) -> int:
     try:
-        pidns = os.stat("/proc/self/ns/pid").st_ino
+        return os.stat(f"/proc/self/ns/{name}").st_ino
     except OSError:
-        pidns = 0
+        return 0
+
+
+def host_identity() -> dict[str, Any]:
+    """What two processes compare to know they may share a kernel, pid and network namespace.
+
+    A hint only (a peer may lie): proof comes from :func:`peer_pid` on the side channel.
+    """
     return {
         "hostname": socket.gethostname(),
         "boot_id": _read("/proc/sys/kernel/random/boot_id"),
-        "pidns": pidns,
-        "pid": os.getpid(),
+        "pidns": _ns("pid"),
+        "netns": _ns("net"),
     }
 
 
@@ -54,7 +78,23 @@ def on_same_host(a: dict[str, Any], b: dict[str, Any]) -> bool:
         bool(a.get("boot_id"))
         and a.get("boot_id") == b.get("boot_id")
         and a.get("pidns") == b.get("pidns")
+        and a.get("netns") == b.get("netns")
     )
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of a connected ``AF_UNIX`` socket, as the kernel
+    knows it (0 when it lives in a pid namespace we cannot see)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _uid, _gid = struct.unpack("3i", creds)
+    return int(pid)
+
+
+def tcp_binding(sock: socket.socket, mirrored: bool = False) -> list[list[Any]]:
+    """``[local, remote]`` addresses of a TCP connection (``[remote, local]`` if mirrored): what
+    the other end of the very same connection reports, and nobody else on this host."""
+    here = [list(sock.getsockname()[:2]), list(sock.getpeername()[:2])]
+    return here[::-1] if mirrored else here
 
 
 class _Iovec(ctypes.Structure):
@@ -81,6 +121,13 @@ def _vm_call(name: str) -> Any:
     return fn
 
 
+def _exited(pidfd: int | None) -> bool:
+    """True once the process behind ``pidfd`` has exited (its pid may then be reused)."""
+    if pidfd is None:
+        return False
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
 def _vm_copy(
     name: str,
     pid: int,
@@ -88,8 +135,13 @@ def _vm_copy(
     remote: np.ndarray,
     nbytes: np.ndarray,
     token: CancelToken | None,
+    pidfd: int | None = None,
 ) -> int:
-    """process_vm_readv/writev over descriptor arrays, up to IOV_MAX ranges per call."""
+    """process_vm_readv/writev over descriptor arrays, up to IOV_MAX ranges per call.
+
+    Raises:
+        CopyCancelled: ``token`` tripped. OSError: the kernel refused, or the peer exited.
+    """
     fn = _vm_call(name)
     done = 0
     n = len(nbytes)
@@ -97,6 +149,8 @@ def _vm_copy(
     while i < n:
         if token is not None and token.cancelled:
             raise CopyCancelled
+        if _exited(pidfd):
+            raise OSError(f"peer process {pid} exited")
         # Batches bounded in count and bytes, so cancellation is checked regularly.
         j = min(n, i + _IOV_MAX)
         csum = np.cumsum(nbytes[i:j])
@@ -156,20 +210,32 @@ class _MappedPool:
 
 
 class SameHostAccess:
-    """Initiator-side access to a peer process on this host."""
+    """Initiator-side access to a peer process on this host, whose pid the kernel proved."""
 
     name = "same-host"
 
-    def __init__(self, pid: int, pools: list[dict[str, int]], pvr: bool, copy: Any) -> None:
+    def __init__(self, pid: int, pools: Any, probe: Any, copy: Any) -> None:
         self.pid = pid
-        self.pvr = pvr
         self._copy = copy  # async (Plan, token) -> int, the device adapter's memmove runner
+        self.pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):
+            self.pidfd = os.pidfd_open(pid)
+        try:
+            addr, token = int(probe[0]), bytes.fromhex(str(probe[1]))
+        except (TypeError, ValueError, IndexError):
+            addr, token = 0, b""
+        # Without a pidfd a recycled pid could not be told apart: no process_vm_* then.
+        self.pvr = self.pidfd is not None and bool(token) and pvr_probe(pid, addr, token)
         self.pools: list[_MappedPool] = []
-        for p in pools:
+        for p in pools if isinstance(pools, list) else []:
             try:
-                self.pools.append(_MappedPool(pid, p["fd"], p["base"], p["size"]))
-            except OSError:
+                fd, base, size = (int(v) for v in p)
+                self.pools.append(_MappedPool(pid, fd, base, size))
+            except (OSError, TypeError, ValueError):
                 continue  # not mappable here: those ranges go through pvr or the stream
+        if _exited(self.pidfd):  # the pid may have been reused while we opened its files
+            self.close()
+        self.pools.sort(key=lambda p: p.remote_base)
         self._bases = np.array([p.remote_base for p in self.pools], dtype=np.uint64)
         self._ends = np.array([p.remote_base + p.size for p in self.pools], dtype=np.uint64)
         self._delta = np.array([p.local_base - p.remote_base for p in self.pools], dtype=np.int64)
@@ -210,8 +276,17 @@ class SameHostAccess:
             done += await self._copy(plan, token)
         if (~mapped).any():
             name = "process_vm_readv" if read else "process_vm_writev"
+            if not self.pvr:
+                raise OSError("process_vm_* is not permitted for this peer")
             done += await anyio.to_thread.run_sync(
-                _vm_copy, name, self.pid, local[~mapped], remote[~mapped], nbytes[~mapped], token
+                _vm_copy,
+                name,
+                self.pid,
+                local[~mapped],
+                remote[~mapped],
+                nbytes[~mapped],
+                token,
+                self.pidfd,
             )
         return done
 
@@ -229,3 +304,9 @@ class SameHostAccess:
         for p in self.pools:
             p.close()
         self.pools = []
+        self._bases = self._ends = np.zeros(0, dtype=np.uint64)
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = None
+        self.pvr = False

@@ -14,7 +14,9 @@ import argparse
 import base64
 import contextlib
 import dataclasses
+import importlib.util
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -77,9 +79,12 @@ def _floats(data: str) -> np.ndarray:
 
 
 async def run_demo(
-    config: DemoConfig, progress: Callable[[str], None] = lambda _: None
+    config: DemoConfig, progress: Callable[[str], None] = lambda _: None, verbose: bool = False
 ) -> dict[str, Any]:
     """Run the whole demo and return its report (``report["verdict"]["ok"]`` is the proof).
+
+    The workers write to this process's stderr; ``verbose`` makes them log the library's
+    events there (``LLMDD_ASYNC_LOG=debug``).
 
     Raises:
         ChildError: a worker failed.
@@ -93,9 +98,10 @@ async def run_demo(
     progress("starting the prefill, decode and reference workers")
     async with contextlib.AsyncExitStack() as stack:
         workers = {}
+        env = dict(_DETERMINISTIC_ENV, **({"LLMDD_ASYNC_LOG": "debug"} if verbose else {}))
         for name in ("decode", "prefill", "reference"):
             workers[name] = await stack.enter_async_context(
-                ChildProcess.spawn("llmdd_async.demo.worker", config.loop, _DETERMINISTIC_ENV)
+                ChildProcess.spawn("llmdd_async.demo.worker", config.loop, env, inherit_stderr=True)
             )
         decode, prefill, ref = workers["decode"], workers["prefill"], workers["reference"]
         async with anyio.create_task_group() as tg:
@@ -196,8 +202,12 @@ def _report(
         exposed = transfer_only = pull["seconds"]
         ttft_sequential = computed + transfer_only
         moved = pull["bytes"]
+        # One pull_blocks request moves every layer: each layer shows the pull's interval,
+        # on the prefill's clock (perf_counter is the same clock in every process of a host).
+        start = pull["started"] - run["t0"] if "started" in pull and "t0" in run else None
+        span = None if start is None else [start, start + pull["seconds"]]
         timeline = [
-            {"layer": i, "compute": run["compute"][i], "transfer": None}
+            {"layer": i, "compute": run["compute"][i], "transfer": span}
             for i in range(config.layers)
         ]
     gbps = moved / transfer_only / 1e9 if transfer_only > 0 else 0.0
@@ -233,17 +243,22 @@ def _ms(v: float | None) -> str:
 
 def render(report: dict[str, Any]) -> str:
     c = report["config"]
+    pull = c["mode"] == "pull"
     lines = [
         "",
         f"llmdd-async demo: {c['layers']} layers x {c['heads']} heads x {c['head_dim']} dims, "
-        f"vocab {c['vocab']}, prompt {c['prompt']} tokens, {c['tokens']} generated",
+        f"vocab {c['vocab']}, prompt {c['prompt']} tokens, {len(report['tokens'])} generated "
+        f"(1 by the prefill, {len(report['tokens']) - 1} by the decode)",
         f"  mode {c['mode']}, transport {report['transport']}, loop {c['loop']}",
         "",
         f"  KV moved            {report['kv_bytes'] / 2**20:.1f} MiB",
         f"  prefill compute     {_ms(report['prefill_compute_s'])}",
-        f"  KV transfer alone   {_ms(report['transfer_s'])} ({report['gbps']:.2f} GB/s)",
-        f"  time to first token {_ms(report['ttft_layerwise_s'])} with layer-wise streaming, "
-        f"{_ms(report['ttft_sequential_s'])} sending after prefill",
+        f"  KV transfer alone   {_ms(report['transfer_s'])} ({report['gbps']:.2f} GB/s"
+        + (", pull_blocks after the prefill)" if pull else ")"),
+        f"  time to first token {_ms(report['ttft_sequential_s'])} pulling after prefill"
+        if pull
+        else f"  time to first token {_ms(report['ttft_layerwise_s'])} with layer-wise "
+        f"streaming, {_ms(report['ttft_sequential_s'])} sending after prefill",
     ]
     if report["hidden_fraction"] is not None:
         lines.append(
@@ -253,7 +268,8 @@ def render(report: dict[str, Any]) -> str:
     lines.append(f"  decode              {_ms(report['decode_s_per_token'])} per token")
     lines += [
         "",
-        "  per-layer timeline (ms from prefill start)",
+        "  per-layer timeline (ms from prefill start)"
+        + ("; one pull moves every layer" if pull else ""),
         "  layer   compute            transfer",
     ]
     for row in report["timeline"]:
@@ -291,6 +307,7 @@ def write_timeline(report: dict[str, Any], path: str) -> None:
     except ImportError:
         raise SystemExit("--timeline needs matplotlib: pip install 'llmdd-async[demo]'") from None
     rows = report["timeline"]
+    pull = report["config"]["mode"] == "pull"
     fig, ax = plt.subplots(figsize=(10, 1 + 0.35 * len(rows)))
     for row in rows:
         y = row["layer"]
@@ -311,13 +328,19 @@ def write_timeline(report: dict[str, Any], path: str) -> None:
                 left=t0,
                 height=0.35,
                 color="tab:orange",
-                label="KV transfer" if y == 0 else None,
+                label=("KV pull (one request, all layers)" if pull else "KV transfer")
+                if y == 0
+                else None,
             )
     ax.set_xlabel("ms since prefill start")
     ax.set_ylabel("layer")
     ax.invert_yaxis()
     ax.legend(loc="upper right")
-    ax.set_title(f"layer-wise KV streaming ({report['transport']})")
+    ax.set_title(
+        f"KV pulled after the prefill ({report['transport']})"
+        if pull
+        else f"layer-wise KV streaming ({report['transport']})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -358,27 +381,101 @@ class _Progress:
             self._status.__exit__(None, None, None)
 
 
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"  # argparse names the type in its messages
+    return parse
+
+
+def _even_positive(text: str) -> int:
+    value = _int_at_least(2)(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(f"must be even (rotary embedding), got {value}")
+    return value
+
+
+def _png_path(text: str) -> str:
+    """A path the picture can be written to, checked before the run (which takes a while)."""
+    folder = os.path.dirname(text) or "."
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"directory {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("needs matplotlib: pip install 'llmdd-async[demo]'")
+    return text
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The demo's options (on ``parser``, e.g. a subcommand's, or a new parser).
+
+    Invalid values make ``parse_args`` exit with status 2 and a usage message."""
     p = parser or argparse.ArgumentParser(prog="llmdd-async demo", description=__doc__)
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    if p.description is None:
+        p.description = __doc__
     d = DemoConfig()
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--vocab", type=int, default=d.vocab)
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--prompt", type=int, default=d.prompt, help="prompt length in tokens")
-    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens to generate")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--transport", choices=["auto", "tcp", "same-host"], default=d.transport)
+    positive = _int_at_least(1)
+    p.add_argument("--layers", type=positive, default=d.layers, help="transformer layers")
+    p.add_argument("--heads", type=positive, default=d.heads, help="attention heads")
+    p.add_argument(
+        "--head-dim", type=_even_positive, default=d.head_dim, help="dimensions per head (even)"
+    )
+    p.add_argument("--vocab", type=positive, default=d.vocab, help="vocabulary size")
+    p.add_argument(
+        "--block-size", type=positive, default=d.block_size, help="tokens per KV cache block"
+    )
+    p.add_argument("--prompt", type=positive, default=d.prompt, help="prompt length in tokens")
+    p.add_argument(
+        "--tokens",
+        type=positive,
+        default=d.tokens,
+        help="tokens the decode endpoint generates after the prefill's first one",
+    )
+    p.add_argument(
+        "--seed", type=_int_at_least(0), default=d.seed, help="seed of the weights and prompt"
+    )
+    p.add_argument(
+        "--transport",
+        choices=["auto", "tcp", "same-host"],
+        default=d.transport,
+        help="llm.Transport of both endpoints",
+    )
     p.add_argument(
         "--mode",
         choices=["push", "pull"],
         default=d.mode,
         help="push: layer-wise transfer_cache_async; pull: pull_blocks after prefill",
     )
-    p.add_argument("--loop", choices=["asyncio", "uvloop", "trio"], default=d.loop)
+    p.add_argument(
+        "--loop",
+        choices=["asyncio", "uvloop", "trio"],
+        default=d.loop,
+        help="event loop of the worker processes",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON only")
-    p.add_argument("--timeline", metavar="PATH.png", help="save the per-layer timeline picture")
+    p.add_argument(
+        "--timeline",
+        metavar="PATH.png",
+        type=_png_path,
+        default=None,
+        help="save the per-layer timeline picture (needs matplotlib)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the library's log events of the workers on stderr (LLMDD_ASYNC_LOG=debug)",
+    )
     return p
 
 
@@ -390,7 +487,9 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo for parsed command-line arguments; returns the exit status."""
     config = DemoConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DemoConfig)})
     with _Progress(not args.json) as progress:
-        report = run_on_loop(config.loop, run_demo, config, progress)
+        report = run_on_loop(
+            config.loop, run_demo, config, progress, bool(getattr(args, "verbose", False))
+        )
     if args.timeline:
         write_timeline(report, args.timeline)
     if args.json:

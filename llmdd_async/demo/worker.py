@@ -145,6 +145,7 @@ class Worker(CommandServer):
             "compute": compute,
             "computed": t_computed,
             "transfer": transfer,
+            "t0": t0,  # perf_counter at the prefill's start: one clock for every process
             "table": src_blocks,
         }
 
@@ -187,7 +188,12 @@ class Worker(CommandServer):
             )
             await task
             stats = task.statistics()
-            pull = {"bytes": stats.bytes, "seconds": stats.seconds, "gbps": stats.gbps}
+            pull = {
+                "bytes": stats.bytes,
+                "seconds": stats.seconds,
+                "gbps": stats.gbps,
+                "started": stats.started,
+            }
         t0 = time.perf_counter()
         tokens, logits = await anyio.to_thread.run_sync(
             model.generate,

@@ -10,6 +10,9 @@
 
 The child fills tensor ``i`` of a cache allocated with ``seed=s`` with ``pattern(s + i, n)``,
 so tests can compute the expected bytes without moving them through the test harness.
+
+:func:`linked_pair` runs two linked endpoints in this process. The pytest plugin (entry point
+``llmdd_async``, in ``_pytest_plugin``) offers both as fixtures: ``llmdd_peer``, ``llmdd_pair``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,17 @@ import numpy as np
 import llmdd_async as dd
 from llmdd_async._childproc import ChildError, ChildProcess
 
-__all__ = ["PeerError", "PeerProcess", "decode_key", "encode_key", "pattern"]
+from ._pair import DEFAULT_OPTIONS, linked_pair
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "PeerError",
+    "PeerProcess",
+    "decode_key",
+    "encode_key",
+    "linked_pair",
+    "pattern",
+]
 
 
 def pattern(seed: int, nbytes: int) -> np.ndarray:

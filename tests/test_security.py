@@ -1,0 +1,520 @@
+"""The security model (README "Security model"): each test is one attack, made by a real
+hostile peer over sockets (raw protocol frames from this test, or a child process), against a
+real endpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from helpers import cluster, endpoint_options, link
+
+import llmdd_async as dd
+from llmdd_async._handshake import new_nonce, recv_message, send_message
+from llmdd_async._protocol import MT, Decoder, Message, encode
+from llmdd_async._transports.same_host import host_identity
+from llmdd_async.testing import PeerProcess, encode_key
+
+pytestmark = pytest.mark.anyio
+
+S = dd.LLMStatusCode
+
+
+# ---------------------------------------------------------------------------- a hostile peer
+class Hostile:
+    """A raw protocol peer: this test decides every byte it sends."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.decoder = Decoder()
+
+    async def send(self, msg: Message) -> None:
+        await send_message(self.sock, msg)
+
+    async def recv(self, expect: MT) -> Message:
+        return await recv_message(self.sock, self.decoder, expect)
+
+    async def next_frame(self) -> Message:
+        """The next frame of any type (no payload expected)."""
+        buf = bytearray(1 << 16)
+        while True:
+            ev = self.decoder.next_event()
+            if isinstance(ev, Message):
+                return ev
+            try:
+                n = self.sock.recv_into(buf, len(buf), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+                continue
+            if not n:
+                raise EOFError
+            self.decoder.receive_data(memoryview(buf)[:n])
+
+
+def _identity(cluster_id: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "cluster_id": cluster_id,
+        "role": int(dd.LLMRole.PROMPT),
+        "remote_accessible": False,
+        "host": host_identity(),
+        "transport": "auto",
+        "uds": None,
+        **extra,
+    }
+
+
+@asynccontextmanager
+async def hostile_server(
+    cluster_id: int, serve: Callable[[Hostile, dict[str, Any]], Any]
+) -> AsyncIterator[tuple[str, int]]:
+    """A listener that answers one handshake as ``cluster_id`` (identity from ``serve``'s
+    first call), then hands the connection to ``serve``."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(4)
+    lsock.setblocking(False)
+
+    async def run() -> None:
+        await anyio.wait_readable(lsock)
+        conn, _ = lsock.accept()
+        conn.setblocking(False)
+        h = Hostile(conn)
+        hello = await h.recv(MT.HELLO)
+        await h.send(Message(MT.CHALLENGE, 0, {"nonce": new_nonce(), "auth": False}))
+        req = await h.recv(MT.LINK_REQ)
+        ident = serve(h, req.fields)
+        assert hello.fields["version"]
+        await h.send(Message(MT.LINK_ACK, 0, {"status": 0, **ident}))
+        # The endpoint hanging up on us is what these attacks should get.
+        with contextlib.suppress(EOFError, OSError):
+            await serve.after(h)  # type: ignore[attr-defined]
+        conn.close()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        try:
+            yield lsock.getsockname()[:2]
+        finally:
+            tg.cancel_scope.cancel()
+            lsock.close()
+
+
+# ---------------------------------------------------------------------------- memory isolation
+async def test_a_peer_cannot_make_us_write_our_own_memory_with_a_lying_identity() -> None:
+    """The old attack: claim our pid (wrapped past a C int), echo our probe, then grant a
+    "same-host" push into memory we never registered. Identity now comes from the kernel:
+    the lie buys nothing, the link moves bytes over TCP, and the grant is refused."""
+    secret = np.full(4096, 0x5A, dtype=np.uint8)  # never registered anywhere
+    victim_addr = secret.ctypes.data
+
+    def serve(h: Hostile, peer: dict[str, Any]) -> dict[str, Any]:
+        # What the old handshake trusted: pid, pools and probe, all taken from the message.
+        probe = peer.get("probe") or [0, ""]
+        return _identity(
+            1,
+            host={**peer["host"], "pid": os.getpid() + 2**32},
+            probe=probe,
+            pools=[],
+            inproc="0" * 64,
+        )
+
+    async def after(h: Hostile) -> None:
+        while True:
+            msg = await h.next_frame()
+            if msg.type == MT.XFER_REQ:
+                local = np.frombuffer(msg.arrays["local_addrs"], dtype="<u8")
+                arrays = {
+                    "local": np.array([local[0]], "<u8").tobytes(),
+                    "nbytes": np.array([4096], "<u8").tobytes(),
+                    "remote": np.array([victim_addr], "<u8").tobytes(),
+                }
+                await h.send(Message(MT.GRANT, msg.req_id, {"status": 0, "mode": "local"}, arrays))
+
+    serve.after = after  # type: ignore[attr-defined]
+    opts = endpoint_options(ra=True)
+    async with hostile_server(1, serve) as addr:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(opts) as d:
+            code, _ = await d.link_clusters([cluster(1, addr)], 3000)
+            assert code == S.LLM_SUCCESS
+            assert d.link_statistics(1).transport == "tcp"  # nothing proven: no direct path
+            cm = d.cache_manager
+            src = cm.allocate_cache(dd.CacheDesc(1, [1, 4096], dd.DataType.DT_UINT8))
+            src.tensors[0][...] = 0xEE
+            with pytest.raises(dd.LLMException):
+                await cm.push_cache(dd.CacheKeyByIdAndIndex(1, 1, 0), src)
+    assert (secret == 0x5A).all()  # untouched
+
+
+async def test_a_real_same_host_peer_is_proven_by_the_kernel() -> None:
+    """Two honest processes on this host get the direct path; the decision came from the side
+    channel (the handshake carries no pid, pools or probe any more)."""
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, endpoint_options(listen=True)) as p:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+            await link(d, 1, p.listen)
+            lnk = d._engine.links.get(1)
+            assert d.link_statistics(1).transport == "same-host"
+            assert lnk.access.pid == p.process.pid
+            for leak in ("pid", "pools", "probe", "inproc"):
+                assert leak not in lnk.peer and leak not in lnk.peer.get("host", {})
+
+
+async def test_a_relayed_side_channel_is_refused() -> None:
+    """A server that names someone else's side channel (here: our own) gets no direct path:
+    the other end cannot confirm the TCP connection it is asked about."""
+    async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+        own = d._engine.links._uds_name
+        assert own
+
+        def serve(h: Hostile, peer: dict[str, Any]) -> dict[str, Any]:
+            return _identity(1)
+
+        async def after(h: Hostile) -> None:
+            # Pretend to be the server proving itself, but for a connection that is not ours.
+            u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            u.setblocking(False)
+            u.connect("\0" + own)
+            await send_message(
+                u,
+                Message(
+                    MT.PROVE,
+                    0,
+                    {"nonces": ["x", "y"], "tcp": [["127.0.0.1", 1], ["127.0.0.1", 2]]},
+                ),
+            )
+            ack = await recv_message(u, Decoder(), MT.PROVE_ACK)
+            u.close()
+            results.append(ack.fields["status"])
+            await anyio.sleep_forever()
+
+        results: list[int] = []
+        serve.after = after  # type: ignore[attr-defined]
+        async with hostile_server(1, serve) as addr:
+            code, _ = await d.link_clusters([cluster(1, addr)], 3000)
+            assert code == S.LLM_SUCCESS
+            with anyio.fail_after(5):
+                while not results:
+                    await anyio.sleep(0.01)
+            assert results == [1]  # refused
+            assert d.link_statistics(1).transport == "tcp"
+
+
+async def test_grants_outside_the_peers_published_caches_are_refused() -> None:
+    """Even a proven peer's grant may only name memory it published as reachable: here an
+    in-process peer whose registry is tampered with to grant our secret buffer."""
+    secret = np.full(4096, 0x33, dtype=np.uint8)
+    opts = endpoint_options(listen=True, ra=True)
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        theirs = p.cache_manager.allocate_cache(dd.CacheDesc(1, [1, 4096], dd.DataType.DT_UINT8))
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options(ra=True)) as d:
+            await link(d, 1, p.listen_address)
+            assert d.link_statistics(1).transport == "in-process"
+            entry = p._engine.registry.entries[theirs.cache_id]
+            entry.addrs = np.array([secret.ctypes.data], dtype=np.uint64)  # the lie
+            p._engine.registry._changed()
+            p._engine.registry.reachable_regions()
+            p._engine.links.reachable_by_peer = lambda *a: True  # type: ignore[method-assign]
+            # ...but the table the decoder checks against came from before the lie, and a
+            # fresh one is fetched only on a miss: publish nothing reachable any more.
+            entry.remote_accessible = False
+            mine = d.cache_manager.allocate_cache(dd.CacheDesc(1, [1, 4096], dd.DataType.DT_UINT8))
+            mine.tensors[0][...] = 0x77
+            with pytest.raises(dd.LLMException) as err:
+                await d.cache_manager.push_cache(
+                    dd.CacheKeyByIdAndIndex(1, theirs.cache_id, 0), mine
+                )
+            assert err.value.status_code in (S.LLM_LINK_FAILED, S.LLM_PARAM_INVALID)
+    assert (secret == 0x33).all()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+async def test_caches_that_are_not_remote_accessible_stay_private(transport: str) -> None:
+    """By id or address a peer reaches only remote-accessible caches; their addresses are all
+    the published table shows."""
+    opts = endpoint_options(transport, listen=True)
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, opts) as p:
+        private = await p.request(
+            "register", kind="cache", num_tensors=1, shape=[1, 256], remote_accessible=False
+        )
+        public = await p.request("register", kind="cache", num_tensors=1, shape=[1, 256])
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options(transport)) as d:
+            await link(d, 1, p.listen)
+            lnk = d._engine.links.get(1)
+            table = {c["cache_id"]: c for c in (await lnk.fetch_table(5))["caches"]}
+            assert table[private]["addrs"] == [] and table[public]["addrs"]
+            cm = d.cache_manager
+            mine = cm.allocate_cache(dd.CacheDesc(1, [1, 256], dd.DataType.DT_UINT8))
+            with pytest.raises(dd.LLMException) as err:
+                await cm.pull_cache(dd.CacheKeyByIdAndIndex(1, private, 0), mine)
+            assert err.value.status_code == S.LLM_PARAM_INVALID
+            await cm.pull_cache(dd.CacheKeyByIdAndIndex(1, public, 0), mine)  # allowed
+
+
+# ---------------------------------------------------------------------------- authentication
+def test_an_empty_auth_key_is_an_error() -> None:
+    from llmdd_async._options import parse_options
+
+    with pytest.raises(dd.LLMException) as err:
+        parse_options({"llm.EnableCacheManager": "1", "llm.AuthKey": ""})
+    assert err.value.status_code == S.LLM_PARAM_INVALID
+
+
+async def test_frames_injected_into_a_keyed_link_break_it() -> None:
+    """After a keyed handshake every frame carries a tag under a per-link key: bytes a relay
+    injects (here: a well-formed PING written straight onto the socket) are refused."""
+    opts = endpoint_options("tcp", listen=True, **{"llm.AuthKey": "s3cret"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options("tcp", **{"llm.AuthKey": "s3cret"})
+        ) as d:
+            await link(d, 1, p.listen_address)
+            ours = d._engine.links.get(1)
+            assert await ours.roundtrip(Message(MT.PING), MT.PONG, 5) is not None  # tagged: ok
+            ours.sock.sendall(encode(Message(MT.PING)))  # untagged, as an injector would
+            with anyio.fail_after(5):
+                while p._engine.links.links[2].alive:
+                    await anyio.sleep(0.01)
+            assert "authentication" in str(p._engine.links.links[2].broken)
+
+
+async def test_the_mac_covers_the_whole_transcript() -> None:
+    """A relay that changes any identity field (here: the role) fails the handshake."""
+    from llmdd_async import _handshake
+
+    opts = endpoint_options("tcp", listen=True, **{"llm.AuthKey": "k"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options("tcp", **{"llm.AuthKey": "k"})
+        ) as d:
+            real = _handshake.send_message
+
+            async def tamper(sock: socket.socket, msg: Message) -> None:
+                if msg.type == MT.LINK_REQ:
+                    msg = Message(msg.type, 0, {**msg.fields, "role": 0})
+                await real(sock, msg)
+
+            _handshake.send_message = tamper  # type: ignore[assignment]
+            try:
+                code, _ = await d.link_clusters([cluster(1, p.listen_address)], 2000)
+            finally:
+                _handshake.send_message = real  # type: ignore[assignment]
+            assert code == S.LLM_LINK_FAILED
+            await link(d, 1, p.listen_address)  # untampered: fine
+
+
+# ---------------------------------------------------------------------------- link takeover
+async def test_a_live_link_is_never_replaced_by_a_second_peer_with_its_cluster_id() -> None:
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(endpoint_options(listen=True)) as p:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+            await link(d, 1, p.listen_address)
+            first = p._engine.links.links[2]
+            async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as evil:
+                _, codes = await evil.link_clusters([cluster(1, p.listen_address)], 2000)
+                assert codes == [S.LLM_ALREADY_LINK]
+                assert "already has a live link" in (evil.link_failure(1) or "")
+            assert p._engine.links.links[2] is first and first.alive
+
+
+async def test_two_endpoints_linking_to_each_other_at_once_both_succeed() -> None:
+    """hixl's sample: both sides call link_clusters on each other at the same moment."""
+    for _ in range(5):
+        a_opts, b_opts = endpoint_options("tcp", listen=True), endpoint_options("tcp", listen=True)
+        async with (
+            dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(a_opts) as a,
+            dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(b_opts) as b,
+        ):
+            results: dict[str, Any] = {}
+
+            async def go(
+                name: str, me: dd.LLMDataDist, other: int, addr: Any, out: dict[str, Any]
+            ) -> None:
+                out[name] = await me.link_clusters([cluster(other, addr)], 3000)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(go, "a", a, 2, b.listen_address, results)
+                tg.start_soon(go, "b", b, 1, a.listen_address, results)
+            assert results["a"] == (S.LLM_SUCCESS, [S.LLM_SUCCESS]), results
+            assert results["b"] == (S.LLM_SUCCESS, [S.LLM_SUCCESS]), results
+            # One connection, usable both ways.
+            ca = a.cache_manager.allocate_cache(
+                dd.CacheDesc(1, [1, 64], dd.DataType.DT_UINT8), [dd.CacheKey(1, 7)]
+            )
+            ca.tensors[0][...] = 9
+            cb = b.cache_manager.allocate_cache(dd.CacheDesc(1, [1, 64], dd.DataType.DT_UINT8))
+            await b.cache_manager.pull_cache(dd.CacheKey(1, 7), cb)
+            assert (cb.tensors[0] == 9).all()
+            cb2 = b.cache_manager.allocate_cache(
+                dd.CacheDesc(1, [1, 64], dd.DataType.DT_UINT8), [dd.CacheKey(2, 8)]
+            )
+            cb2.tensors[0][...] = 4
+            await a.cache_manager.pull_cache(dd.CacheKey(2, 8), ca)
+            assert (ca.tensors[0] == 4).all()
+            # Both sides unlink at once: codes, never an exception.
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_unlink, a, 2, results, "ua")
+                tg.start_soon(_unlink, b, 1, results, "ub")
+            assert results["ua"][0] == S.LLM_SUCCESS and results["ub"][0] == S.LLM_SUCCESS
+
+
+async def _unlink(d: dd.LLMDataDist, cid: int, out: dict[str, Any], key: str) -> None:
+    out[key] = await d.unlink_clusters([cluster(cid)], 2000)
+
+
+# ---------------------------------------------------------------------------- resources
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_links_whose_peer_hung_up_hold_no_socket() -> None:
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(endpoint_options(listen=True)) as p:
+        before = _open_fds()
+        for i in range(40):
+            async with dd.LLMDataDist(dd.LLMRole.DECODER, 100 + i).running(
+                endpoint_options("tcp")
+            ) as d:
+                await link(d, 1, p.listen_address)
+                d._engine.links.links[1].sock.close()  # hang up without a word
+        links = p._engine.links.links
+        with anyio.fail_after(10):
+            while any(lnk.sock.fileno() != -1 for lnk in links.values()):
+                await anyio.sleep(0.01)
+        assert len(links) == 40 and not any(lnk.alive for lnk in links.values())  # listed...
+        assert _open_fds() <= before  # ...but holding no socket
+
+
+async def test_an_idle_link_holds_no_scratch_buffer() -> None:
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(endpoint_options(listen=True)) as p:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+            await link(d, 1, p.listen_address)
+            lnk = p._engine.links.links[2]
+            big = [
+                k
+                for k, v in vars(lnk).items()
+                if isinstance(v, (bytearray, memoryview)) and len(v) > 65536
+            ]
+            assert big == []
+
+
+async def test_a_request_flood_is_refused_busy_and_pings_are_backpressured() -> None:
+    """A peer that floods PINGs and never reads stops being read (its flood stays in its own
+    socket buffer); the endpoint keeps serving others."""
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(
+        endpoint_options("tcp", listen=True)
+    ) as p:
+        s = socket.create_connection(p.listen_address)
+        s.setblocking(False)
+        h = Hostile(s)
+        nonce = new_nonce()
+        await h.send(Message(MT.HELLO, 0, {"version": 1, "nonce": nonce}))
+        await h.recv(MT.CHALLENGE)
+        await h.send(Message(MT.LINK_REQ, 0, _identity(66, role=int(dd.LLMRole.DECODER))))
+        ack = await h.recv(MT.LINK_ACK)
+        assert ack.fields["status"] == 0
+        chunk = encode(Message(MT.PING)) * 4096
+        pending = memoryview(b"")
+        sent = 0
+        stuck = False
+        with anyio.move_on_after(20):
+            while sent < 1 << 30:
+                if not pending:
+                    pending = memoryview(chunk)
+                with anyio.move_on_after(1) as wait:
+                    await anyio.wait_writable(s)
+                if wait.cancelled_caught:
+                    stuck = True  # the endpoint stopped reading us: backpressure works
+                    break
+                try:
+                    n = s.send(pending, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                pending, sent = pending[n:], sent + n
+        assert stuck, f"the endpoint read {sent} bytes of PINGs and kept reading"
+        assert p._engine.links.links[66]._replies.value == 0  # 64 replies owed, no more
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options("tcp")) as d:
+            await link(d, 1, p.listen_address)  # others are still served
+        s.close()
+
+
+async def test_repeated_block_indices_cannot_amplify_a_request() -> None:
+    opts = endpoint_options("tcp", listen=True, ra=True)
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, opts) as p:
+        victim = await p.request(
+            "register",
+            kind="blocks",
+            num_tensors=1,
+            shape=[4, 1024],
+            blocks_key=encode_key(dd.BlocksCacheKey(1, 0)),
+        )
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options("tcp", ra=True)
+        ) as d:
+            await link(d, 1, p.listen)
+            mine = d.cache_manager.allocate_blocks_cache(
+                dd.CacheDesc(1, [64, 1024], dd.DataType.DT_UINT8)
+            )
+            from test_hostile_peers import run_spec
+
+            from llmdd_async._transfer import XferSpec
+
+            engine = d._engine
+            spec = XferSpec(
+                "pull",
+                {"by": "cache_id", "cache_id": victim, "index": 0},
+                "blocks",
+                engine.registry.entries[mine.cache_id],
+                src_blocks=np.zeros(64, np.uint64),  # block 0, 64 times: 16 x the cache
+                dst_blocks=np.arange(64, dtype=np.uint64),
+            )
+            with pytest.raises(dd.LLMException) as err:
+                await run_spec(engine, engine.links.get(1), spec)
+            assert err.value.status_code == S.LLM_PARAM_INVALID
+            assert "more than" in str(err.value)
+
+
+# ---------------------------------------------------------------------------- errors
+async def test_a_pull_after_the_peer_died_says_why() -> None:
+    async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+        async with PeerProcess.start(dd.LLMRole.PROMPT, 1, endpoint_options(listen=True)) as p:
+            await link(d, 1, p.listen)
+            p.kill()
+            with anyio.fail_after(5):
+                while d._engine.links.links[1].alive:
+                    await anyio.sleep(0.01)
+        mine = d.cache_manager.allocate_cache(dd.CacheDesc(1, [1, 64], dd.DataType.DT_UINT8))
+        with pytest.raises(dd.LLMException) as err:
+            await d.cache_manager.pull_cache(dd.CacheKey(1, 1), mine)
+        assert err.value.status_code == S.LLM_LINK_FAILED
+        assert "link to cluster 1 is down: peer closed the connection" in str(err.value)
+        assert d.link_failure(1) == "peer closed the connection"
+
+
+async def test_wait_for_link_returns_when_the_peer_links() -> None:
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(endpoint_options(listen=True)) as p:
+        with pytest.raises(dd.LLMException) as err:
+            await p.wait_for_link(2, 50)
+        assert err.value.status_code == S.LLM_TIMEOUT
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(p.wait_for_link, 2, 5000)
+                await link(d, 1, p.listen_address)
+
+
+async def test_link_failure_reasons_are_kept_per_cluster() -> None:
+    async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        code, _ = await d.link_clusters([cluster(1, ("127.0.0.1", port))], 1000)
+        assert code == S.LLM_LINK_FAILED
+        assert "refused" in (d.link_failure(1) or "") or "111" in (d.link_failure(1) or "")
+        async with dd.LLMDataDist(dd.LLMRole.PROMPT, 5).running(endpoint_options(listen=True)) as p:
+            code, _ = await d.link_clusters([cluster(1, p.listen_address)], 1000)
+            assert code == S.LLM_LINK_FAILED
+            assert "cluster 5, not 1" in (d.link_failure(1) or "")
