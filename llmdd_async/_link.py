@@ -225,6 +225,8 @@ class Link:
         self._released = False
         #: the peer unlinked or finalized (it knows the link is gone)
         self.peer_left = False
+        #: this side is unlinking: the peer hanging up now is expected, not a fault
+        self.unlinking = False
         self.stats_bytes = 0
         self.stats_transfers = 0
         self.up_since = time.time()
@@ -283,6 +285,7 @@ class Link:
             if isinstance(exc, LLMException)
             else LinkBroken(f"link to cluster {self.peer_cluster_id} is down: {reason}")
         )
+        expected = expected or self.unlinking
         (self.log.info if expected else self.log.warning)("link.down", reason=reason)
         self.engine.links.note_failure(self.peer_cluster_id, reason)
         self._teardown()
@@ -694,8 +697,10 @@ class Link:
                 await self.send(Message(MT.UNLINK_ACK))
         finally:
             self._replies.release()
-        # Listed (as down) until this side unlinks too, as for a peer that died.
+        # Gone from our list too, as upstream does when the peer unlinks (a prompt may then
+        # switch_role without unlinking); our own unlink_clusters of it still succeeds.
         self.peer_left = True
+        self.engine.links.peer_unlinked(self)
         self.fail(
             LinkBroken(
                 f"cluster {self.peer_cluster_id} unlinked",

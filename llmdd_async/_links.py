@@ -79,6 +79,8 @@ class LinkManager:
         self._uds: socket.socket | None = None
         self._uds_name: str | None = None
         self._uds_scope: anyio.CancelScope | None = None
+        #: peers that unlinked us since: our own unlink_clusters of them succeeds
+        self._unlinked_by_peer: set[int] = set()
         #: the last reason a link to each cluster failed (``LLMDataDist.link_failure``)
         self.failures: dict[int, str] = {}
         self._listen_scope: anyio.CancelScope | None = None
@@ -149,22 +151,17 @@ class LinkManager:
         return access
 
     def _require_direct(self, peer: dict[str, Any], access: Any) -> None:
-        """Raises HandshakeFailed when ``llm.Transport=same-host`` got no proven direct path."""
-        e = self.engine
-        if access is not None or e.options.transport != "same-host":
+        """Raises HandshakeFailed when ``llm.Transport=same-host`` meets a peer on another
+        host. (A peer on this host that nothing could be proven about moves bytes over TCP,
+        and the log says ``transport.fallback``.)"""
+        if access is not None or self.engine.options.transport != "same-host":
             return
-        if not e.adapter.host_addressable:
-            return  # device memory is never reached directly: the stream is the same-host path
         host = peer.get("host") or {}
         if not on_same_host(self._host, host):
             raise HandshakeFailed(
                 f"llm.Transport=same-host, but cluster {peer.get('cluster_id')} runs on "
                 f"another host ({host.get('hostname')})"
             )
-        raise HandshakeFailed(
-            f"llm.Transport=same-host, but the kernel could not vouch for cluster "
-            f"{peer.get('cluster_id')} (no side channel, or no access to its memory)"
-        )
 
     async def _server_prepare(self, peer: dict[str, Any], binding: Binding) -> Any:
         """Admit a client's link (never over a live one), then prove both sides' pids on the
@@ -420,6 +417,7 @@ class LinkManager:
         # unlink_clusters(force=True), and that must succeed.
         self.links[link.peer_cluster_id] = link
         self.failures.pop(link.peer_cluster_id, None)
+        self._unlinked_by_peer.discard(link.peer_cluster_id)
         self._changed()
         self.log.info(
             "link.up",
@@ -427,6 +425,11 @@ class LinkManager:
             transport=access.name if access is not None else "tcp",
         )
         return link
+
+    def peer_unlinked(self, link: Link) -> None:
+        """The peer unlinked ``link``: drop it, remembering that our unlink of it succeeds."""
+        self.forget(link)
+        self._unlinked_by_peer.add(link.peer_cluster_id)
 
     def forget(self, link: Link) -> None:
         if self.links.get(link.peer_cluster_id) is link:
@@ -576,9 +579,12 @@ class LinkManager:
             cid = int(info.remote_cluster_id)  # type: ignore[arg-type]
             link = self.links.get(cid)
             if link is None:
-                codes.append(LLMStatusCode.LLM_NOT_YET_LINK)
+                left = cid in self._unlinked_by_peer  # both sides unlinked at once
+                self._unlinked_by_peer.discard(cid)
+                codes.append(LLMStatusCode.LLM_SUCCESS if left else LLMStatusCode.LLM_NOT_YET_LINK)
                 continue
             code = LLMStatusCode.LLM_SUCCESS
+            link.unlinking = True
             if not force:
                 ack = None
                 if link.alive:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,11 +64,16 @@ def test_bad_layerwise_options_are_usage_errors(args: list[str]) -> None:
 
 
 def test_layerwise_helpers() -> None:
+    # The benchmark pins BLAS thread counts in os.environ at import; that must not leak into
+    # later tests' child processes (their numpy would then round differently from this one).
+    saved = dict(os.environ)
     sys.path.insert(0, str(BENCH))
     try:
         import layerwise
     finally:
         sys.path.remove(str(BENCH))
+        os.environ.clear()
+        os.environ.update(saved)
     for mib in (1, 2, 3, 8):
         blocks = layerwise.layer_blocks(mib)
         assert blocks >= 1

@@ -151,3 +151,23 @@ async def test_a_real_event_reaches_caplog_with_its_fields(
             await d.link_clusters([ci], 2000)
     msgs = [r.getMessage() for r in caplog.records if r.name == "llmdd_async.link"]
     assert any(m.startswith("link.failed cluster_id=7 ") and "reason=" in m for m in msgs), msgs
+
+
+async def test_a_normal_unlink_logs_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from helpers import cluster, endpoint_options, link
+
+    caplog.set_level(logging.INFO, logger="llmdd_async")
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(endpoint_options(listen=True)) as p:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+            await link(d, 1, p.listen_address)
+            assert await d.unlink_clusters([cluster(1)]) == (
+                dd.LLMStatusCode.LLM_SUCCESS,
+                [dd.LLMStatusCode.LLM_SUCCESS],
+            )
+            assert await p.unlink_clusters([cluster(2)]) == (
+                dd.LLMStatusCode.LLM_SUCCESS,
+                [dd.LLMStatusCode.LLM_SUCCESS],
+            )
+    downs = [r for r in caplog.records if r.getMessage().startswith("link.down")]
+    assert downs  # the unlink was logged...
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # ...calmly
