@@ -38,11 +38,14 @@ from ._protocol import (
 )
 from ._transports.tcp import (
     CHUNK_BYTES,
+    INLINE_BYTES,
     Fence,
     StreamPlan,
     recv_views,
+    recv_views_inline,
     scratch_views,
     send_views,
+    send_views_inline,
 )
 
 __all__ = [
@@ -279,13 +282,19 @@ class Link:
         """Mark the link broken, fail every request on it, release what it holds."""
         if self.broken is not None or self.closed:
             return
+        if self.unlinking:
+            # This side is unlinking and the peer, told so, hung up: that is the unlink, not
+            # a fault; work still in flight fails as for any unlink (LLM_NOT_YET_LINK).
+            self.closed = True
+            self.log.info("link.down", reason="unlinked")
+            self._teardown()
+            return
         reason = str(exc) if isinstance(exc, LLMException) else _reason(exc)
         self.broken = (
             exc
             if isinstance(exc, LLMException)
             else LinkBroken(f"link to cluster {self.peer_cluster_id} is down: {reason}")
         )
-        expected = expected or self.unlinking
         (self.log.info if expected else self.log.warning)("link.down", reason=reason)
         self.engine.links.note_failure(self.peer_cluster_id, reason)
         self._teardown()
@@ -401,11 +410,14 @@ class Link:
                     self._send_auth,
                 )
                 try:
-                    # Set only now, next to the worker that will release it.
-                    req.fence = fence
-                    await anyio.to_thread.run_sync(
-                        send_views, self.sock, header, views, fence, limiter=self.threads
-                    )
+                    if n <= INLINE_BYTES:
+                        await self._inline(send_views_inline(self.sock, header, views, token))
+                    else:
+                        # Set only now, next to the worker that will release it.
+                        req.fence = fence
+                        await anyio.to_thread.run_sync(
+                            send_views, self.sock, header, views, fence, limiter=self.threads
+                        )
                 except (OSError, TimeoutError) as exc:
                     self.fail(exc)
                     raise LinkBroken(f"sending to cluster {self.peer_cluster_id}: {exc}") from exc
@@ -414,6 +426,20 @@ class Link:
             off += n
             self.stats_bytes += n
         return not token.cancelled
+
+    async def _inline(self, io: Any) -> Any:
+        """Run a small frame's I/O on the loop: shielded (a frame, once started, must be
+        finished) and bounded by the stall timeout (then the link breaks).
+
+        Raises:
+            TimeoutError: the peer made no progress. OSError / EOFError: the socket failed.
+        """
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self.engine.stall_timeout_s) as stall:
+                return await io
+            if stall.cancelled_caught:
+                io.close()
+                raise TimeoutError("the peer made no progress within the stall timeout")
 
     # ------------------------------------------------------------------ requests
     def open_pending(self, deadline: float | None) -> Pending:
@@ -571,13 +597,16 @@ class Link:
             # idle link holds no buffers.
             scratch = self.engine.scratch.acquire()
             target = _slice_views(views, pos, rest) if views else scratch_views(rest, scratch)
-            fence = Fence(token, deadline)
-            if req is not None:
-                req.fence = fence
             try:
-                await anyio.to_thread.run_sync(
-                    recv_views, self.sock, target, fence, scratch, limiter=self.threads
-                )
+                if rest <= INLINE_BYTES:
+                    await self._inline(recv_views_inline(self.sock, target, token, scratch))
+                else:
+                    fence = Fence(token, deadline)
+                    if req is not None:
+                        req.fence = fence
+                    await anyio.to_thread.run_sync(
+                        recv_views, self.sock, target, fence, scratch, limiter=self.threads
+                    )
             finally:
                 if req is not None:
                     req.fence = None

@@ -129,6 +129,17 @@ async def test_a_peer_cannot_make_us_write_our_own_memory_with_a_lying_identity(
     async def after(h: Hostile) -> None:
         while True:
             msg = await h.next_frame()
+            if msg.type == MT.TABLE_REQ:  # a table that makes the push go ahead
+                cache = {
+                    "cache_id": 1,
+                    "addrs": [victim_addr],
+                    "tensor_bytes": 4096,
+                    "count": 1,
+                    "is_blocks": False,
+                    "placement": 0,
+                    "remote_accessible": True,
+                }
+                await h.send(Message(MT.TABLE, 0, {"caches": [cache], "blocks_keys": {}}))
             if msg.type == MT.XFER_REQ:
                 local = np.frombuffer(msg.arrays["local_addrs"], dtype="<u8")
                 arrays = {

@@ -213,7 +213,9 @@ BIG = 8 * MiB
 @contextlib.asynccontextmanager
 async def _stall_server(**extra: str) -> AsyncIterator[tuple[dd.LLMDataDist, int, int]]:
     """An endpoint (cluster 1, TCP) with a big cache to stall on and a small one to pull."""
-    opts = _server_options(**{"llm.SyncKvCacheWaitTime": "3000", **extra})
+    # 6 s: the budget of a stalled pull here. On uvloop 42 blocked workers slow the loop
+    # down a lot (the stalls take ~2 s to set up, a legit pull ~300 ms instead of 2 ms).
+    opts = _server_options(**{"llm.SyncKvCacheWaitTime": "6000", **extra})
     async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
         big = p.cache_manager.allocate_cache(_u8([1, BIG]))
         small = p.cache_manager.allocate_cache(_u8([1, 64 << 10]))
@@ -230,7 +232,7 @@ async def test_stalled_pulls_on_many_links_do_not_starve_a_legit_peer() -> None:
     peer's deadline is capped by this side's budget (``llm.SyncKvCacheWaitTime`` per layer)."""
     async with _stall_server() as (p, big, small):
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
-            endpoint_options("tcp", ra=True, **{"llm.SyncKvCacheWaitTime": "5000"})
+            endpoint_options("tcp", ra=True, **{"llm.SyncKvCacheWaitTime": "10000"})
         ) as d:
             await link(d, 1, p.listen_address)
             assert d.link_statistics(1).transport == "tcp"
@@ -240,7 +242,7 @@ async def test_stalled_pulls_on_many_links_do_not_starve_a_legit_peer() -> None:
                 links = p._engine.links.links
                 # ...while every stalled pull was still held (the point of the test).
                 assert all(links[100 + i].serving for i in range(42))
-                # The stalled pulls end at this side's budget (3 s), not the peer's 600 s.
+                # The stalled pulls end at this side's budget (6 s), not the peer's 600 s.
                 with anyio.fail_after(15):
                     while any(links[100 + i].serving for i in range(42)):
                         await anyio.sleep(0.05)
@@ -369,45 +371,89 @@ async def test_requests_over_the_queue_are_refused_busy() -> None:
 
 
 # ---------------------------------------------------------------------------- 4. unlink
+_POOL_80M = {"llm.MemPoolConfig": '{"memory_size": 83886080}'}
+
+
+async def _pull_in_flight(d: dd.LLMDataDist, cache_id: int, mine: dd.Cache) -> dd.CacheTask:
+    """Start pulling the peer's cache ``cache_id`` into ``mine``; return once the pull was
+    granted (its bytes are on their way)."""
+    lnk = d._engine.links.get(1)
+    task = d.cache_manager.pull_cache(dd.CacheKeyByIdAndIndex(1, cache_id, 0), mine)
+    with anyio.fail_after(10):
+        while not any(r.grant is not None for r in lnk.pending.values()):
+            await anyio.sleep(0.0005)
+    return task
+
+
 async def test_unlink_with_a_pull_in_flight_fails_it_with_not_yet_link() -> None:
-    """A 32 MiB pull over TCP is in flight (bytes arriving; the serving process is then
-    paused, so it cannot finish) when this side unlinks: it fails with exactly
-    LLM_NOT_YET_LINK, every round, with or without ``force``. Before, the worker tripping
-    over the shut-down socket usually won, and the pull failed with LLM_LINK_FAILED."""
+    """A 32 MiB pull over TCP is in flight when this side unlinks: it fails with exactly
+    LLM_NOT_YET_LINK, every round. Odd rounds: ``force``, the peer (another process) live
+    and streaming. Even rounds: no ``force``, the peer paused right after the grant (it can
+    neither finish the pull nor acknowledge the unlink; the unlink times out after 200 ms).
+    (These two orders were already right before the change; the order that was not, the peer
+    acknowledging and hanging up, is the next test's.)"""
     size = 32 * MiB
     opts = _server_options(**{"llm.MemPoolConfig": '{"memory_size": 67108864}'})
     async with PeerProcess.start(dd.LLMRole.PROMPT, 1, opts) as p:
         theirs = await p.request("alloc", kind="cache", num_tensors=1, shape=[1, size], seed=1)
         assert p.listen is not None
         for rnd in range(8):
-            # A fresh initiator per round: the paused peer learns of the last unlink late.
+            # A fresh initiator each round: the paused peer learns of the last unlink late.
             async with dd.LLMDataDist(dd.LLMRole.DECODER, 10 + rnd).running(
-                endpoint_options(
-                    "tcp", ra=True, **{"llm.MemPoolConfig": '{"memory_size": 67108864}'}
-                )
+                endpoint_options("tcp", ra=True, **_POOL_80M)
             ) as d:
                 await link(d, 1, p.listen)
-                lnk = d._engine.links.get(1)
-                cm = d.cache_manager
-                mine = cm.allocate_cache(_u8([1, size]))
-                task = cm.pull_cache(dd.CacheKeyByIdAndIndex(1, theirs, 0), mine)
+                task = await _pull_in_flight(
+                    d, theirs, d.cache_manager.allocate_cache(_u8([1, size]))
+                )
+                force = rnd % 2 == 1
                 try:
-                    with anyio.fail_after(10):
-                        while not any(r.grant is not None for r in lnk.pending.values()):
-                            await anyio.sleep(0.0005)
-                    p.pause()
-                    force = rnd % 2 == 1
+                    if not force:
+                        p.pause()
                     await d.unlink_clusters([cluster(1)], 200, force)
                     with anyio.fail_after(10), pytest.raises(dd.LLMException) as err:
                         await task
-                    assert err.value.status_code == S.LLM_NOT_YET_LINK, (rnd, str(err.value))
                 finally:
                     p.resume()
-        # The peer is fine (it just lost those links).
+                assert err.value.status_code == S.LLM_NOT_YET_LINK, (rnd, str(err.value))
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
             endpoint_options("tcp", ra=True)
         ) as d:
-            await link(d, 1, p.listen)
+            await link(d, 1, p.listen)  # the peer is fine: it only lost those links
+
+
+async def test_unlink_acknowledged_by_a_peer_that_hangs_up_is_not_a_link_failure() -> None:
+    """A 64 MiB pull over TCP (two DATA frames) is in flight when this side unlinks without
+    ``force``; the peer acknowledges and closes its end at once. The pull must fail with
+    exactly LLM_NOT_YET_LINK, and a clean unlink leaves no link failure behind.
+
+    Before the change the pull failed with LLM_LINK_FAILED ("cluster 1 closed the
+    connection") in every round (16 of 16), and ``link_failure(1)`` said "peer closed the
+    connection" after every clean unlink."""
+    size = 64 * MiB
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(_server_options(**_POOL_80M)) as p:
+        theirs = p.cache_manager.allocate_cache(_u8([1, size]))
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options("tcp", ra=True, **_POOL_80M)
+        ) as d:
+            mine = d.cache_manager.allocate_cache(_u8([1, size]))
+            codes = []
+            failures = []
+            for _ in range(8):
+                await link(d, 1, p.listen_address)
+                task = await _pull_in_flight(d, theirs.cache_id, mine)
+                code, _ = await d.unlink_clusters([cluster(1)], 2000)
+                assert code == S.LLM_SUCCESS
+                with anyio.fail_after(10), pytest.raises(dd.LLMException) as err:
+                    await task
+                codes.append(err.value.status_code)
+                failures.append(d.link_failure(1))
+                links = p._engine.links.links
+                with anyio.fail_after(10):  # the peer noticed (before the next link)
+                    while 2 in links and links[2].alive:
+                        await anyio.sleep(0.005)
+            assert codes == [S.LLM_NOT_YET_LINK] * 8, codes
+            assert failures == [None] * 8, failures
 
 
 # ---------------------------------------------------------------------------- 5. soak

@@ -16,11 +16,15 @@ import threading
 import time
 from typing import Any
 
+import anyio
 import numpy as np
 
 from .._memory import CancelToken
 
 __all__ = [
+    "INLINE_BYTES",
+    "recv_views_inline",
+    "send_views_inline",
     "CHUNK_BYTES",
     "Fence",
     "StagedStream",
@@ -218,6 +222,67 @@ def _zeros() -> memoryview:
 def _check_deadline(fence: Fence, what: str) -> None:
     if time.monotonic() >= fence.deadline:
         raise TimeoutError(f"peer made no progress on {what} before the deadline")
+
+
+#: frames up to this size move from the event loop itself: a thread hop costs more than the
+#: copy (a 256 KiB copy from or to the kernel takes tens of microseconds)
+INLINE_BYTES = 256 << 10
+
+
+async def send_views_inline(
+    sock: socket.socket, header: bytes, views: list[memoryview], token: CancelToken
+) -> None:
+    """Send ``header`` then every view from the event loop (small frames; no worker thread).
+
+    The caller shields it and bounds it with a stall timeout: a frame, once started, must be
+    finished. If ``token`` trips meanwhile, the rest goes out as zeros and source memory is
+    not read again.
+
+    Raises:
+        OSError: the connection failed.
+    """
+    bufs: list[memoryview] = [memoryview(header), *views]
+    idx = 0
+    padded = False
+    while idx < len(bufs):
+        if not padded and token.cancelled:
+            keep = max(idx, 1)
+            bufs = bufs[:keep] + _scratch_like(bufs, keep, _zeros())
+            padded = True
+        try:
+            n = sock.sendmsg(_batch(bufs, idx), [], socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            await anyio.wait_writable(sock)
+            continue
+        idx = _advance(bufs, idx, n)
+
+
+async def recv_views_inline(
+    sock: socket.socket, views: list[memoryview], token: CancelToken, scratch: memoryview
+) -> bool:
+    """Receive exactly the views' bytes into them from the event loop (small frames). If
+    ``token`` trips meanwhile, the rest goes to ``scratch``. Returns True when every byte
+    landed in ``views``; the caller bounds it with a stall timeout.
+
+    Raises:
+        EOFError: the peer closed the connection mid-frame. OSError: the connection failed.
+    """
+    bufs = list(views)
+    idx = 0
+    diverted = False
+    while idx < len(bufs):
+        if not diverted and token.cancelled:
+            bufs = bufs[:idx] + _scratch_like(bufs, idx, scratch)
+            diverted = True
+        try:
+            n = sock.recvmsg_into(_batch(bufs, idx), 0, socket.MSG_DONTWAIT)[0]
+        except (BlockingIOError, InterruptedError):
+            await anyio.wait_readable(sock)
+            continue
+        if n == 0:
+            raise EOFError("peer closed the connection in the middle of a frame")
+        idx = _advance(bufs, idx, n)
+    return not diverted
 
 
 def send_views(sock: socket.socket, header: bytes, views: list[memoryview], fence: Fence) -> None:
