@@ -167,6 +167,8 @@ class Serving(_Request):
     def __init__(self, req_id: int, deadline: float | None) -> None:
         super().__init__(req_id, deadline)
         self.done_event = anyio.Event()
+        #: bytes of the request's arrays, held while it is queued or served
+        self.meta_bytes = 0
         #: run by the reader when DONE arrives, so its effect (consuming a key) happens before
         #: any later request on the link is looked at
         self.on_done: Callable[[Message], None] | None = None
@@ -226,6 +228,8 @@ class Link:
         #: its table when a grant names memory outside it
         self.peer_regions: tuple[np.ndarray, np.ndarray] = _no_regions()
         self._released = False
+        #: bytes of the peer's requests held here (``llm.LinkQueue`` caps them too)
+        self.queued_bytes = 0
         #: the peer unlinked or finalized (it knows the link is gone)
         self.peer_left = False
         #: this side is unlinking: the peer hanging up now is expected, not a fault
@@ -315,11 +319,18 @@ class Link:
 
     async def _release_when_idle(self) -> None:
         """Close the socket and drop same-host mappings once no request uses them any more
-        (workers return promptly from a shut-down socket or a cancelled token)."""
-        with anyio.move_on_after(self.engine.stall_timeout_s):
+        (workers return promptly from a shut-down socket or a cancelled token). Mappings are
+        never dropped under a copy: a request that lingers keeps them, not the socket."""
+        try:
+            with anyio.move_on_after(self.engine.stall_timeout_s):
+                while self.pending or self.serving:  # noqa: ASYNC110 (dicts, no event)
+                    await anyio.sleep(_FENCE_POLL_S * 5)
+            self.sock.close()
             while self.pending or self.serving:  # noqa: ASYNC110 (dicts, no event)
-                await anyio.sleep(_FENCE_POLL_S * 5)
-        self._release()
+                await anyio.sleep(0.1)
+            self._release()
+        finally:
+            self.sock.close()  # the engine is stopping: mappings go with the link object
 
     def _release(self) -> None:
         if self._released:
@@ -415,9 +426,12 @@ class Link:
                     else:
                         # Set only now, next to the worker that will release it.
                         req.fence = fence
-                        await anyio.to_thread.run_sync(
-                            send_views, self.sock, header, views, fence, limiter=self.threads
-                        )
+                        # Shielded: the header's tag is spent, so the frame must go out (the
+                        # worker itself stops at the fence's token or deadline).
+                        with anyio.CancelScope(shield=True):
+                            await anyio.to_thread.run_sync(
+                                send_views, self.sock, header, views, fence, limiter=self.threads
+                            )
                 except (OSError, TimeoutError) as exc:
                     self.fail(exc)
                     raise LinkBroken(f"sending to cluster {self.peer_cluster_id}: {exc}") from exc
@@ -488,6 +502,13 @@ class Link:
         finally:
             with contextlib.suppress(ValueError):
                 self._waiters[reply].remove(waiter)
+
+    async def responsive(self, timeout_s: float) -> bool:
+        """True if the peer answers a PING within ``timeout_s`` (a half-open link does not)."""
+        try:
+            return await self.roundtrip(Message(MT.PING), MT.PONG, timeout_s) is not None
+        except LLMException:
+            return False
 
     async def fetch_table(self, timeout_s: float) -> dict[str, Any]:
         """The peer's published cache table, snapshotted on first use for the link's life.
@@ -634,7 +655,12 @@ class Link:
         if t == MT.XFER_REQ:
             if msg.req_id in self.serving:
                 raise ProtocolError(f"request id {msg.req_id} reused")
-            if len(self.serving) >= self.engine.options.limits.queued:
+            meta_bytes = sum(memoryview(a).nbytes for a in msg.arrays.values())
+            limits = self.engine.options.limits
+            if (
+                len(self.serving) >= limits.queued
+                or self.queued_bytes + meta_bytes > 4 * limits.meta_bytes
+            ):
                 await self._owe_reply(
                     Message(
                         MT.GRANT,
@@ -642,7 +668,8 @@ class Link:
                         {
                             "status": int(LLMStatusCode.LLM_LINK_BUSY),
                             "message": f"cluster {self.engine.cluster_id} already has "
-                            f"{len(self.serving)} requests of this link queued",
+                            f"{len(self.serving)} requests ({self.queued_bytes} bytes) of this "
+                            "link queued",
                         },
                     )
                 )
@@ -654,6 +681,8 @@ class Link:
             if isinstance(deadline_ms, int) and deadline_ms > 0:
                 budget = min(budget, deadline_ms / 1000)
             req = Serving(msg.req_id, time.monotonic() + budget)
+            req.meta_bytes = meta_bytes
+            self.queued_bytes += meta_bytes
             self.serving[msg.req_id] = req
             self.engine.spawn(self.engine.serve_request, self, req, msg)
         elif t == MT.GRANT:

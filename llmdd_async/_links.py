@@ -36,10 +36,14 @@ from ._protocol import MT, Decoder, Message, ProtocolError
 from ._transports.in_process import InProcessAccess
 from ._transports.same_host import (
     SameHostAccess,
+    forget_side_channel,
     host_identity,
+    is_own_side_channel,
     on_same_host,
-    peer_pid,
+    peer_process,
+    side_channel_name,
     tcp_binding,
+    valid_side_channel_name,
 )
 from ._transports.tcp import configure_socket
 from ._types import LLMClusterInfo, int_to_ip
@@ -50,6 +54,8 @@ _ACCEPT_HANDSHAKE_S = 10.0
 #: the same-host side channel's exchange (one local round trip)
 _PROOF_S = 5.0
 _PARALLEL_LINKS = 16
+#: handshakes and side-channel exchanges in progress at once; more connections are closed
+_MAX_IN_SETUP = 128
 #: what a failed connect or handshake may raise: the peer's doing, reported, never raised
 _HANDSHAKE_ERRORS = (
     HandshakeFailed,
@@ -81,6 +87,8 @@ class LinkManager:
         self._uds_scope: anyio.CancelScope | None = None
         #: peers that unlinked us since: our own unlink_clusters of them succeeds
         self._unlinked_by_peer: set[int] = set()
+        #: connections in their handshake or side-channel exchange right now
+        self._in_setup = 0
         #: the last reason a link to each cluster failed (``LLMDataDist.link_failure``)
         self.failures: dict[int, str] = {}
         self._listen_scope: anyio.CancelScope | None = None
@@ -128,16 +136,23 @@ class LinkManager:
         e = self.engine
         return e.options.transport != "tcp" and e.adapter.host_addressable
 
-    def _access_for(self, pid: int, proof: dict[str, Any]) -> Any:
+    def _access_for(
+        self, pid: int, pidfd: int | None, proof: dict[str, Any], own_name: bool
+    ) -> Any:
         """Direct access to the process the kernel named, from what it sent; None if there is
-        nothing it lets us reach."""
-        if pid <= 0:
-            return None
+        nothing it lets us reach. ``own_name``: the peer answered on one of this process's
+        own side channels (needed to believe it is this very process). Takes ``pidfd``."""
         copy = self.engine.adapter.copy
+        if pid <= 0 or (pid == os.getpid() and not own_name):
+            if pidfd is not None:
+                os.close(pidfd)
+            return None
         if pid == os.getpid():
+            if pidfd is not None:
+                os.close(pidfd)
             access: Any = InProcessAccess(copy)
         else:
-            access = SameHostAccess(pid, proof.get("pools"), proof.get("probe"), copy)
+            access = SameHostAccess(pid, pidfd, proof.get("pools"), proof.get("probe"), copy)
             if not access.pools and not access.pvr:
                 access.close()
                 return None
@@ -156,11 +171,12 @@ class LinkManager:
         and the log says ``transport.fallback``.)"""
         if access is not None or self.engine.options.transport != "same-host":
             return
-        host = peer.get("host") or {}
+        host = peer.get("host")
         if not on_same_host(self._host, host):
+            where = host.get("hostname") if isinstance(host, dict) else "unknown"
             raise HandshakeFailed(
                 f"llm.Transport=same-host, but cluster {peer.get('cluster_id')} runs on "
-                f"another host ({host.get('hostname')})"
+                f"another host ({where})"
             )
 
     async def _server_prepare(self, peer: dict[str, Any], binding: Binding) -> Any:
@@ -171,6 +187,11 @@ class LinkManager:
             HandshakeFailed: refused (the client is told why).
         """
         cid = int(peer["cluster_id"])
+        existing = self.links.get(cid)
+        if existing is not None and existing.alive and not await existing.responsive(1.0):
+            # The peer restarted (or its host died) and our link is half-open: one that does
+            # not answer a PING within a second is dead, and may be replaced.
+            existing.fail(TimeoutError("no answer to a PING while the peer linked again"))
         self._admit(cid, binding.nonces[0])
         self._accepting.add(cid)
         try:
@@ -180,7 +201,7 @@ class LinkManager:
                 self._direct_allowed()
                 and isinstance(name, str)
                 and peer.get("transport") != "tcp"
-                and on_same_host(self._host, peer.get("host") or {})
+                and on_same_host(self._host, peer.get("host"))
             ):
                 try:
                     with anyio.fail_after(_PROOF_S):
@@ -222,29 +243,44 @@ class LinkManager:
             )
 
     async def _prove_to(self, name: str, binding: Binding) -> Any:
-        """Server side of the side channel: connect to the client's socket, learn its pid
-        from the kernel, and exchange what each lets the other reach."""
+        """Server side of the side channel: connect to the client's socket, learn its
+        process from the kernel, show it which TCP connection we mean, and only once it
+        confirmed that connection exchange what each lets the other reach."""
+        if not valid_side_channel_name(name):
+            raise ValueError(f"not a side channel of ours: {name!r}")
         u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        pidfd: int | None = None
         try:
             u.setblocking(False)
             u.connect("\0" + name)
-            pid = peer_pid(u)
+            pid, pidfd = peer_process(u)
             fields = {"nonces": list(binding.nonces), "tcp": tcp_binding(binding.sock)}
-            await send_message(u, Message(MT.PROVE, 0, {**fields, **self._proof()}))
+            await send_message(u, Message(MT.PROVE, 0, fields))
             ack = await recv_message(u, Decoder(16 << 20), MT.PROVE_ACK)
             if ack.fields.get("status") != 0:
                 return None
-            return self._access_for(pid, ack.fields)
+            await send_message(u, Message(MT.PROVE_FIN, 0, self._proof()))
+            access = self._access_for(pid, pidfd, ack.fields, is_own_side_channel(name))
+            pidfd = None  # taken
+            return access
         finally:
             u.close()
+            if pidfd is not None:
+                os.close(pidfd)
 
     async def _serve_proof(self, conn: socket.socket) -> None:
         """Client side of the side channel: answer a server that names one of our handshakes
         in progress, from the other end of that very TCP connection."""
+        pidfd: int | None = None
+        claimed: _Expect | None = None
+        self._in_setup += 1
         try:
             with anyio.fail_after(_PROOF_S):
-                pid = peer_pid(conn)
-                msg = await recv_message(conn, Decoder(16 << 20), MT.PROVE)
+                # The connecting process is alive (it called connect() just now) and, if it
+                # is this process, one of our own endpoints.
+                pid, pidfd = peer_process(conn)
+                decoder = Decoder(16 << 20)
+                msg = await recv_message(conn, decoder, MT.PROVE)
                 nonces = msg.fields.get("nonces")
                 exp = (
                     self._expect.get((str(nonces[0]), str(nonces[1])))
@@ -259,12 +295,22 @@ class LinkManager:
                     await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 1}))
                     return
                 exp.done = True
-                exp.access = self._access_for(pid, msg.fields)
+                claimed = exp
                 await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 0, **self._proof()}))
+                # (the server's LINK_ACK may overtake what follows: the handshake waits for
+                # ``finished``)
+                fin = await recv_message(conn, decoder, MT.PROVE_FIN)
+                exp.access = self._access_for(pid, pidfd, fin.fields, True)
+                pidfd = None  # taken
         except (OSError, EOFError, ProtocolError, TimeoutError, ValueError, TypeError) as exc:
             self.log.info("side_channel.refused", reason=str(exc))
         finally:
             conn.close()
+            if pidfd is not None:
+                os.close(pidfd)
+            if claimed is not None:
+                claimed.finished.set()
+            self._in_setup -= 1
 
     async def _side_channel_loop(self, usock: socket.socket, scope: anyio.CancelScope) -> None:
         try:
@@ -280,6 +326,9 @@ class LinkManager:
                         await anyio.sleep(0.1)
                         continue
                     conn.setblocking(False)
+                    if self._in_setup >= _MAX_IN_SETUP:
+                        conn.close()  # a connection flood: nothing is held for it
+                        continue
                     self.engine.spawn(self._serve_proof, conn)
         finally:
             usock.close()
@@ -290,13 +339,14 @@ class LinkManager:
         if not self._direct_allowed() or not hasattr(socket, "AF_UNIX"):
             return
         usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        name = f"llmdd-async/{os.getpid()}/{os.urandom(8).hex()}"
+        name = side_channel_name()
         try:
             usock.bind("\0" + name)
             usock.listen(128)
             usock.setblocking(False)
         except OSError as exc:
             usock.close()
+            forget_side_channel(name)
             self.log.info("transport.fallback", reason=f"no side channel: {exc}")
             return
         self._uds, self._uds_name = usock, name
@@ -365,28 +415,46 @@ class LinkManager:
                             await anyio.sleep(0.1)
                             continue
                         raise
+                    if self._in_setup >= _MAX_IN_SETUP:
+                        conn.close()  # a connection flood: nothing is held for it
+                        continue
                     self.engine.spawn(self._accept_one, conn)
         finally:
             lsock.close()
             closed.set()
 
     async def _accept_one(self, conn: socket.socket) -> None:
+        self._in_setup += 1
+        try:
+            await self._accept(conn)
+        finally:
+            self._in_setup -= 1
+
+    async def _accept(self, conn: socket.socket) -> None:
         conn.setblocking(False)
         admitted: list[int] = []
+        prepared: list[Any] = []
 
         async def prepare(peer: dict[str, Any], binding: Binding) -> Any:
             access = await self._server_prepare(peer, binding)
             admitted.append(int(peer["cluster_id"]))
+            prepared.append(access)
             return access
 
         try:
             with anyio.fail_after(_ACCEPT_HANDSHAKE_S):
                 decoder, peer, access, auth = await server_handshake(self.engine, conn, prepare)
-        except _HANDSHAKE_ERRORS as exc:
-            # Whatever a hostile or broken client sends, it only loses its connection.
-            self.log.info("link.refused", reason=str(exc))
+        except BaseException as exc:
+            # Whatever a hostile or broken client sends, it only loses its connection (and
+            # whatever was prepared for it).
             conn.close()
-            return
+            for a in prepared:
+                if a is not None:
+                    a.close()
+            if isinstance(exc, Exception):
+                self.log.info("link.refused", reason=str(exc) or repr(exc))
+                return
+            raise
         finally:
             for cid in admitted:
                 self._accepting.discard(cid)
@@ -522,14 +590,21 @@ class LinkManager:
                     self.engine, sock, cid, nonce_c, expect
                 )
             exp = self._expect.get(nonces[0])
+            if exp is not None and exp.done:
+                with anyio.move_on_after(_PROOF_S):
+                    await exp.finished.wait()
             access = exp.access if exp is not None else None
             self._require_direct(peer, access)
-        except _HANDSHAKE_ERRORS as exc:  # link_clusters reports, never raises
+        except BaseException as exc:
             if sock is not None:
                 sock.close()
             if nonces and (exp := self._expect.get(nonces[0])) and exp.access is not None:
                 exp.access.close()
             self._linking.pop(cid, None)
+            if not isinstance(exc, Exception):
+                raise  # cancelled: cleaned up, and the caller's scope goes on
+            if not isinstance(exc, _HANDSHAKE_ERRORS):
+                self.log.exception("link.failed", address=f"{ip}:{port}")
             if isinstance(exc, HandshakeFailed) and exc.code == LLMStatusCode.LLM_ALREADY_LINK:
                 # The peer keeps a link it already has, or its own simultaneous one: both do.
                 return await self._adopt(cid, deadline if exc.yielded else 0.0, str(exc))
@@ -699,6 +774,8 @@ class LinkManager:
         if self._uds_scope is not None:
             self._uds_scope.cancel()
             self._uds_scope = None
+        if self._uds_name is not None:
+            forget_side_channel(self._uds_name)
             self._uds_name = None
         for link in list(self.links.values()):
             self.forget(link)
@@ -713,6 +790,8 @@ class _Expect:
         self.sock = sock
         self.done = False
         self.access: Any = None
+        #: set once the exchange that claimed this handshake ended, either way
+        self.finished = anyio.Event()
 
 
 def _bind_listener(address: tuple[str, int], backlog: int, purpose: str) -> socket.socket:

@@ -65,6 +65,7 @@ class MT(enum.IntEnum):
     LINK_ACK = 4  # server -> client: status, identity (+ MAC)
     PROVE = 5  # same-host side channel, server -> client: binding, pools, probe
     PROVE_ACK = 6  # same-host side channel, client -> server: status, pools, probe
+    PROVE_FIN = 7  # same-host side channel, server -> client: pools, probe
     XFER_REQ = 10  # initiator -> target: what to move
     GRANT = 11  # target -> initiator: status and the resolved plan
     DATA = 12  # either way: a chunk of a granted plan's bytes (payload)

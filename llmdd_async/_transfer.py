@@ -129,6 +129,33 @@ def _entry_regions(entry: CacheEntry) -> tuple[np.ndarray, np.ndarray]:
     return starts, starts + _U64(entry.tensor_bytes)
 
 
+def _selected_regions(spec: XferSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted ``(starts, ends)`` of what this request may touch in the initiator's own cache:
+    the blocks or the batch slot it named, in any of its tensors. A grant naming anything
+    else of ours (another block, say) is refused."""
+    e = spec.local
+    local_is_dst = spec.op == "pull"
+    blocks = spec.dst_blocks if local_is_dst else spec.src_blocks
+    local_blocks = spec.shape == "blocks" or (spec.shape == "slot_to_blocks" and local_is_dst)
+    if local_blocks:
+        if blocks is None:
+            return _entry_regions(e)
+        unit = spec.dst_block_bytes if (local_is_dst and spec.dst_block_bytes) else e.stride
+        units = np.unique(np.asarray(blocks, dtype=np.int64))
+    else:
+        unit, units = e.stride, np.array([spec.local_slot], dtype=np.int64)
+    if len(units) == 0 or int(units.min()) < 0:
+        return _entry_regions(e)  # refused by the peer anyway; never widens the check
+    offsets = units.astype(_U64) * _U64(unit)
+    starts = np.unique((e.addrs.astype(_U64)[:, None] + offsets[None, :]).ravel())
+    ends = starts + _U64(unit)
+    # Descriptors coalesce across adjacent blocks (and tensors): so must the regions.
+    brk = np.concatenate(([True], starts[1:] != ends[:-1]))
+    first = np.flatnonzero(brk)
+    last = np.concatenate((first[1:], [len(starts)])) - 1
+    return starts[first], ends[last]
+
+
 # ====================================================================== initiator
 async def initiate(
     engine: Any, link: Link, spec: XferSpec, token: CancelToken, deadline: float | None
@@ -143,7 +170,7 @@ async def initiate(
     """
     req = link.open_pending(deadline)
     req.token = token
-    starts, ends = _entry_regions(spec.local)
+    starts, ends = _selected_regions(spec)
     grant_info: dict[str, Any] = {}
 
     def on_grant(msg: Message) -> None:
@@ -155,7 +182,7 @@ async def initiate(
         if local is None or nbytes is None or len(local) != len(nbytes):
             raise ProtocolError("GRANT without a plan")
         if not check_within(local, nbytes, starts, ends):
-            raise ProtocolError("GRANT points outside the local cache")
+            raise ProtocolError("GRANT points outside what this request selected of our cache")
         grant_info["local"], grant_info["nbytes"] = local, nbytes
         if msg.fields.get("mode") == "stream" and spec.op == "pull":
             # The reader cannot await here; a staging buffer comes from the adapter's cache
@@ -286,7 +313,7 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
         )
         granted = True
         remaining = max(0.0, (req.deadline or 0) - time.monotonic())
-        with anyio.move_on_after(remaining):
+        with anyio.move_on_after(remaining) as budget:
             if mode == "stream" and op == "pull":
                 out = await engine.open_stream(plan.src, plan.nbytes)
                 try:
@@ -303,6 +330,8 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
                 return
             else:
                 await req.done_event.wait()
+        if budget.cancelled_caught:
+            await _out_of_budget(engine, link, req, mode)
     except LinkBroken:
         pass
     except Exception as exc:
@@ -315,10 +344,27 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
         with anyio.CancelScope(shield=True):
             await link.release(req)
         link.serving.pop(req.req_id, None)
+        link.queued_bytes -= req.meta_bytes
         if req.stream is not None:
             req.stream.close()
         for e in pinned:
             registry.unpin(e)
+
+
+async def _out_of_budget(engine: Any, link: Link, req: Serving, mode: str) -> None:
+    """The request ran past what this side grants a peer: tell the initiator now (it would
+    otherwise wait for its own deadline). In local mode it copies straight into our memory,
+    so the caches stay pinned until it says it stopped, or the link goes."""
+    exc = LLMException(
+        f"cluster {engine.cluster_id} stopped serving the request: it ran past its budget",
+        status_code=engine.timeout_code,
+    )
+    await link.abort(req.req_id, exc, flags=FLAG_TO_INITIATOR)
+    if mode == "local":
+        with anyio.move_on_after(engine.stall_timeout_s):
+            await req.done_event.wait()
+        if not req.done_event.is_set():
+            link.fail(TimeoutError("the peer did not stop a timed-out direct copy"))
 
 
 def _resolve_and_plan(
@@ -453,6 +499,19 @@ def _resolve_and_plan(
         )
         j = np.searchsorted(starts, target_side, side="right").astype(np.int64) - 1
         entries = [registry.entries[int(c)] for c in np.unique(ids[j])]
+        for e in entries:
+            raise_if_false(
+                e.remote_accessible,
+                f"cache {e.cache_id} of cluster {engine.cluster_id} is not remote accessible",
+            )
+    # A push writes into our memory: only ever into remote-accessible caches, and by key only
+    # in remote-accessible mode (upstream has no push otherwise; a key grants pulls).
+    if op == "push":
+        raise_if_false(
+            engine.options.remote_accessible or by == "addrs",
+            f"cluster {engine.cluster_id} takes no pushes by key or id outside "
+            "remote-accessible mode",
+        )
         for e in entries:
             raise_if_false(
                 e.remote_accessible,

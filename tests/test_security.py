@@ -529,3 +529,72 @@ async def test_link_failure_reasons_are_kept_per_cluster() -> None:
             code, _ = await d.link_clusters([cluster(1, p.listen_address)], 1000)
             assert code == S.LLM_LINK_FAILED
             assert "cluster 5, not 1" in (d.link_failure(1) or "")
+
+
+async def test_pushes_by_key_outside_remote_accessible_mode_are_refused() -> None:
+    """A key grants pulls: in request/response mode a peer cannot write through it (nor by
+    id into a cache that is not remote accessible)."""
+    from test_hostile_peers import run_spec
+
+    from llmdd_async._transfer import XferSpec
+
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(endpoint_options(listen=True)) as p:
+        private = p.cache_manager.allocate_cache(
+            dd.CacheDesc(1, [1, 256], dd.DataType.DT_UINT8, dd.Placement.HOST),
+            [dd.CacheKey(1, 7)],
+        )
+        private.tensors[0][...] = 9
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+            await link(d, 1, p.listen_address)
+            engine = d._engine
+            mine = d.cache_manager.allocate_cache(dd.CacheDesc(1, [1, 256], dd.DataType.DT_UINT8))
+            mine.tensors[0][...] = 0x41
+            entry = engine.registry.entries[mine.cache_id]
+            for target in (
+                {"by": "req_key", "id": 7, "model_id": 0},
+                {"by": "cache_id", "cache_id": private.cache_id, "index": 0},
+            ):
+                with pytest.raises(dd.LLMException) as err:
+                    await run_spec(
+                        engine, engine.links.get(1), XferSpec("push", target, "slot", entry)
+                    )
+                assert err.value.status_code == S.LLM_PARAM_INVALID
+            assert (private.tensors[0] == 9).all()
+            # ...while the pull that key is for works.
+            await d.cache_manager.pull_cache(dd.CacheKey(1, 7), mine)
+            assert (mine.tensors[0] == 9).all()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+async def test_a_grant_for_other_blocks_of_ours_is_refused(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The initiator checks that a grant writes only the blocks it asked for: a target that
+    shifts our destination by three blocks breaks the link instead."""
+    from llmdd_async import _transfer
+
+    real = _transfer._resolve_and_plan
+
+    def shifted(engine: Any, msg: Message) -> Any:
+        entries, plan, slot_info, mode, n = real(engine, msg)
+        plan = _transfer.Plan(plan.src, plan.dst + np.uint64(3 * 64), plan.nbytes)
+        return entries, plan, slot_info, mode, n
+
+    opts = endpoint_options(transport, listen=True, ra=True)
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        p.cache_manager.allocate_blocks_cache(
+            dd.CacheDesc(1, [8, 64], dd.DataType.DT_UINT8), dd.BlocksCacheKey(1, 0)
+        )
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options(transport, ra=True)
+        ) as d:
+            await link(d, 1, p.listen_address)
+            mine = d.cache_manager.allocate_blocks_cache(
+                dd.CacheDesc(1, [8, 64], dd.DataType.DT_UINT8)
+            )
+            mine.tensors[0][...] = 5
+            monkeypatch.setattr(_transfer, "_resolve_and_plan", shifted)
+            with pytest.raises(dd.LLMException) as err:
+                await d.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), mine, [0], [0])
+            assert err.value.status_code == S.LLM_LINK_FAILED
+            assert (mine.tensors[0] == 5).all()  # block 3 untouched

@@ -36,7 +36,12 @@ __all__ = [
     "SameHostAccess",
     "host_identity",
     "on_same_host",
+    "forget_side_channel",
+    "is_own_side_channel",
     "peer_pid",
+    "peer_process",
+    "side_channel_name",
+    "valid_side_channel_name",
     "pvr_probe",
     "tcp_binding",
 ]
@@ -73,7 +78,9 @@ def host_identity() -> dict[str, Any]:
     }
 
 
-def on_same_host(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def on_same_host(a: Any, b: Any) -> bool:
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
     return (
         bool(a.get("boot_id"))
         and a.get("boot_id") == b.get("boot_id")
@@ -88,6 +95,71 @@ def peer_pid(sock: socket.socket) -> int:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, _uid, _gid = struct.unpack("3i", creds)
     return int(pid)
+
+
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+
+
+def _pidfd_pid(pidfd: int) -> int:
+    for line in _read(f"/proc/self/fdinfo/{pidfd}").splitlines():
+        if line.startswith("Pid:"):
+            return int(line.split()[1])
+    return -1
+
+
+def peer_process(sock: socket.socket) -> tuple[int, int | None]:
+    """``(pid, pidfd)`` of the process at the other end of a connected ``AF_UNIX`` socket.
+
+    ``SO_PEERCRED`` records who called ``connect()`` or ``listen()``, and that process may
+    have exited since (handing the socket on), its pid free for reuse. ``SO_PEERPIDFD``
+    (Linux >= 6.5) names that very process: if it has exited, pid is 0 (nothing to reach).
+    Older kernels give ``(pid, None)``; the caller then opens a pidfd by pid, which leaves a
+    pid-reuse window (README: Security model)."""
+    pid = peer_pid(sock)
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD, struct.calcsize("i"))
+    except OSError:
+        return pid, None
+    (pidfd,) = struct.unpack("i", raw)
+    if _exited(pidfd) or _pidfd_pid(pidfd) != pid:
+        os.close(pidfd)
+        return 0, None
+    return pid, pidfd
+
+
+#: side-channel names of this process's own endpoints (a peer proven to be this very process
+#: must have answered on one of them)
+_OWN_NAMES: set[str] = set()
+
+
+def side_channel_name() -> str:
+    """A fresh abstract socket name of this process, remembered as one of its own."""
+    name = f"llmdd-async/{os.getpid()}/{os.urandom(8).hex()}"
+    _OWN_NAMES.add(name)
+    return name
+
+
+def forget_side_channel(name: str) -> None:
+    _OWN_NAMES.discard(name)
+
+
+def is_own_side_channel(name: str) -> bool:
+    return name in _OWN_NAMES
+
+
+def valid_side_channel_name(name: object) -> bool:
+    """Only names our endpoints make are ever connected to (not any abstract socket a peer
+    names, such as a display server's)."""
+    if not isinstance(name, str):
+        return False
+    parts = name.split("/")
+    return (
+        len(parts) == 3
+        and parts[0] == "llmdd-async"
+        and parts[1].isdigit()
+        and len(parts[2]) == 16
+        and all(c in "0123456789abcdef" for c in parts[2])
+    )
 
 
 def tcp_binding(sock: socket.socket, mirrored: bool = False) -> list[list[Any]]:
@@ -214,12 +286,14 @@ class SameHostAccess:
 
     name = "same-host"
 
-    def __init__(self, pid: int, pools: Any, probe: Any, copy: Any) -> None:
+    def __init__(self, pid: int, pidfd: int | None, pools: Any, probe: Any, copy: Any) -> None:
+        """Takes ownership of ``pidfd`` (None: one is opened by pid, on older kernels)."""
         self.pid = pid
         self._copy = copy  # async (Plan, token) -> int, the device adapter's memmove runner
-        self.pidfd: int | None = None
-        with contextlib.suppress(OSError, AttributeError):
-            self.pidfd = os.pidfd_open(pid)
+        self.pidfd: int | None = pidfd
+        if pidfd is None:
+            with contextlib.suppress(OSError, AttributeError):
+                self.pidfd = os.pidfd_open(pid)
         try:
             addr, token = int(probe[0]), bytes.fromhex(str(probe[1]))
         except (TypeError, ValueError, IndexError):
