@@ -598,3 +598,89 @@ async def test_a_grant_for_other_blocks_of_ours_is_refused(
                 await d.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), mine, [0], [0])
             assert err.value.status_code == S.LLM_LINK_FAILED
             assert (mine.tensors[0] == 5).all()  # block 3 untouched
+
+
+async def test_a_malformed_host_field_only_costs_the_peer_its_link() -> None:
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(
+        endpoint_options("same-host", listen=True)
+    ) as p:
+        s = socket.create_connection(p.listen_address)
+        s.setblocking(False)
+        h = Hostile(s)
+        await h.send(Message(MT.HELLO, 0, {"version": 1, "nonce": new_nonce()}))
+        await h.recv(MT.CHALLENGE)
+        await h.send(Message(MT.LINK_REQ, 0, _identity(9, host="x", uds="llmdd-async/1/zz")))
+        ack = await h.recv(MT.LINK_ACK)
+        assert ack.fields["status"] != 0  # same-host required, nothing provable: refused
+        s.close()
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+            await link(d, 1, p.listen_address)  # the endpoint is fine
+
+    def serve(h: Hostile, peer: dict[str, Any]) -> dict[str, Any]:
+        return _identity(1, host=["not", "a", "dict"])
+
+    serve.after = lambda h: anyio.sleep(0.2)  # type: ignore[attr-defined]
+    async with hostile_server(1, serve) as addr:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options("same-host")
+        ) as d:
+            assert await d.link_clusters([cluster(1, addr)], 2000) == (
+                S.LLM_LINK_FAILED,
+                [S.LLM_LINK_FAILED],
+            )  # a code, not an exception
+
+
+async def test_the_serve_budget_tells_the_initiator_at_once() -> None:
+    """A request that outlives what the target grants a peer (``llm.ServeTimeout``) is
+    aborted there, and the initiator hears it then, not at its own (much later) deadline."""
+    opts = endpoint_options("tcp", listen=True, ra=True, **{"llm.ServeTimeout": "200"})
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, opts) as p:
+        await p.request(
+            "alloc",
+            kind="blocks",
+            num_tensors=1,
+            shape=[4, 64],
+            blocks_key=encode_key(dd.BlocksCacheKey(1, 0)),
+        )
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options("tcp", ra=True, **{"llm.SyncKvCacheWaitTime": "60000"})
+        ) as d:
+            await link(d, 1, p.listen)
+            mine = d.cache_manager.allocate_blocks_cache(
+                dd.CacheDesc(1, [4, 64], dd.DataType.DT_UINT8)
+            )
+            lnk = d._engine.links.get(1)
+
+            async def stall(*args: Any, **kwargs: Any) -> bool:
+                return True  # the initiator "sends" its push data but never does
+
+            lnk.send_stream = stall  # type: ignore[method-assign]
+            task = d.cache_manager.push_blocks(dd.BlocksCacheKey(1, 0), mine, [0], [0])
+            with anyio.fail_after(10):  # far below the 60 s this side would wait
+                with pytest.raises(dd.LLMException) as err:
+                    await task
+            assert err.value.status_code == S.LLM_TIMEOUT
+            assert "budget" in str(err.value)
+
+
+async def test_a_silent_old_link_gives_way_to_the_peer_linking_again() -> None:
+    """A live link is never replaced, but one that does not answer a PING (a peer whose host
+    died, or that restarted behind a half-open connection) does not lock the peer out."""
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(
+        endpoint_options("tcp", listen=True)
+    ) as p:
+        async with PeerProcess.start(dd.LLMRole.DECODER, 2, endpoint_options("tcp")) as old:
+            await old.request("link", cluster_id=1, ip="127.0.0.1", port=p.listen_address[1])
+            with anyio.fail_after(5):
+                while 2 not in p._engine.links.links:
+                    await anyio.sleep(0.01)
+            stale = p._engine.links.links[2]
+            old.pause()  # silent, its connection still open
+            try:
+                async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+                    endpoint_options("tcp")
+                ) as new:
+                    await link(new, 1, p.listen_address)
+                    assert not stale.alive and p._engine.links.links[2] is not stale
+            finally:
+                old.resume()
