@@ -426,11 +426,13 @@ class LinkManager:
     async def _accept_one(self, conn: socket.socket) -> None:
         self._in_setup += 1
         try:
-            await self._accept(conn)
+            link = await self._accept(conn)
         finally:
             self._in_setup -= 1
+        if link is not None:
+            await link.run_reader()
 
-    async def _accept(self, conn: socket.socket) -> None:
+    async def _accept(self, conn: socket.socket) -> Link | None:
         conn.setblocking(False)
         admitted: list[int] = []
         prepared: list[Any] = []
@@ -453,14 +455,13 @@ class LinkManager:
                     a.close()
             if isinstance(exc, Exception):
                 self.log.info("link.refused", reason=str(exc) or repr(exc))
-                return
+                return None
             raise
         finally:
             for cid in admitted:
                 self._accepting.discard(cid)
                 self._changed()
-        link = self._register(conn, decoder, peer, access, auth, outbound=False)
-        await link.run_reader()
+        return self._register(conn, decoder, peer, access, auth, outbound=False)
 
     def _register(
         self,

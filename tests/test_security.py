@@ -684,3 +684,23 @@ async def test_a_silent_old_link_gives_way_to_the_peer_linking_again() -> None:
                     assert not stale.alive and p._engine.links.links[2] is not stale
             finally:
                 old.resume()
+
+
+async def test_established_links_do_not_count_against_the_handshake_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only connections still in their handshake are capped (a flood of half-open
+    handshakes); links that are up do not use that allowance."""
+    from llmdd_async import _links
+
+    monkeypatch.setattr(_links, "_MAX_IN_SETUP", 3)
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(endpoint_options(listen=True)) as p:
+        async with (
+            dd.LLMDataDist(dd.LLMRole.DECODER, 20).running(endpoint_options("tcp")) as a,
+            dd.LLMDataDist(dd.LLMRole.DECODER, 21).running(endpoint_options("tcp")) as b,
+            dd.LLMDataDist(dd.LLMRole.DECODER, 22).running(endpoint_options("tcp")) as c,
+            dd.LLMDataDist(dd.LLMRole.DECODER, 23).running(endpoint_options("tcp")) as e,
+        ):
+            for d in (a, b, c, e):
+                await link(d, 1, p.listen_address)  # the 4th is refused if up links counted
+            assert sum(lnk.alive for lnk in p._engine.links.links.values()) == 4
