@@ -221,6 +221,7 @@ class CacheManager:
             keepalive=[r[1] for r in resolved],
         )
         engine.registry.add(entry)
+        engine.prefault(entry.addrs, nbytes)
 
         def raw(i: int) -> np.ndarray:
             keep = resolved[i][1]
@@ -342,6 +343,7 @@ class CacheManager:
         except BaseException:
             pool.free(alloc)
             raise
+        engine.prefault(entry.addrs, nbytes)
 
         def raw(i: int) -> np.ndarray:
             return pool.view(alloc, i * per_tensor, nbytes)

@@ -60,6 +60,8 @@ class Engine:
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._thread: int | None = None
         self.closed = False
+        #: caches whose pages are being faulted in, by first tensor address
+        self._populating: dict[int, anyio.Event] = {}
         #: scratch buffers borrowed by links that must discard incoming bytes
         self.scratch = ScratchPool()
         #: set by ``link()`` (comm-domain links): later registrations default to not accessible.
@@ -143,6 +145,35 @@ class Engine:
         if self.options.limits.serve_timeout_s:
             return self.options.limits.serve_timeout_s
         return self.sync_kv_timeout_s * max(1, (tensors + 1) // 2)
+
+    def prefault(self, addrs: Any, nbytes: int) -> None:
+        """Fault a newly registered or allocated cache's host pages in, in a worker thread, so
+        that its first transfer does not pay page faults (device memory is left alone)."""
+        if not self.host_reachable(addrs) or self._tg is None:
+            return
+        from ._memory import populate
+
+        ready = anyio.Event()
+        key = int(addrs[0])
+        self._populating[key] = ready
+
+        async def job() -> None:
+            try:
+                done = await anyio.to_thread.run_sync(populate, addrs, nbytes)
+                self.log.debug("cache.populated", bytes=done)
+            finally:
+                ready.set()
+                if self._populating.get(key) is ready:
+                    del self._populating[key]
+
+        self.spawn(job)
+
+    async def populated(self, addrs: Any) -> None:
+        """Wait until the pages of the cache at ``addrs`` are faulted in (a transfer started
+        right after registration then does not fight the population for them)."""
+        ready = self._populating.get(int(addrs[0])) if len(addrs) else None
+        if ready is not None:
+            await ready.wait()
 
     def published_table(self) -> dict[str, Any]:
         """This endpoint's cache table, as a peer snapshots it (remote-accessible mode)."""

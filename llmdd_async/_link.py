@@ -505,10 +505,12 @@ class Link:
 
     async def responsive(self, timeout_s: float) -> bool:
         """True if the peer answers a PING within ``timeout_s`` (a half-open link does not)."""
-        try:
-            return await self.roundtrip(Message(MT.PING), MT.PONG, timeout_s) is not None
-        except LLMException:
-            return False
+        with anyio.move_on_after(timeout_s):
+            try:
+                return await self.roundtrip(Message(MT.PING), MT.PONG, timeout_s) is not None
+            except LLMException:
+                return False
+        return False
 
     async def fetch_table(self, timeout_s: float) -> dict[str, Any]:
         """The peer's published cache table, snapshotted on first use for the link's life.

@@ -56,6 +56,9 @@ _PROOF_S = 5.0
 _PARALLEL_LINKS = 16
 #: handshakes and side-channel exchanges in progress at once; more connections are closed
 _MAX_IN_SETUP = 128
+#: how long an existing link may take to answer a PING before a peer linking again with its
+#: cluster id replaces it (a half-open connection); a live peer answers in milliseconds
+_HALF_OPEN_S = 3.0
 #: what a failed connect or handshake may raise: the peer's doing, reported, never raised
 _HANDSHAKE_ERRORS = (
     HandshakeFailed,
@@ -87,8 +90,10 @@ class LinkManager:
         self._uds_scope: anyio.CancelScope | None = None
         #: peers that unlinked us since: our own unlink_clusters of them succeeds
         self._unlinked_by_peer: set[int] = set()
-        #: connections in their handshake or side-channel exchange right now
+        #: connections in their handshake right now; side-channel exchanges right now (each
+        #: capped by ``_MAX_IN_SETUP`` on its own, so one kind of flood cannot starve the other)
         self._in_setup = 0
+        self._proving = 0
         #: the last reason a link to each cluster failed (``LLMDataDist.link_failure``)
         self.failures: dict[int, str] = {}
         self._listen_scope: anyio.CancelScope | None = None
@@ -188,9 +193,9 @@ class LinkManager:
         """
         cid = int(peer["cluster_id"])
         existing = self.links.get(cid)
-        if existing is not None and existing.alive and not await existing.responsive(1.0):
+        if existing is not None and existing.alive and not await existing.responsive(_HALF_OPEN_S):
             # The peer restarted (or its host died) and our link is half-open: one that does
-            # not answer a PING within a second is dead, and may be replaced.
+            # not answer a PING within a few seconds is dead, and may be replaced.
             existing.fail(TimeoutError("no answer to a PING while the peer linked again"))
         self._admit(cid, binding.nonces[0])
         self._accepting.add(cid)
@@ -259,8 +264,10 @@ class LinkManager:
             ack = await recv_message(u, Decoder(16 << 20), MT.PROVE_ACK)
             if ack.fields.get("status") != 0:
                 return None
-            await send_message(u, Message(MT.PROVE_FIN, 0, self._proof()))
-            access = self._access_for(pid, pidfd, ack.fields, is_own_side_channel(name))
+            own = is_own_side_channel(name)
+            usable = pid > 0 and (pid != os.getpid() or own)
+            await send_message(u, Message(MT.PROVE_FIN, 0, self._proof() if usable else {}))
+            access = self._access_for(pid, pidfd, ack.fields, own)
             pidfd = None  # taken
             return access
         finally:
@@ -273,7 +280,7 @@ class LinkManager:
         in progress, from the other end of that very TCP connection."""
         pidfd: int | None = None
         claimed: _Expect | None = None
-        self._in_setup += 1
+        self._proving += 1
         try:
             with anyio.fail_after(_PROOF_S):
                 # The connecting process is alive (it called connect() just now) and, if it
@@ -294,14 +301,22 @@ class LinkManager:
                 ):
                     await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 1}))
                     return
+                if pid <= 0:  # nothing the kernel vouches for: describe nothing
+                    await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 1}))
+                    return
                 exp.done = True
                 claimed = exp
                 await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 0, **self._proof()}))
                 # (the server's LINK_ACK may overtake what follows: the handshake waits for
                 # ``finished``)
                 fin = await recv_message(conn, decoder, MT.PROVE_FIN)
-                exp.access = self._access_for(pid, pidfd, fin.fields, True)
+                access = self._access_for(pid, pidfd, fin.fields, True)
                 pidfd = None  # taken
+                if exp.abandoned:
+                    if access is not None:
+                        access.close()
+                else:
+                    exp.access = access
         except (OSError, EOFError, ProtocolError, TimeoutError, ValueError, TypeError) as exc:
             self.log.info("side_channel.refused", reason=str(exc))
         finally:
@@ -310,7 +325,7 @@ class LinkManager:
                 os.close(pidfd)
             if claimed is not None:
                 claimed.finished.set()
-            self._in_setup -= 1
+            self._proving -= 1
 
     async def _side_channel_loop(self, usock: socket.socket, scope: anyio.CancelScope) -> None:
         try:
@@ -326,7 +341,7 @@ class LinkManager:
                         await anyio.sleep(0.1)
                         continue
                     conn.setblocking(False)
-                    if self._in_setup >= _MAX_IN_SETUP:
+                    if self._proving >= _MAX_IN_SETUP:
                         conn.close()  # a connection flood: nothing is held for it
                         continue
                     self.engine.spawn(self._serve_proof, conn)
@@ -453,8 +468,11 @@ class LinkManager:
             for a in prepared:
                 if a is not None:
                     a.close()
-            if isinstance(exc, Exception):
+            if isinstance(exc, _HANDSHAKE_ERRORS):
                 self.log.info("link.refused", reason=str(exc) or repr(exc))
+                return None
+            if isinstance(exc, Exception):
+                self.log.exception("link.refused", reason=repr(exc))  # a bug: keep the trace
                 return None
             raise
         finally:
@@ -592,7 +610,7 @@ class LinkManager:
                 )
             exp = self._expect.get(nonces[0])
             if exp is not None and exp.done:
-                with anyio.move_on_after(_PROOF_S):
+                with anyio.move_on_after(min(_PROOF_S, deadline - anyio.current_time())):
                     await exp.finished.wait()
             access = exp.access if exp is not None else None
             self._require_direct(peer, access)
@@ -616,7 +634,9 @@ class LinkManager:
         finally:
             self._linking.pop(cid, None)
             for n in nonces:
-                self._expect.pop(n, None)
+                gone = self._expect.pop(n, None)
+                if gone is not None:
+                    gone.abandoned = True
         link = self._register(sock, decoder, peer, access, auth, outbound=True)
         self.engine.spawn(link.run_reader)
         return LLMStatusCode.LLM_SUCCESS
@@ -793,6 +813,8 @@ class _Expect:
         self.access: Any = None
         #: set once the exchange that claimed this handshake ended, either way
         self.finished = anyio.Event()
+        #: the handshake is over: an access the exchange makes now has nobody to take it
+        self.abandoned = False
 
 
 def _bind_listener(address: tuple[str, int], backlog: int, purpose: str) -> socket.socket:

@@ -471,3 +471,34 @@ async def test_calls_from_another_thread_are_refused(datadist) -> None:
     cm = datadist.cache_manager
     with pytest.raises(RuntimeError, match="event loop thread"):
         await anyio.to_thread.run_sync(cm.allocate_cache, desc())
+
+
+def _rss() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    return 0
+
+
+@pytest.mark.anyio
+async def test_registration_faults_pages_in_off_the_loop_without_changing_them(
+    datadist: dd.LLMDataDist,
+) -> None:
+    """As an RDMA engine pins at registration: the first transfer into fresh memory must not
+    pay its page faults. The pages come in from a worker thread; no byte changes."""
+    import mmap
+
+    size = 32 << 20
+    fresh = [np.frombuffer(mmap.mmap(-1, size), np.uint8) for _ in range(2)]  # untouched
+    filled = np.frombuffer(mmap.mmap(-1, 1 << 20), np.uint8)
+    filled[:] = np.arange(1 << 20) % 251
+    before = _rss()
+    cm = datadist.cache_manager
+    c = cm.register_cache(dd.CacheDesc(2, [1, size], dd.DataType.DT_UINT8), fresh)
+    k = cm.register_cache(dd.CacheDesc(1, [1, 1 << 20], dd.DataType.DT_UINT8), [filled])
+    engine = datadist._engine
+    await engine.populated(engine.registry.entries[c.cache_id].addrs)
+    await engine.populated(engine.registry.entries[k.cache_id].addrs)
+    assert _rss() - before >= size  # at least one of the two arrays' pages are resident...
+    assert (filled == np.arange(1 << 20) % 251).all()  # ...and nothing was overwritten
+    assert not fresh[0].any() and not fresh[1].any()

@@ -680,7 +680,7 @@ async def test_a_silent_old_link_gives_way_to_the_peer_linking_again() -> None:
                 async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
                     endpoint_options("tcp")
                 ) as new:
-                    await link(new, 1, p.listen_address)
+                    await link(new, 1, p.listen_address, timeout=10000)
                     assert not stale.alive and p._engine.links.links[2] is not stale
             finally:
                 old.resume()
@@ -704,3 +704,36 @@ async def test_established_links_do_not_count_against_the_handshake_cap(
             for d in (a, b, c, e):
                 await link(d, 1, p.listen_address)  # the 4th is refused if up links counted
             assert sum(lnk.alive for lnk in p._engine.links.links.values()) == 4
+
+
+def _pidfds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+    return n
+
+
+async def test_a_failed_link_leaves_no_side_channel_access_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server's last side-channel message may arrive after the link already failed (here:
+    the endpoint there is another cluster id); what it carries is dropped, not leaked."""
+    from llmdd_async import _links
+
+    real = _links.recv_message
+
+    async def late(sock: socket.socket, decoder: Decoder, expect: MT) -> Message:
+        if expect == MT.PROVE_FIN:
+            await anyio.sleep(0.3)
+        return await real(sock, decoder, expect)
+
+    monkeypatch.setattr(_links, "recv_message", late)
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, endpoint_options(listen=True)) as p:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
+            before = _pidfds()
+            for _ in range(3):
+                code, _ = await d.link_clusters([cluster(9, p.listen)], 2000)
+                assert code == S.LLM_LINK_FAILED  # the endpoint there is cluster 1
+            await anyio.sleep(0.6)
+            assert _pidfds() == before
