@@ -474,9 +474,10 @@ async def test_calls_from_another_thread_are_refused(datadist) -> None:
 
 
 def _rss() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) << 10
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
     return 0
 
 
