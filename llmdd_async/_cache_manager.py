@@ -651,7 +651,7 @@ class CacheManager:
                     table = await link.fetch_table(timeout)
                     spec.target = _resolve_in_table(table, spec.target, link.peer_cluster_id)
                     ctl.set_deadline(None)
-                async with link.transfer_lock:
+                async with link.transfer_lock.hold(exclusive=False):
                     # The deadline runs from when the link is ours, not while queueing.
                     ctl.set_deadline(timeout * steps)
                     link.check_alive()

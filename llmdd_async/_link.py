@@ -25,6 +25,7 @@ from ._enums import LLMStatusCode
 from ._errors import LLMException, status_from_exception
 from ._log import get_logger
 from ._memory import CancelToken, CopyCancelled
+from ._phase_lock import PhaseLock
 from ._planner import check_within
 from ._protocol import (
     MT,
@@ -207,8 +208,9 @@ class Link:
         )
         # fast_acquire: an uncontended lock costs no trip through the event loop.
         self.send_lock = anyio.Lock(fast_acquire=True)
-        #: FIFO lock that keeps this side's transfers on the link from interleaving.
-        self.transfer_lock = anyio.Lock(fast_acquire=True)
+        #: pulls and pushes share the link (exclusive=False); each layer of a layer-wise
+        #: transfer has it alone (exclusive=True); FIFO between the two
+        self.transfer_lock = PhaseLock()
         self.pending: dict[int, Pending] = {}
         self.serving: dict[int, Serving] = {}
         self._ids = itertools.count(1)

@@ -1,8 +1,9 @@
 """The layer-wise scheduler behind ``transfer_cache_async``.
 
 One producer awaits the synchronizer for layer ``i`` and hands the layer to every destination
-whose range holds it; each destination sends its layers in order, one request per layer, under
-its link's FIFO lock, while the producer already awaits layer ``i + 1``. A bounded channel per
+whose range holds it; each destination sends its layers in order, one request per layer,
+holding its link's phase lock alone (FIFO with pulls and pushes, which share it), while the
+producer already awaits layer ``i + 1``. A bounded channel per
 destination (the *window*) stops the producer from running more than ``window`` layers ahead
 of the slowest destination, which keeps staging memory flat. Different destinations (links)
 move in parallel.
@@ -109,7 +110,7 @@ async def run_layerwise(
                 ctl.start_slot(d.slot)
                 spec = d.make_spec(layer)
                 try:
-                    async with d.link.transfer_lock:
+                    async with d.link.transfer_lock.hold(exclusive=True):
                         # Each layer's budget starts once the link is ours (upstream: one
                         # engine call per layer, each bounded by sync_kv_timeout).
                         deadline = time.monotonic() + timeout_s

@@ -451,12 +451,13 @@ async def test_pulls_and_layerwise_on_one_link_never_interleave_and_queue_fifo()
         for dst in local:
             for t in range(4):
                 assert np.array_equal(dst.tensors[t][:32], expected_tensor(66, t, shape)[:32])
-        recent = prompt.link_statistics(2).recent[before:]
-        # FIFO: layer 0 right after the first pull, then the pulls in call order, then layer 1
-        # (which asked only once layer 0 had landed).
+        recent = sorted(prompt.link_statistics(2).recent[before:], key=lambda r: r.started)
+        # FIFO: layer 0 right after the first pull, then the two later pulls (side by side),
+        # then layer 1 (which asked only once layer 0 had landed).
         assert [r.op for r in recent] == ["pull", "push", "pull", "pull", "push"]
         for a, b in itertools.pairwise(recent):
-            assert b.started >= a.finished  # one transfer at a time on the link
+            if "push" in (a.op, b.op):
+                assert b.started >= a.finished  # a layer has the link to itself
 
 
 async def test_two_links_proceed_independently() -> None:
