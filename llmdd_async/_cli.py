@@ -20,9 +20,20 @@ def main(argv: list[str] | None = None) -> int:
             help="disaggregated prefill/decode of a small transformer, verified end to end",
         )
     )
+    from .bench.runner import build_parser as bench_parser
+    from .bench.runner import run as bench_run
+
+    bench_parser(
+        sub.add_parser(
+            "bench",
+            help="pull/push latency and throughput against a real peer, with machine limits",
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run(args)
+    if args.command == "bench":
+        return bench_run(args)
     return 2
 
 

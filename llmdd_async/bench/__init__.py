@@ -1,0 +1,1 @@
+"""``llmdd-async bench``: asyncio benchmarks of a real peer, with the machine's limits."""
