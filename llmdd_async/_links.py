@@ -9,7 +9,7 @@ import json
 import os
 import socket
 import zlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -327,27 +327,6 @@ class LinkManager:
                 claimed.finished.set()
             self._proving -= 1
 
-    async def _side_channel_loop(self, usock: socket.socket, scope: anyio.CancelScope) -> None:
-        try:
-            with scope:
-                while True:
-                    await anyio.wait_readable(usock)
-                    try:
-                        conn, _ = usock.accept()
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    except OSError as exc:
-                        self.log.warning("side_channel.accept_failed", error=str(exc))
-                        await anyio.sleep(0.1)
-                        continue
-                    conn.setblocking(False)
-                    if self._proving >= _MAX_IN_SETUP:
-                        conn.close()  # a connection flood: nothing is held for it
-                        continue
-                    self.engine.spawn(self._serve_proof, conn)
-        finally:
-            usock.close()
-
     async def start(self) -> None:
         """Open the same-host side channel (an abstract ``AF_UNIX`` socket: no file, gone
         with the process) when this endpoint may move bytes directly."""
@@ -366,7 +345,14 @@ class LinkManager:
             return
         self._uds, self._uds_name = usock, name
         self._uds_scope = anyio.CancelScope()
-        self.engine.spawn(self._side_channel_loop, usock, self._uds_scope)
+        self.engine.spawn(
+            self._accept_loop,
+            usock,
+            self._uds_scope,
+            None,
+            self._serve_proof,
+            lambda: self._proving >= _MAX_IN_SETUP,
+        )
 
     def reachable_by_peer(self, caps: Any, ranges: np.ndarray, nbytes: np.ndarray) -> bool:
         """Can the initiator that sent ``caps`` copy these ranges of ours directly? Only
@@ -400,7 +386,9 @@ class LinkManager:
         scope = anyio.CancelScope()
         self._listen_scope = scope
         self._listen_closed = closed = anyio.Event()
-        self.engine.spawn(self._accept_loop, lsock, scope, closed)
+        self.engine.spawn(
+            self._accept_loop, lsock, scope, closed, self._accept_one, self._handshakes_full
+        )
         self.log.info("listen.up", address=f"{self.listen_address[0]}:{self.listen_address[1]}")
 
     async def stop_listening(self) -> None:
@@ -414,8 +402,16 @@ class LinkManager:
         self.listen_address = None
 
     async def _accept_loop(
-        self, lsock: socket.socket, scope: anyio.CancelScope, closed: anyio.Event
+        self,
+        lsock: socket.socket,
+        scope: anyio.CancelScope,
+        closed: anyio.Event | None,
+        handle: Callable[[socket.socket], Awaitable[None]],
+        full: Callable[[], bool],
     ) -> None:
+        """Accept on ``lsock`` (TCP listener or side channel) until ``scope`` is cancelled;
+        each connection goes to ``handle`` in a task of its own, unless ``full()`` (a flood:
+        nothing is held for it)."""
         try:
             with scope:
                 while True:
@@ -430,13 +426,18 @@ class LinkManager:
                             await anyio.sleep(0.1)
                             continue
                         raise
-                    if self._in_setup >= _MAX_IN_SETUP:
-                        conn.close()  # a connection flood: nothing is held for it
+                    conn.setblocking(False)
+                    if full():
+                        conn.close()
                         continue
-                    self.engine.spawn(self._accept_one, conn)
+                    self.engine.spawn(handle, conn)
         finally:
             lsock.close()
-            closed.set()
+            if closed is not None:
+                closed.set()
+
+    def _handshakes_full(self) -> bool:
+        return self._in_setup >= _MAX_IN_SETUP
 
     async def _accept_one(self, conn: socket.socket) -> None:
         self._in_setup += 1
@@ -448,7 +449,6 @@ class LinkManager:
             await link.run_reader()
 
     async def _accept(self, conn: socket.socket) -> Link | None:
-        conn.setblocking(False)
         admitted: list[int] = []
         prepared: list[Any] = []
 
@@ -771,7 +771,9 @@ class LinkManager:
         """A temporary listener (for a comm domain's lower ranks)."""
         lsock = _bind_listener(address, 16, " for the comm domain")
         scope, closed = anyio.CancelScope(), anyio.Event()
-        self.engine.spawn(self._accept_loop, lsock, scope, closed)
+        self.engine.spawn(
+            self._accept_loop, lsock, scope, closed, self._accept_one, self._handshakes_full
+        )
         return scope, closed
 
     def comm_status(self, comm_id: int) -> RegisterMemStatus:

@@ -64,3 +64,136 @@ def expected_tensor(seed: int, tensor: int, shape: tuple[int, ...]) -> Any:
     from llmdd_async.testing import pattern
 
     return pattern(seed + tensor, math.prod(shape)).reshape(shape)
+
+
+class RawPeer:
+    """A hostile peer speaking the wire protocol frame by frame over a real socket: the test
+    decides what it sends and whether it ever reads."""
+
+    def __init__(self, sock: Any) -> None:
+        from llmdd_async._protocol import Decoder
+
+        self.sock = sock
+        self.decoder = Decoder()
+
+    async def send(self, msg: Any) -> None:
+        from llmdd_async._protocol import encode
+
+        await self.send_bytes(encode(msg))
+
+    async def send_bytes(self, data: bytes) -> None:
+        import socket
+
+        import anyio
+
+        view = memoryview(data)
+        while view:
+            try:
+                n = self.sock.send(view, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                await anyio.wait_writable(self.sock)
+                continue
+            view = view[n:]
+
+    async def frame(self) -> Any:
+        """The next frame; payload bytes (DATA) are read and dropped.
+
+        Raises:
+            EOFError / OSError: the endpoint closed the connection.
+        """
+        import socket
+
+        import anyio
+
+        from llmdd_async._protocol import NEED_DATA, Message
+
+        buf = bytearray(1 << 16)
+        while True:
+            ev = self.decoder.next_event()
+            if isinstance(ev, Message):
+                return ev
+            if ev is not NEED_DATA:  # buffered payload bytes: dropped
+                continue
+            try:
+                n = self.sock.recv_into(buf, len(buf), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+                continue
+            if not n:
+                raise EOFError
+            self.decoder.receive_data(memoryview(buf)[:n])
+
+    async def recv(self, expect: Any) -> Any:
+        """The next frame, which must be of type ``expect``."""
+        msg = await self.frame()
+        assert msg.type == expect, (msg.type, msg.fields)
+        return msg
+
+    async def closed_by_peer(self, timeout_s: float = 10) -> bool:
+        """Read (and drop) frames until the endpoint hangs up; False if it did not in time."""
+        import anyio
+
+        with anyio.move_on_after(timeout_s):
+            try:
+                while True:
+                    await self.frame()
+            except (EOFError, OSError):
+                return True
+        return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def peer_identity(cluster_id: int, **fields: Any) -> dict[str, Any]:
+    """What a hand-made peer says about itself in the handshake (a decoder, TCP only, no side
+    channel: nothing about it can be proven), with ``fields`` overriding."""
+    import llmdd_async as dd
+    from llmdd_async._transports.same_host import host_identity
+
+    return {
+        "cluster_id": cluster_id,
+        "role": int(dd.LLMRole.DECODER),
+        "remote_accessible": False,
+        "host": host_identity(),
+        "transport": "tcp",
+        "uds": None,
+        **fields,
+    }
+
+
+async def raw_link(
+    address: tuple[str, int], cluster_id: int, rcvbuf: int = 0, **fields: Any
+) -> RawPeer:
+    """Connect and complete the (unkeyed) handshake as ``cluster_id``; asserts it is accepted."""
+    import contextlib
+    import os
+    import socket
+
+    import anyio
+
+    from llmdd_async._handshake import new_nonce
+    from llmdd_async._protocol import MT, Message
+
+    s = socket.socket()
+    if rcvbuf:  # a small window: a peer that never reads stalls the sender sooner
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        s.connect(address)
+    await anyio.wait_writable(s)
+    err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        s.close()
+        raise OSError(err, os.strerror(err))
+    peer = RawPeer(s)
+    try:
+        await peer.send(Message(MT.HELLO, 0, {"version": 1, "nonce": new_nonce()}))
+        await peer.recv(MT.CHALLENGE)
+        await peer.send(Message(MT.LINK_REQ, 0, peer_identity(cluster_id, **fields)))
+        ack = await peer.recv(MT.LINK_ACK)
+        assert ack.fields["status"] == 0, ack.fields
+    except BaseException:
+        s.close()
+        raise
+    return peer

@@ -15,12 +15,11 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from helpers import cluster, endpoint_options, link
+from helpers import RawPeer, cluster, endpoint_options, link, peer_identity
 
 import llmdd_async as dd
 from llmdd_async._handshake import new_nonce, recv_message, send_message
 from llmdd_async._protocol import MT, Decoder, Message, encode
-from llmdd_async._transports.same_host import host_identity
 from llmdd_async.testing import PeerProcess, encode_key
 
 pytestmark = pytest.mark.anyio
@@ -29,51 +28,14 @@ S = dd.LLMStatusCode
 
 
 # ---------------------------------------------------------------------------- a hostile peer
-class Hostile:
-    """A raw protocol peer: this test decides every byte it sends."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.decoder = Decoder()
-
-    async def send(self, msg: Message) -> None:
-        await send_message(self.sock, msg)
-
-    async def recv(self, expect: MT) -> Message:
-        return await recv_message(self.sock, self.decoder, expect)
-
-    async def next_frame(self) -> Message:
-        """The next frame of any type (no payload expected)."""
-        buf = bytearray(1 << 16)
-        while True:
-            ev = self.decoder.next_event()
-            if isinstance(ev, Message):
-                return ev
-            try:
-                n = self.sock.recv_into(buf, len(buf), socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                await anyio.wait_readable(self.sock)
-                continue
-            if not n:
-                raise EOFError
-            self.decoder.receive_data(memoryview(buf)[:n])
-
-
-def _identity(cluster_id: int, **extra: Any) -> dict[str, Any]:
-    return {
-        "cluster_id": cluster_id,
-        "role": int(dd.LLMRole.PROMPT),
-        "remote_accessible": False,
-        "host": host_identity(),
-        "transport": "auto",
-        "uds": None,
-        **extra,
-    }
+def _server_identity(cluster_id: int, **fields: Any) -> dict[str, Any]:
+    """What a hand-made prompt endpoint (the server of a link) says about itself."""
+    return peer_identity(cluster_id, role=int(dd.LLMRole.PROMPT), **fields)
 
 
 @asynccontextmanager
 async def hostile_server(
-    cluster_id: int, serve: Callable[[Hostile, dict[str, Any]], Any]
+    cluster_id: int, serve: Callable[[RawPeer, dict[str, Any]], Any]
 ) -> AsyncIterator[tuple[str, int]]:
     """A listener that answers one handshake as ``cluster_id`` (identity from ``serve``'s
     first call), then hands the connection to ``serve``."""
@@ -86,7 +48,7 @@ async def hostile_server(
         await anyio.wait_readable(lsock)
         conn, _ = lsock.accept()
         conn.setblocking(False)
-        h = Hostile(conn)
+        h = RawPeer(conn)
         hello = await h.recv(MT.HELLO)
         await h.send(Message(MT.CHALLENGE, 0, {"nonce": new_nonce(), "auth": False}))
         req = await h.recv(MT.LINK_REQ)
@@ -115,10 +77,10 @@ async def test_a_peer_cannot_make_us_write_our_own_memory_with_a_lying_identity(
     secret = np.full(4096, 0x5A, dtype=np.uint8)  # never registered anywhere
     victim_addr = secret.ctypes.data
 
-    def serve(h: Hostile, peer: dict[str, Any]) -> dict[str, Any]:
+    def serve(h: RawPeer, peer: dict[str, Any]) -> dict[str, Any]:
         # What the old handshake trusted: pid, pools and probe, all taken from the message.
         probe = peer.get("probe") or [0, ""]
-        return _identity(
+        return _server_identity(
             1,
             host={**peer["host"], "pid": os.getpid() + 2**32},
             probe=probe,
@@ -126,9 +88,9 @@ async def test_a_peer_cannot_make_us_write_our_own_memory_with_a_lying_identity(
             inproc="0" * 64,
         )
 
-    async def after(h: Hostile) -> None:
+    async def after(h: RawPeer) -> None:
         while True:
-            msg = await h.next_frame()
+            msg = await h.frame()
             if msg.type == MT.TABLE_REQ:  # a table that makes the push go ahead
                 cache = {
                     "cache_id": 1,
@@ -184,10 +146,10 @@ async def test_a_relayed_side_channel_is_refused() -> None:
         own = d._engine.links._uds_name
         assert own
 
-        def serve(h: Hostile, peer: dict[str, Any]) -> dict[str, Any]:
-            return _identity(1)
+        def serve(h: RawPeer, peer: dict[str, Any]) -> dict[str, Any]:
+            return _server_identity(1)
 
-        async def after(h: Hostile) -> None:
+        async def after(h: RawPeer) -> None:
             # Pretend to be the server proving itself, but for a connection that is not ours.
             u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             u.setblocking(False)
@@ -421,11 +383,11 @@ async def test_a_request_flood_is_refused_busy_and_pings_are_backpressured() -> 
     ) as p:
         s = socket.create_connection(p.listen_address)
         s.setblocking(False)
-        h = Hostile(s)
+        h = RawPeer(s)
         nonce = new_nonce()
         await h.send(Message(MT.HELLO, 0, {"version": 1, "nonce": nonce}))
         await h.recv(MT.CHALLENGE)
-        await h.send(Message(MT.LINK_REQ, 0, _identity(66, role=int(dd.LLMRole.DECODER))))
+        await h.send(Message(MT.LINK_REQ, 0, peer_identity(66)))
         ack = await h.recv(MT.LINK_ACK)
         assert ack.fields["status"] == 0
         chunk = encode(Message(MT.PING)) * 4096
@@ -606,18 +568,18 @@ async def test_a_malformed_host_field_only_costs_the_peer_its_link() -> None:
     ) as p:
         s = socket.create_connection(p.listen_address)
         s.setblocking(False)
-        h = Hostile(s)
+        h = RawPeer(s)
         await h.send(Message(MT.HELLO, 0, {"version": 1, "nonce": new_nonce()}))
         await h.recv(MT.CHALLENGE)
-        await h.send(Message(MT.LINK_REQ, 0, _identity(9, host="x", uds="llmdd-async/1/zz")))
+        await h.send(Message(MT.LINK_REQ, 0, peer_identity(9, host="x", uds="llmdd-async/1/zz")))
         ack = await h.recv(MT.LINK_ACK)
         assert ack.fields["status"] != 0  # same-host required, nothing provable: refused
         s.close()
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:
             await link(d, 1, p.listen_address)  # the endpoint is fine
 
-    def serve(h: Hostile, peer: dict[str, Any]) -> dict[str, Any]:
-        return _identity(1, host=["not", "a", "dict"])
+    def serve(h: RawPeer, peer: dict[str, Any]) -> dict[str, Any]:
+        return _server_identity(1, host=["not", "a", "dict"])
 
     serve.after = lambda h: anyio.sleep(0.2)  # type: ignore[attr-defined]
     async with hostile_server(1, serve) as addr:

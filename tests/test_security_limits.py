@@ -20,15 +20,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import helpers
 import numpy as np
 import pytest
-from helpers import cluster, endpoint_options, link
+from helpers import RawPeer, cluster, endpoint_options, link
 
 import llmdd_async as dd
-from llmdd_async._handshake import new_nonce
 from llmdd_async._link import wire_status
-from llmdd_async._protocol import MT, NEED_DATA, Decoder, Message, encode
-from llmdd_async._transports.same_host import host_identity
+from llmdd_async._protocol import MT, Message, encode
 from llmdd_async.testing import PeerProcess
 
 pytestmark = pytest.mark.anyio
@@ -38,98 +37,10 @@ MiB = 1 << 20
 
 
 # ---------------------------------------------------------------------------- a raw peer
-class Raw:
-    """A peer speaking the protocol byte by byte: this test decides what it sends and whether
-    it ever reads."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.decoder = Decoder()
-
-    async def send(self, msg: Message) -> None:
-        await self.send_bytes(encode(msg))
-
-    async def send_bytes(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                n = self.sock.send(view, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                await anyio.wait_writable(self.sock)
-                continue
-            view = view[n:]
-
-    async def frame(self) -> Message:
-        """The next frame; payload bytes (DATA) are read and dropped.
-
-        Raises:
-            EOFError / OSError: the endpoint closed the connection.
-        """
-        buf = bytearray(1 << 16)
-        while True:
-            ev = self.decoder.next_event()
-            if isinstance(ev, Message):
-                return ev
-            if ev is not NEED_DATA:  # buffered payload bytes: dropped
-                continue
-            try:
-                n = self.sock.recv_into(buf, len(buf), socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                await anyio.wait_readable(self.sock)
-                continue
-            if not n:
-                raise EOFError
-            self.decoder.receive_data(memoryview(buf)[:n])
-
-    async def closed_by_peer(self, timeout_s: float = 10) -> bool:
-        """Read (and drop) frames until the endpoint hangs up; False if it did not in time."""
-        with anyio.move_on_after(timeout_s):
-            try:
-                while True:
-                    await self.frame()
-            except (EOFError, OSError):
-                return True
-        return False
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _identity(cluster_id: int) -> dict[str, Any]:
-    return {
-        "cluster_id": cluster_id,
-        "role": int(dd.LLMRole.DECODER),
-        "remote_accessible": True,  # as the endpoints here
-        "host": host_identity(),
-        "transport": "tcp",
-        "uds": None,  # no side channel: nothing provable, the link is TCP
-    }
-
-
-async def raw_link(address: tuple[str, int], cluster_id: int, rcvbuf: int = 0) -> Raw:
-    """Connect and complete the (unkeyed) handshake as ``cluster_id``."""
-    s = socket.socket()
-    if rcvbuf:  # a small window: a peer that never reads stalls the sender sooner
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.setblocking(False)
-    with contextlib.suppress(BlockingIOError):
-        s.connect(address)
-    await anyio.wait_writable(s)
-    err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-    if err:
-        s.close()
-        raise OSError(err, os.strerror(err))
-    peer = Raw(s)
-    try:
-        await peer.send(Message(MT.HELLO, 0, {"version": 1, "nonce": new_nonce()}))
-        assert (await peer.frame()).type == MT.CHALLENGE
-        await peer.send(Message(MT.LINK_REQ, 0, _identity(cluster_id)))
-        ack = await peer.frame()
-        assert ack.type == MT.LINK_ACK and ack.fields["status"] == 0, ack.fields
-    except BaseException:
-        s.close()
-        raise
-    return peer
+def raw_link(address: tuple[str, int], cluster_id: int, rcvbuf: int = 0) -> Any:
+    """A hand-made peer linked as ``cluster_id``, with remote-accessible mode as the endpoints
+    here use it."""
+    return helpers.raw_link(address, cluster_id, rcvbuf, remote_accessible=True)
 
 
 def pull_request(
@@ -181,11 +92,11 @@ async def _legit_pulls(d: dd.LLMDataDist, cache_id: int, n: int = 4) -> None:
 
 async def _stall(
     server: dd.LLMDataDist | None, address: tuple[str, int], cache_id: int, n: int, base: int
-) -> list[Raw]:
+) -> list[RawPeer]:
     """``n`` hostile links (cluster ids ``base``...), each pulling the big cache ``cache_id``
     with a 600 s deadline and never reading a byte of it. With ``server`` in this process,
     returns once each link's data worker is blocked in a send."""
-    peers: list[Raw] = []
+    peers: list[RawPeer] = []
     try:
         for i in range(n):  # every link first: then the pulls all stall at once
             peers.append(await raw_link(address, base + i, rcvbuf=4096))
@@ -557,7 +468,7 @@ async def _soak() -> None:
         assert rss1 - rss0 < 64 * MiB
 
         # 300 idle established links.
-        idle: list[Raw] = []
+        idle: list[RawPeer] = []
         try:
             for i in range(300):
                 idle.append(await raw_link(p.listen, 30_000 + i))
