@@ -131,6 +131,8 @@ async def _stall_server(**extra: str) -> AsyncIterator[tuple[dd.LLMDataDist, int
         big = p.cache_manager.allocate_cache(_u8([1, BIG]))
         small = p.cache_manager.allocate_cache(_u8([1, 64 << 10]))
         small.tensors[0][...] = 7
+        for c in (big, small):  # registration's page population runs in a default thread
+            await p._engine.populated(p._engine.registry.entries[c.cache_id].addrs)
         yield p, big.cache_id, small.cache_id
 
 
