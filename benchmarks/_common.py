@@ -19,7 +19,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    widths = [max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns]
     print(f"\n{title}")
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     print("  ".join("-" * w for w in widths))

@@ -325,7 +325,8 @@ class CacheManager:
         nbytes = cache_desc.size
         page = pool.page_size
         per_tensor = math.ceil(nbytes / page) * page
-        # One run for all tensors: whole-cache transfers then coalesce into one descriptor.
+        # One run for all tensors (one mapping, one allocation); plans still keep each
+        # descriptor inside one tensor, as every range check is per tensor.
         alloc = pool.allocate(per_tensor * cache_desc.num_tensors)
         addrs = alloc.addr + np.arange(cache_desc.num_tensors, dtype=np.uint64) * np.uint64(
             per_tensor
@@ -647,10 +648,12 @@ class CacheManager:
         async def body(ctl: TaskControl) -> None:
             try:
                 if engine.options.remote_accessible:
-                    ctl.set_deadline(timeout)
-                    table = await link.fetch_table(timeout)
+                    table = link.table
+                    if table is None:  # the first transfer of the link fetches it
+                        ctl.set_deadline(timeout)
+                        table = await link.fetch_table(timeout)
+                        ctl.set_deadline(None)
                     spec.target = _resolve_in_table(table, spec.target, link.peer_cluster_id)
-                    ctl.set_deadline(None)
                 async with link.transfer_lock.hold(exclusive=False):
                     # The deadline runs from when the link is ours, not while queueing.
                     ctl.set_deadline(timeout * steps)
@@ -1011,6 +1014,8 @@ class CacheManager:
         src_block_indices: Sequence[int] | None = None,
         dst_block_indices: Sequence[int] | None = None,
         dst_block_memory_size: int | None = None,
+        *,
+        tensor_num_per_layer: int = 2,
     ) -> CacheTask:
         """Push ``src_cache`` layer by layer while the model computes later layers.
 
@@ -1027,6 +1032,11 @@ class CacheManager:
 
         ``get_results()`` gives one code per config (None where no layer started); configs to
         the same cluster share one result, as upstream.
+
+        ``tensor_num_per_layer`` (keyword only, an extension; default 2 = K and V) is how many
+        consecutive tensors one layer holds, as for :meth:`pull_blocks`: 1 for caches that keep
+        K and V in one tensor per layer (vLLM's CPU backend). Raw ``TransferConfig``
+        destinations need the default.
 
         Raises:
             TypeError / ValueError: wrong argument types, or the wrong config class for the
@@ -1057,11 +1067,18 @@ class CacheManager:
         raise_if_false(
             entry.placement != Placement.HOST, "transfer_cache_async does not take a HOST source"
         )
+        check_uint32("tensor_num_per_layer", tensor_num_per_layer)
+        tnpl = int(tensor_num_per_layer)
+        raise_if_false(tnpl >= 1, "tensor_num_per_layer must be >= 1")
         raise_if_false(
-            entry.num_tensors % 2 == 0,
-            f"the source needs K and V per layer: an even tensor count, got {entry.num_tensors}",
+            tnpl == 2 or cfg_type is TransferWithCacheKeyConfig,
+            "TransferConfig destinations need tensor_num_per_layer=2 (K and V addresses)",
         )
-        layers = entry.num_tensors // 2
+        raise_if_false(
+            entry.num_tensors % tnpl == 0,
+            f"the source needs {tnpl} tensors per layer: {entry.num_tensors} is not a multiple",
+        )
+        layers = entry.num_tensors // tnpl
         #: what the requests describe as the source: a contiguous cache with block indices
         #: is read as blocks of its dim-0 slices, as upstream's engine does (§7, §9.1)
         source = entry
@@ -1136,7 +1153,7 @@ class CacheManager:
                     slot,
                     link,
                     list(src_r),
-                    self._layer_spec_factory(source, c, src_r, shape, src_b, dst_b, dbm),
+                    self._layer_spec_factory(source, c, src_r, shape, src_b, dst_b, dbm, tnpl),
                 )
             )
         self._check_remote_accessible(entry)
@@ -1170,6 +1187,7 @@ class CacheManager:
         src_b: np.ndarray | None,
         dst_b: np.ndarray | None,
         dbm: int | None,
+        tnpl: int = 2,
     ) -> Callable[[int], XferSpec]:
         """Build the one-layer request of ``config`` for source layer ``layer``."""
         src_slot = config.src_batch_index
@@ -1187,6 +1205,7 @@ class CacheManager:
                     local_slot=src_slot,
                     src_range=range(layer, layer + 1),
                     dst_range=range(dst_layer, dst_layer + 1),
+                    tensor_num_per_layer=tnpl,
                     src_blocks=src_b,
                     dst_blocks=dst_b,
                     dst_block_bytes=dbm,

@@ -69,6 +69,8 @@ class Engine:
         from ._links import LinkManager
 
         self.links = LinkManager(self)
+        #: the NIXL agent (``llm.Transport=nixl``), made when the engine starts
+        self.nixl: Any = None
 
     @property
     def sync_kv_timeout_s(self) -> float:
@@ -115,6 +117,9 @@ class Engine:
             self._portal = None
             self.closed = True
             self.registry.close()
+            if self.nixl is not None:
+                self.nixl.close()
+                self.nixl = None
             for pool in self.pools.values():
                 pool.close()
             self.pools.clear()
@@ -124,7 +129,19 @@ class Engine:
             raise body_error
 
     async def start_services(self) -> None:
-        """Open the same-host side channel; listen when ``llm.listenIpInfo`` was given."""
+        """Start the NIXL agent (``llm.Transport=nixl``), open the same-host side channel;
+        listen when ``llm.listenIpInfo`` was given.
+
+        Raises:
+            LLMException: LLM_PARAM_INVALID without NIXL, LLM_FAILED when its agent cannot
+                start; LLM_LINK_FAILED when the listen address cannot be bound.
+        """
+        if self.options.transport == "nixl":
+            from ._transports.nixl import NixlEndpoint
+
+            self.nixl = await NixlEndpoint.start(self)
+            self.registry.on_add = self.nixl.register
+            self.registry.on_free = self.nixl.deregister
         await self.links.start()
         if self.options.listen is not None:
             await self.links.listen(self.options.listen)
@@ -176,14 +193,35 @@ class Engine:
             await ready.wait()
 
     def published_table(self) -> dict[str, Any]:
-        """This endpoint's cache table, as a peer snapshots it (remote-accessible mode)."""
-        return self.registry.published_table()
+        """This endpoint's cache table, as a peer snapshots it (remote-accessible mode); with
+        NIXL also the agent's metadata, so that a linked peer can reach its registered
+        (remote-accessible) caches."""
+        table = self.registry.published_table()
+        if self.nixl is not None:
+            table["nixl"] = self.nixl.table_entry()
+        return table
 
     def identity_for_link(self) -> dict[str, Any]:
         return self.links.identity()
 
     def reachable_by_peer(self, caps: Any, ranges: Any, nbytes: Any) -> bool:
+        if self.nixl is not None and isinstance(caps, dict) and caps.get("nixl") is True:
+            # Device memory too: NIXL reaches what is registered with it (remote-accessible
+            # caches only).
+            if not self.nixl.covers(ranges, nbytes):
+                return False
+            self.nixl.poller.busy()  # UCX tcp moves the peer's bytes only while we progress
+            return True
         return self.host_reachable(ranges) and self.links.reachable_by_peer(caps, ranges, nbytes)
+
+    def request_caps(self, link: Any, entry: Any) -> dict[str, bool]:
+        """How the initiator of a request from/to ``entry`` can reach the peer's memory (sent
+        with the request): the link's access, unless ``entry`` is memory that access cannot
+        use (device memory; for NIXL, a cache not registered with the agent)."""
+        caps_for = getattr(link.access, "caps_for", None)
+        if caps_for is not None:
+            return caps_for(entry)
+        return link.caps() if self.host_reachable(entry.addrs) else link.no_caps()
 
     def host_reachable(self, addrs: Any) -> bool:
         """False for device memory of an adapter the CPU cannot address directly."""

@@ -103,6 +103,34 @@ class LinkBroken(LLMException):
         super().__init__(message, status_code=status_code)
 
 
+class Signal:
+    """A one-shot event whose ``anyio.Event`` is made only if someone waits before it is set
+    (most of a request's signals never are), and whose wait on a set signal takes no loop
+    turn."""
+
+    __slots__ = ("_event", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._event: anyio.Event | None = None
+
+    def set(self) -> None:
+        self._set = True
+        if self._event is not None:
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    async def wait(self) -> None:
+        if self._set:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return
+        if self._event is None:
+            self._event = anyio.Event()
+        await self._event.wait()
+
+
 class _Request:
     """State shared by both kinds of request."""
 
@@ -112,7 +140,7 @@ class _Request:
         self.token = CancelToken()
         self.stream: StreamPlan | None = None
         self.received = 0
-        self.data_event = anyio.Event()
+        self.data_event = Signal()
         self.fence: Fence | None = None
         self.error: BaseException | None = None
 
@@ -132,11 +160,11 @@ class Pending(_Request):
     def __init__(self, req_id: int, deadline: float | None) -> None:
         super().__init__(req_id, deadline)
         self.grant: Message | None = None
-        self.grant_event = anyio.Event()
+        self.grant_event = Signal()
         #: run by the reader when the GRANT arrives, before any DATA of this request is read
         self.on_grant: Callable[[Message], None] | None = None
         self.result: Message | None = None
-        self.result_event = anyio.Event()
+        self.result_event = Signal()
 
     def wake(self) -> None:
         super().wake()
@@ -167,7 +195,7 @@ class Serving(_Request):
 
     def __init__(self, req_id: int, deadline: float | None) -> None:
         super().__init__(req_id, deadline)
-        self.done_event = anyio.Event()
+        self.done_event = Signal()
         #: bytes of the request's arrays, held while it is queued or served
         self.meta_bytes = 0
         #: run by the reader when DONE arrives, so its effect (consuming a key) happens before
@@ -217,6 +245,8 @@ class Link:
         self.broken: BaseException | None = None
         self.closed = False
         self.table: dict[str, Any] | None = None
+        #: the table's caches by id (as the peer described them; checked before any use)
+        self.peer_caches: dict[int, dict[str, Any]] = {}
         #: requests waiting for a reply of a given type (TABLE, UNLINK_ACK, PONG)
         self._waiters: dict[MT, list[Pending]] = {MT.TABLE: [], MT.UNLINK_ACK: [], MT.PONG: []}
         self._reader_scope: anyio.CancelScope | None = None
@@ -375,41 +405,67 @@ class Link:
             # Encoded under the lock: on a keyed link each frame's tag counts frames in order.
             data = memoryview(encode(msg, self._send_auth))
             try:
-                # Once the first byte is out the frame must be finished, whoever cancels us:
-                # a half-sent frame would desynchronise the stream. A peer that stops reading
-                # for the whole stall timeout breaks the link instead.
-                with anyio.CancelScope(shield=True):
-                    with anyio.move_on_after(self.engine.stall_timeout_s) as stall:
-                        while data:
-                            try:
-                                n = self.sock.send(data, socket.MSG_DONTWAIT)
-                            except BlockingIOError:
-                                await anyio.wait_writable(self.sock)
-                                continue
-                            data = data[n:]
-                    if stall.cancelled_caught:
-                        raise TimeoutError("the peer stopped reading")
+                # Most frames go out whole at once: then no scope or loop turn is needed.
+                try:
+                    sent = self.sock.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                if sent < len(data):
+                    await self._send_rest(data[sent:])
             except (OSError, TimeoutError) as exc:
                 self.fail(exc)
                 raise LinkBroken(f"send to cluster {self.peer_cluster_id} failed: {exc}") from exc
-        await anyio.lowlevel.checkpoint()  # a shielded send still lets cancellation in here
+        # A send that went out at once still lets cancellation in here (without a loop turn).
+        await anyio.lowlevel.checkpoint_if_cancelled()
+
+    async def _send_rest(self, data: memoryview) -> None:
+        """Finish a frame the socket took only part of.
+
+        Raises:
+            TimeoutError: the peer stopped reading for the stall timeout. OSError: send failed.
+        """
+        # Once the first byte is out the frame must be finished, whoever cancels us: a
+        # half-sent frame would desynchronise the stream. A peer that stops reading for the
+        # whole stall timeout breaks the link instead.
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self.engine.stall_timeout_s) as stall:
+                while data:
+                    try:
+                        n = self.sock.send(data, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        await anyio.wait_writable(self.sock)
+                        continue
+                    data = data[n:]
+            if stall.cancelled_caught:
+                raise TimeoutError("the peer stopped reading")
 
     async def send_stream(
-        self, req: _Request, stream: StreamPlan, to_initiator: bool, token: CancelToken
+        self,
+        req: _Request,
+        stream: StreamPlan,
+        to_initiator: bool,
+        token: CancelToken,
+        lead: Message | None = None,
     ) -> bool:
         """Send a plan's bytes as DATA frames. Returns False if stopped by ``token``.
 
         Each frame goes out from a worker thread straight from the source memory. When the
         token trips, the worker stops reading source memory at once (the current frame is
-        finished with zeros) and no further frame is sent.
+        finished with zeros) and no further frame is sent. ``lead`` (a control frame, e.g. the
+        GRANT) goes out first, in the same syscall as a small first frame.
 
         Raises:
             LinkBroken: the link failed (the link is then broken).
         """
         off = 0
         flags = FLAG_TO_INITIATOR if to_initiator else 0
+        if lead is not None and (stream.total > INLINE_BYTES or not stream.total):
+            await self.send(lead)
+            lead = None
         while off < stream.total:
             if token.cancelled or not self.alive:
+                if lead is not None and self.alive:
+                    await self.send(lead)
                 return False
             n = min(CHUNK_BYTES, stream.total - off)
             views = await stream.prepare(off, n, token)
@@ -418,7 +474,10 @@ class Link:
             async with self.send_lock:
                 if not self.alive:
                     raise self.down_error()
-                header = encode(
+                # In order under the lock: each frame's tag counts frames on a keyed link.
+                first = b"" if lead is None else encode(lead, self._send_auth)
+                lead = None
+                header = first + encode(
                     Message(MT.DATA, req.req_id, {"off": off}, payload_len=n, flags=flags),
                     self._send_auth,
                 )
@@ -438,6 +497,7 @@ class Link:
                     self.fail(exc)
                     raise LinkBroken(f"sending to cluster {self.peer_cluster_id}: {exc}") from exc
                 finally:
+                    fence.released.set()  # the worker has returned (or never started)
                     req.fence = None
             off += n
             self.stats_bytes += n
@@ -530,6 +590,12 @@ class Link:
             if self.table is None:
                 self.table = msg.fields
                 self.peer_regions = regions_of_table(msg.fields)
+                caches = msg.fields.get("caches")
+                self.peer_caches = {
+                    c["cache_id"]: c
+                    for c in (caches if isinstance(caches, list) else [])
+                    if isinstance(c, dict) and isinstance(c.get("cache_id"), int)
+                }
         return self.table
 
     async def check_remote(self, remote: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> None:
@@ -622,6 +688,7 @@ class Link:
             # idle link holds no buffers.
             scratch = self.engine.scratch.acquire()
             target = _slice_views(views, pos, rest) if views else scratch_views(rest, scratch)
+            fence = None
             try:
                 if rest <= INLINE_BYTES:
                     await self._inline(recv_views_inline(self.sock, target, token, scratch))
@@ -633,6 +700,12 @@ class Link:
                         recv_views, self.sock, target, fence, scratch, limiter=self.threads
                     )
             finally:
+                if fence is not None:
+                    # The worker has finished here (the call is not abandoned on cancel), or
+                    # it never started: cancelled while waiting for a thread. Either way
+                    # nothing touches the buffers any more; a fence left unset would hold
+                    # release() forever.
+                    fence.released.set()
                 if req is not None:
                     req.fence = None
                 self.engine.scratch.release(scratch)

@@ -139,7 +139,22 @@ class LinkManager:
 
     def _direct_allowed(self) -> bool:
         e = self.engine
-        return e.options.transport != "tcp" and e.adapter.host_addressable
+        return e.options.transport not in ("tcp", "nixl") and e.adapter.host_addressable
+
+    def _nixl_access(self, peer: dict[str, Any]) -> Any:
+        """A NIXL access when both ends asked for ``llm.Transport=nixl``, else None (the link
+        moves bytes over its stream, and the log says ``transport.fallback``)."""
+        nixl = self.engine.nixl
+        if nixl is None:
+            return None
+        if peer.get("transport") != "nixl":
+            self.log.info(
+                "transport.fallback",
+                peer_cluster_id=peer.get("cluster_id"),
+                reason=f"the peer does not use llm.Transport=nixl ({peer.get('transport')!r})",
+            )
+            return None
+        return nixl.new_access()
 
     def _access_for(
         self, pid: int, pidfd: int | None, proof: dict[str, Any], own_name: bool
@@ -214,7 +229,7 @@ class LinkManager:
                 except (OSError, EOFError, ProtocolError, TimeoutError, ValueError) as exc:
                     self.log.info("transport.fallback", peer_cluster_id=cid, reason=str(exc))
             self._require_direct(peer, access)
-            return access
+            return access if access is not None else self._nixl_access(peer)
         except BaseException:
             self._accepting.discard(cid)
             self._changed()
@@ -495,6 +510,8 @@ class LinkManager:
         link = Link(self.engine, sock, decoder, peer, access, auth, outbound)
         if access is not None:
             link.peer_regions = access.regions
+            if hasattr(access, "attach"):
+                access.attach(link)  # NIXL: fetches the peer's metadata over the link
         old = self.links.get(link.peer_cluster_id)
         if old is not None:
             # Only a link that is already down is ever replaced (``_admit`` refuses a live one).
@@ -614,6 +631,8 @@ class LinkManager:
                     await exp.finished.wait()
             access = exp.access if exp is not None else None
             self._require_direct(peer, access)
+            if access is None:
+                access = self._nixl_access(peer)
         except BaseException as exc:
             if sock is not None:
                 sock.close()
@@ -639,6 +658,8 @@ class LinkManager:
                     gone.abandoned = True
         link = self._register(sock, decoder, peer, access, auth, outbound=True)
         self.engine.spawn(link.run_reader)
+        if hasattr(access, "ready"):  # NIXL: the peer's metadata is loaded before we return
+            await access.ready(max(0.0, deadline - anyio.current_time()))
         return LLMStatusCode.LLM_SUCCESS
 
     async def _adopt(

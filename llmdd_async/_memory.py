@@ -316,10 +316,12 @@ class CancelToken:
     workers stop at a task's deadline without the event loop having to reach them.
     """
 
-    __slots__ = ("_event", "deadline", "parent", "reason")
+    __slots__ = ("_set", "deadline", "parent", "reason")
 
     def __init__(self, deadline: float | None = None, parent: CancelToken | None = None) -> None:
-        self._event = threading.Event()
+        # A plain flag: one attribute store is atomic under the GIL, and workers only poll it
+        # (a threading.Event costs a lock and a condition per request on the hot path).
+        self._set = False
         self.reason: BaseException | None = None
         self.deadline = deadline
         self.parent = parent
@@ -331,11 +333,11 @@ class CancelToken:
     def cancel(self, reason: BaseException | None = None) -> None:
         if self.reason is None:
             self.reason = reason
-        self._event.set()
+        self._set = True
 
     @property
     def cancelled(self) -> bool:
-        if self._event.is_set():
+        if self._set:
             return True
         if self.parent is not None and self.parent.cancelled:
             return True

@@ -74,7 +74,7 @@ KNOWN_OPTIONS = UPSTREAM_OPTIONS | OWN_OPTIONS
 _BY_LOWER = {k.lower(): k for k in KNOWN_OPTIONS}
 _LLM_LOWER = sorted(k for k in _BY_LOWER if k.startswith("llm."))
 
-TRANSPORTS = ("auto", "tcp", "same-host")
+TRANSPORTS = ("auto", "tcp", "same-host", "nixl")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 #: legacy mode without ge.flowGraphMemMaxSize: a lazily touched 1 GiB mapping
 LEGACY_DEFAULT_KV_BYTES = 1 << 30
@@ -279,6 +279,12 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
     raise_if_false(
         transport in TRANSPORTS, f"llm.Transport must be one of {TRANSPORTS}, got {transport!r}"
     )
+    if transport == "nixl":
+        from ._transports.nixl import INSTALL_HINT, available
+
+        raise_if_false(
+            available(), f"llm.Transport=nixl needs NIXL, which is not installed: {INSTALL_HINT}"
+        )
     device_s = opts.get("ge.exec.deviceId", "0").split(";")[0]
     raise_if_false(device_s.isdigit(), f"ge.exec.deviceId must be a number, got {device_s!r}")
     auth = opts.get("llm.AuthKey")

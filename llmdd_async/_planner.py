@@ -9,6 +9,7 @@ Validation follows reference §8.1, §8.2 and §9.1-§9.3 and raises
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -80,8 +81,15 @@ class Plan:
         return cls(z, z, z)
 
 
-def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Plan:
-    """Merge consecutive descriptors that are contiguous on both sides (order is kept)."""
+def coalesce(
+    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, row: int | None = None
+) -> Plan:
+    """Merge consecutive descriptors that are contiguous on both sides (order is kept).
+
+    With ``row``, descriptors ``[k*row, (k+1)*row)`` belong to one tensor and never merge with
+    another tensor's, even where the tensors touch in memory (pool tensors do): every range
+    then stays inside one tensor, which is what both ends check.
+    """
     src = np.asarray(src, dtype=_U64).ravel()
     dst = np.asarray(dst, dtype=_U64).ravel()
     nbytes = np.asarray(nbytes, dtype=_U64).ravel()
@@ -90,6 +98,8 @@ def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Plan:
     ends_s = src[:-1] + nbytes[:-1]
     ends_d = dst[:-1] + nbytes[:-1]
     brk = (src[1:] != ends_s) | (dst[1:] != ends_d)
+    if row is not None and row > 0:
+        brk[row - 1 :: row] = True
     starts = np.flatnonzero(np.concatenate(([True], brk)))
     return Plan(src[starts], dst[starts], np.add.reduceat(nbytes, starts).astype(_U64))
 
@@ -145,11 +155,49 @@ def _outer(
     nbytes: np.ndarray,
 ) -> Plan:
     # Tensor-major, piece-minor order: consecutive pieces of one tensor end up adjacent, which is
-    # what lets contiguous block runs (and whole tensors) merge.
+    # what lets contiguous block runs merge (within a tensor, never across two).
+    if len(src_bases) * len(nbytes) <= _SMALL:
+        return _outer_small(src_bases, dst_bases, src_offs, dst_offs, nbytes)
     s = (src_bases[:, None] + src_offs[None, :].astype(_U64)).ravel()
     d = (dst_bases[:, None] + dst_offs[None, :].astype(_U64)).ravel()
-    n = np.broadcast_to(nbytes.astype(_U64)[None, :], (len(src_bases), len(nbytes))).ravel()
-    return coalesce(s, d, n)
+    n = np.tile(nbytes.astype(_U64), len(src_bases))
+    return coalesce(s, d, n, row=len(nbytes))
+
+
+#: below this many descriptors, plans are built with Python ints: numpy's fixed cost per call
+#: (a few microseconds) is most of a small request's planning time
+_SMALL = 64
+_MASK = (1 << 64) - 1
+
+
+def _outer_small(
+    src_bases: np.ndarray,
+    dst_bases: np.ndarray,
+    src_offs: np.ndarray,
+    dst_offs: np.ndarray,
+    nbytes: np.ndarray,
+) -> Plan:
+    """:func:`_outer` followed by :func:`coalesce`, for a few descriptors (same result, same
+    uint64 wrap-around)."""
+    s: list[int] = []
+    d: list[int] = []
+    n: list[int] = []
+    pieces = list(zip(src_offs.tolist(), dst_offs.tolist(), nbytes.tolist(), strict=True))
+    for bs, bd in zip(src_bases.tolist(), dst_bases.tolist(), strict=True):
+        first = len(n)  # this tensor's descriptors start here: no merge across tensors
+        for os_, od, k in pieces:
+            a_s, a_d = (bs + os_) & _MASK, (bd + od) & _MASK
+            if (
+                len(n) > first
+                and (s[-1] + n[-1]) & _MASK == a_s
+                and (d[-1] + n[-1]) & _MASK == a_d
+            ):
+                n[-1] = (n[-1] + k) & _MASK
+            else:
+                s.append(a_s)
+                d.append(a_d)
+                n.append(k)
+    return Plan(np.array(s, dtype=_U64), np.array(d, dtype=_U64), np.array(n, dtype=_U64))
 
 
 def plan_slots(
@@ -195,13 +243,16 @@ def plan_slots(
 
 
 def _check_blocks(blocks: np.ndarray, count: int, side: str, code: LLMStatusCode) -> None:
-    if len(blocks):
-        raise_if_false(int(blocks.min()) >= 0, f"{side} block index {int(blocks.min())} < 0", code)
-        raise_if_false(
-            int(blocks.max()) < count,
-            f"{side} block index {int(blocks.max())} >= its {count} blocks",
-            code,
-        )
+    if not len(blocks):
+        return
+    # numpy's reductions cost microseconds each on a handful of indices; Python's do not.
+    if len(blocks) <= 64:
+        values = blocks.tolist()
+        lo, hi = min(values), max(values)
+    else:
+        lo, hi = int(blocks.min()), int(blocks.max())
+    raise_if_false(lo >= 0, f"{side} block index {lo} < 0", code)
+    raise_if_false(hi < count, f"{side} block index {hi} >= its {count} blocks", code)
 
 
 def plan_blocks(
@@ -357,6 +408,14 @@ def check_within(
         return True
     if len(starts) == 0:
         return False
+    if len(addrs) <= _SMALL and len(starts) <= 4 * _SMALL:
+        # Python ints for small inputs: numpy's per-call cost dominates there.
+        lo, hi = starts.tolist(), ends.tolist()
+        for a_, n_ in zip(np.asarray(addrs).tolist(), np.asarray(nbytes).tolist(), strict=True):
+            j_ = bisect.bisect_right(lo, a_) - 1
+            if j_ < 0 or a_ + n_ > hi[j_] or a_ + n_ >= 1 << 64:
+                return False
+        return True
     a = np.asarray(addrs, dtype=_U64)
     n = np.asarray(nbytes, dtype=_U64)
     j = np.searchsorted(starts, a, side="right").astype(np.int64) - 1

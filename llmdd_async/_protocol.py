@@ -137,10 +137,12 @@ def encode(msg: Message, auth: FrameAuth | None = None) -> bytes:
     for name, a in arrays:
         if a.nbytes % 8:
             raise ProtocolError(f"array {name!r} is {a.nbytes} bytes, not a multiple of 8")
-    fields = dict(msg.fields)
     if arrays:
+        fields = dict(msg.fields)
         fields["arrays"] = [[name, a.nbytes] for name, a in arrays]
-    js = json.dumps(fields, separators=(",", ":")).encode()
+        js = json.dumps(fields, separators=(",", ":")).encode()
+    else:
+        js = json.dumps(msg.fields, separators=(",", ":")).encode() if msg.fields else b"{}"
     meta_len = 4 + len(js) + sum(a.nbytes for _, a in arrays) + (_TAG if auth else 0)
     if meta_len > MAX_META:
         raise ProtocolError(f"meta of {meta_len} bytes exceeds {MAX_META}")
@@ -172,6 +174,8 @@ def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: byt
         raise ProtocolError("JSON length runs past the meta")
     if js_len > MAX_FIELDS:
         raise ProtocolError(f"JSON fields of {js_len} bytes exceed {MAX_FIELDS}")
+    if js_len == 2 and len(meta) == 6 and meta[4:6] == b"{}":  # a bare control frame
+        return Message(mtype, req_id, {}, {}, payload_len, flags)
     try:
         fields = json.loads(bytes(meta[4 : 4 + js_len]))
     except (ValueError, RecursionError) as exc:  # JSON errors, huge integers, bad UTF-8

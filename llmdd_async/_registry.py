@@ -78,6 +78,10 @@ class Registry:
         self._blocks_keys: dict[int, int] = {}
         self._regions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._reachable: tuple[np.ndarray, np.ndarray] | None = None
+        #: told of every entry added (may raise: the add is undone) and of every entry whose
+        #: memory goes, before it goes (a transfer engine registers / deregisters it)
+        self.on_add: Callable[[CacheEntry], None] | None = None
+        self.on_free: Callable[[CacheEntry], None] | None = None
 
     # ---------------------------------------------------------------- ids and entries
     def new_id(self) -> int:
@@ -89,7 +93,8 @@ class Registry:
         """Add an entry after checking that its memory overlaps no other cache.
 
         Raises:
-            LLMException: LLM_PARAM_INVALID for overlapping memory.
+            LLMException: LLM_PARAM_INVALID for overlapping memory; whatever ``on_add`` raises
+                (a transfer engine refusing the memory).
         """
         starts = entry.addrs.astype(np.uint64)
         order = np.argsort(starts)
@@ -109,6 +114,13 @@ class Registry:
             )
         self.entries[entry.cache_id] = entry
         self._changed()
+        if self.on_add is not None:
+            try:
+                self.on_add(entry)
+            except BaseException:
+                del self.entries[entry.cache_id]
+                self._changed()
+                raise
 
     def get(self, cache_id: int) -> CacheEntry:
         """Raises LLMException(LLM_KV_CACHE_NOT_EXIST) for an unknown or released id."""
@@ -273,6 +285,8 @@ class Registry:
         entry.freed = True
         del self.entries[entry.cache_id]
         self._changed()
+        if self.on_free is not None:
+            self.on_free(entry)
         if entry.release is not None:
             entry.release()
         entry.keepalive = None

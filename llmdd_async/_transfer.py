@@ -15,6 +15,7 @@ key pullable (reference §8.1, §9.4).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from typing import Any
@@ -145,7 +146,11 @@ def _grant_within_selection(spec: XferSpec, local: np.ndarray, nbytes: np.ndarra
         units = np.unique(np.asarray(blocks, dtype=np.int64))
     else:
         unit, units = e.stride, np.array([spec.local_slot], dtype=np.int64)
-    if not check_within(local, nbytes, *_entry_regions(e)) or len(units) == 0:
+    if len(units) == 0:
+        return False
+    if len(local) <= 32:
+        return _within_units_small(e, unit, units, local, nbytes)
+    if not check_within(local, nbytes, *_entry_regions(e)):
         return False
     # Runs of consecutive selected units, inclusive: descriptors may span several blocks.
     brk = np.flatnonzero(np.diff(units) != 1)
@@ -162,6 +167,28 @@ def _grant_within_selection(spec: XferSpec, local: np.ndarray, nbytes: np.ndarra
     return bool(np.all((r >= 0) & (b1 <= run_hi[np.maximum(r, 0)])))
 
 
+def _within_units_small(
+    e: CacheEntry, unit: int, units: np.ndarray, local: np.ndarray, nbytes: np.ndarray
+) -> bool:
+    """:func:`_grant_within_selection` for a few descriptors, in plain Python (numpy costs
+    microseconds per call on arrays this small)."""
+    starts = sorted(int(a) for a in e.addrs.tolist())
+    size = e.tensor_bytes
+    selected = set(units.tolist())
+    for a, n in zip(local.tolist(), nbytes.tolist(), strict=True):
+        t = bisect.bisect_right(starts, a) - 1
+        if t < 0 or n <= 0:
+            return False
+        off = a - starts[t]
+        last = off + n - 1
+        if last >= size:
+            return False
+        b0, b1 = off // unit, last // unit
+        if b1 - b0 > len(selected) or any(b not in selected for b in range(b0, b1 + 1)):
+            return False
+    return True
+
+
 # ====================================================================== initiator
 async def initiate(
     engine: Any, link: Link, spec: XferSpec, token: CancelToken, deadline: float | None
@@ -175,6 +202,11 @@ async def initiate(
             (LLM_LINK_FAILED / LLM_NOT_YET_LINK), or the transfer was stopped.
     """
     await engine.populated(spec.local.addrs)
+    direct = _direct_plan(engine, link, spec)
+    if direct is not None:
+        done = await _pull_direct(link, spec, direct, token)
+        if done is not None:
+            return done
     req = link.open_pending(deadline)
     req.token = token
     grant_info: dict[str, Any] = {}
@@ -196,7 +228,7 @@ async def initiate(
             req.stream = engine.make_stream(local, nbytes)
 
     req.on_grant = on_grant
-    caps = link.caps() if engine.host_reachable(spec.local.addrs) else link.no_caps()
+    caps = engine.request_caps(link, spec.local)
     t_start = time.monotonic()
     timeout_ms = max(1, int((deadline - time.monotonic()) * 1000)) if deadline else 0
     try:
@@ -251,6 +283,76 @@ async def initiate(
         link.close_pending(req)
         if req.stream is not None:
             req.stream.close()
+
+
+def _direct_plan(engine: Any, link: Link, spec: XferSpec) -> Plan | None:
+    """The plan of a pull this side can run alone, or None (then the target serves it).
+
+    In remote-accessible mode a peer publishes its caches' layouts and lets linked peers reach
+    them, as an RDMA engine does: when our access to its memory needs no help from it (a
+    mapped pool, ``process_vm_readv``, the same process), a pull by cache id is planned here
+    from its table and copied one-sidedly, with no round trip. Only pulls: a push would write
+    into memory the peer may have released since its table was taken, so the peer grants it.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID / LLM_KV_CACHE_NOT_EXIST for a selection that does not
+            fit the peer's published cache, as the peer would answer.
+    """
+    access = link.access
+    if (
+        spec.op != "pull"
+        or not engine.options.remote_accessible
+        or spec.target.get("by") != "cache_id"
+        or access is None
+        or getattr(access, "reaches", None) is None
+        or not engine.host_reachable(spec.local.addrs)
+    ):
+        return None
+    desc = link.peer_caches.get(spec.target["cache_id"])
+    if desc is None or desc.get("remote_accessible") is not True:
+        return None
+    try:
+        tgt = Layout.of(desc["addrs"], desc["tensor_bytes"], desc["count"], desc["is_blocks"])
+        if tgt.num_tensors == 0 or tgt.count <= 0 or tgt.tensor_bytes <= 0:
+            return None
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None  # a malformed table entry: let the peer answer for it
+    slot = int(spec.target.get("index", 0))
+    raise_if_false(
+        0 <= slot < (1 if tgt.is_blocks else tgt.count),
+        f"batch index {slot} is outside cache {spec.target['cache_id']}",
+        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+    )
+    plan, _, _ = plan_request(spec.encode(0, {}, 0), spec.local.layout, tgt, slot)
+    # Only what the peer published as reachable, and only what our access reaches alone.
+    if not check_within(plan.src, plan.nbytes, *link.peer_regions) or not access.reaches(
+        plan.src, plan.nbytes
+    ):
+        return None
+    return plan
+
+
+async def _pull_direct(
+    link: Link, spec: XferSpec, plan: Plan, token: CancelToken
+) -> tuple[int, int] | None:
+    """Copy a pull planned by :func:`_direct_plan`; returns ``(bytes, descriptors)``, or None
+    when the peer's memory is no longer where its table said (the peer then answers).
+
+    Raises:
+        CopyCancelled: ``token`` tripped (the copy has stopped). LLMException: the link is down.
+    """
+    t_start = time.monotonic()
+    try:
+        assert link.access is not None  # checked by _direct_plan
+        total = await link.access.read(plan.src, plan.dst, plan.nbytes, token)
+    except OSError:
+        if not link.alive:
+            raise link.down_error() from None
+        return None  # e.g. the peer unmapped the cache since its table was taken
+    link.stats_transfers += 1
+    link.stats_bytes += total
+    link.history.append(TransferRecord(spec.op, t_start, time.monotonic(), total, "direct"))
+    return total, len(plan)
 
 
 # ====================================================================== target
@@ -309,21 +411,25 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
                     registry.note_pulled(consumed_entry, slot, tensors)
 
             req.on_done = consume
-        await link.send(
-            Message(
-                MT.GRANT,
-                req.req_id,
-                {"status": 0, "mode": mode, "total": plan.total_bytes},
-                arrays,
-            )
+        grant = Message(
+            MT.GRANT,
+            req.req_id,
+            {"status": 0, "mode": mode, "total": plan.total_bytes},
+            arrays,
         )
+        streamed_pull = mode == "stream" and op == "pull"
+        if not streamed_pull:
+            await link.send(grant)
         granted = True
         remaining = max(0.0, (req.deadline or 0) - time.monotonic())
         with anyio.move_on_after(remaining) as budget:
-            if mode == "stream" and op == "pull":
+            if streamed_pull:
                 out = await engine.open_stream(plan.src, plan.nbytes)
                 try:
-                    sent = await link.send_stream(req, out, to_initiator=True, token=req.token)
+                    # The GRANT leads the data: a small pull is one syscall and one wake-up.
+                    sent = await link.send_stream(
+                        req, out, to_initiator=True, token=req.token, lead=grant
+                    )
                 finally:
                     out.close()
                 if not sent:
@@ -371,6 +477,79 @@ async def _out_of_budget(engine: Any, link: Link, req: Serving, mode: str) -> No
             await req.done_event.wait()
         if not req.done_event.is_set():
             link.fail(TimeoutError("the peer did not stop a timed-out direct copy"))
+
+
+def plan_request(
+    msg: Message, init_layout: Layout, tgt_layout: Layout, slot: int
+) -> tuple[Plan, int, np.ndarray]:
+    """Plan a request between the initiator's cache and the target's (its batch ``slot``).
+
+    The target plans every request it serves with this; an initiator that reaches the target's
+    memory on its own (a pull in remote-accessible mode) plans with it from the target's table.
+    Returns ``(plan, source slot, source tensor indices)``.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for a selection that does not fit the two layouts.
+        ProtocolError / KeyError / TypeError / ValueError: a malformed request.
+    """
+    f = msg.fields
+    op = f["op"]
+    src, dst = (tgt_layout, init_layout) if op == "pull" else (init_layout, tgt_layout)
+    local_slot = int(f.get("local_slot", 0))
+    src_slot, dst_slot = (slot, local_slot) if op == "pull" else (local_slot, slot)
+    rng = [
+        None if r is None else range(int(r[0]), int(r[1])) for r in (f["src_range"], f["dst_range"])
+    ]
+    src_idx, dst_idx = tensor_windows(
+        src.num_tensors, dst.num_tensors, rng[0], rng[1], int(f["tnpl"])
+    )
+    shape = f["shape"]
+    dbb = f.get("dst_block_bytes")
+    if shape == "slot":
+        raise_if_false(
+            not src.is_blocks and not dst.is_blocks, "slot transfers need contiguous caches"
+        )
+        plan = plan_slots(
+            src,
+            dst,
+            src_idx,
+            dst_idx,
+            src_slot,
+            dst_slot,
+            int(f["size"]),
+            int(f["src_offset"]),
+            int(f["dst_offset"]),
+        )
+    elif shape == "blocks":
+        sb, db = _arr(msg, "src_blocks"), _arr(msg, "dst_blocks")
+        if sb is None or db is None:
+            raise ProtocolError("blocks request without block lists")
+        plan = plan_blocks(
+            src,
+            dst,
+            src_idx,
+            dst_idx,
+            sb.astype(np.int64),
+            db.astype(np.int64),
+            None if dbb is None else int(dbb),
+        )
+    elif shape == "slot_to_blocks":
+        raise_if_false(not src.is_blocks, "source must be a contiguous cache")
+        db = _arr(msg, "dst_blocks")
+        if db is None:
+            raise ProtocolError("slot_to_blocks request without dst_blocks")
+        plan = plan_slot_to_blocks(
+            src,
+            dst,
+            src_idx,
+            dst_idx,
+            src_slot,
+            db.astype(np.int64),
+            None if dbb is None else int(dbb),
+        )
+    else:
+        raise ProtocolError(f"bad shape {shape!r}")
+    return plan, src_slot, src_idx
 
 
 def _resolve_and_plan(
@@ -431,61 +610,7 @@ def _resolve_and_plan(
         if raw is None or not len(raw):
             raise ProtocolError("addressing by addresses without addresses")
         tgt_layout = Layout(raw, int(rtb), int(rcount), bool(rblocks))
-    src, dst = (tgt_layout, init_layout) if op == "pull" else (init_layout, tgt_layout)
-    local_slot = int(f.get("local_slot", 0))
-    src_slot, dst_slot = (slot, local_slot) if op == "pull" else (local_slot, slot)
-    rng = [
-        None if r is None else range(int(r[0]), int(r[1])) for r in (f["src_range"], f["dst_range"])
-    ]
-    src_idx, dst_idx = tensor_windows(
-        src.num_tensors, dst.num_tensors, rng[0], rng[1], int(f["tnpl"])
-    )
-    shape = f["shape"]
-    dbb = f.get("dst_block_bytes")
-    if shape == "slot":
-        raise_if_false(
-            not src.is_blocks and not dst.is_blocks, "slot transfers need contiguous caches"
-        )
-        plan = plan_slots(
-            src,
-            dst,
-            src_idx,
-            dst_idx,
-            src_slot,
-            dst_slot,
-            int(f["size"]),
-            int(f["src_offset"]),
-            int(f["dst_offset"]),
-        )
-    elif shape == "blocks":
-        sb, db = _arr(msg, "src_blocks"), _arr(msg, "dst_blocks")
-        if sb is None or db is None:
-            raise ProtocolError("blocks request without block lists")
-        plan = plan_blocks(
-            src,
-            dst,
-            src_idx,
-            dst_idx,
-            sb.astype(np.int64),
-            db.astype(np.int64),
-            None if dbb is None else int(dbb),
-        )
-    elif shape == "slot_to_blocks":
-        raise_if_false(not src.is_blocks, "source must be a contiguous cache")
-        db = _arr(msg, "dst_blocks")
-        if db is None:
-            raise ProtocolError("slot_to_blocks request without dst_blocks")
-        plan = plan_slot_to_blocks(
-            src,
-            dst,
-            src_idx,
-            dst_idx,
-            src_slot,
-            db.astype(np.int64),
-            None if dbb is None else int(dbb),
-        )
-    else:
-        raise ProtocolError(f"bad shape {shape!r}")
+    plan, src_slot, src_idx = plan_request(msg, init_layout, tgt_layout, slot)
     target_side = plan.src if op == "pull" else plan.dst
     # Whatever the request said, every range must lie inside memory this endpoint registered:
     # inside the named cache, or (raw addresses) inside registered caches, which are pinned.

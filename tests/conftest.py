@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -9,6 +10,10 @@ import pytest
 from helpers import cm_options
 
 import llmdd_async as dd
+
+# NIXL's UCX stays on loopback in tests (``nixl`` runs: cma, tcp and self; ``nixl-tcp``: tcp).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_TLS", "cma,tcp,self")
 
 BACKENDS = [
     pytest.param(("asyncio", {}), id="asyncio"),

@@ -21,7 +21,39 @@ def cm_options(**extra: str) -> dict[str, str]:
     return opts
 
 
-TRANSPORTS = ["tcp", "same-host"]
+def _nixl_params() -> list[Any]:
+    """``nixl`` (UCX over loopback with ``cma,tcp,self``) and ``nixl-tcp`` (``UCX_TLS=tcp``):
+    skipped with a reason where NIXL is not installed, except under ``CI=true``, where a
+    missing NIXL must fail."""
+    import os
+
+    import pytest
+
+    from llmdd_async._transports.nixl import INSTALL_HINT, available
+
+    marks = []
+    if not available() and os.environ.get("CI") != "true":
+        marks = [pytest.mark.skip(reason=f"NIXL is not installed ({INSTALL_HINT})")]
+    return [pytest.param(t, marks=marks, id=t) for t in ("nixl", "nixl-tcp")]
+
+
+TRANSPORTS = ["tcp", "same-host", *_nixl_params()]
+
+
+def use_transport(request: Any, monkeypatch: Any) -> str:
+    """The ``llm.Transport`` of a ``TRANSPORTS`` parameter; ``nixl-tcp`` is NIXL with
+    ``UCX_TLS=tcp`` (in this process and the peers it starts), run on asyncio only (the
+    ``nixl`` runs cover uvloop and trio)."""
+    import pytest
+
+    name = str(request.param)
+    if name == "nixl-tcp":
+        backend = request.getfixturevalue("anyio_backend")
+        if backend != ("asyncio", {}):
+            pytest.skip("UCX_TLS=tcp runs on asyncio only; uvloop and trio run UCX cma,tcp,self")
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        return "nixl"
+    return name
 
 
 def endpoint_options(

@@ -17,7 +17,7 @@ _DESCRIBE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 out = {}
-for name in ("plan", "throughput", "layerwise"):
+for name in ("plan", "throughput", "layerwise", "nixl_overhead"):
     mod = __import__(name)
     p = mod.build_parser()
     out[name] = [
@@ -38,7 +38,7 @@ def test_every_benchmark_option_has_help_and_a_default() -> None:
     out = _bench("-c", _DESCRIBE, str(BENCH))
     assert out.returncode == 0, out.stderr
     described = json.loads(out.stdout)
-    assert set(described) == {"plan", "throughput", "layerwise"}
+    assert set(described) == {"plan", "throughput", "layerwise", "nixl_overhead"}
     for name, options in described.items():
         assert {o[0] for o in options} >= {"json", "repeat"}, name
         for dest, help_text, default, formatter in options:
@@ -97,3 +97,29 @@ def test_smallest_layerwise_run(tmp_path: Path) -> None:
     (row,) = json.loads(result.read_text())["rows"]
     assert row["MiB/layer"] == 1 and row["layers"] == 2
     assert 0.0 <= row["hidden %"] <= 100.0
+
+
+def test_smallest_peers_run(tmp_path: Path) -> None:
+    # benchmarks/peers.py on tiny sizes: our own row must run; Mooncake's and NIXL's rows run
+    # where they are installed and say "not installed" where they are not.
+    result = tmp_path / "peers.json"
+    out = _bench(
+        str(BENCH / "peers.py"),
+        *("--rounds", "1", "--blocks", "32", "--small", "3", "--concurrency", "2"),
+        *("--per-request", "4", "--waves", "1", "--repeat", "1"),
+        *("--transports", "same-host", "--loops", "asyncio", "--ucx", "cma"),
+        *("--json", str(result)),
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["engine"]: r for r in json.loads(result.read_text())["rows"]}
+    assert set(rows) == {
+        "llmdd-async same-host asyncio",
+        "mooncake tcp",
+        "nixl UCX_TLS=cma,tcp,self",
+    }
+    assert rows["llmdd-async same-host asyncio"]["status"] == "ok"
+    for row in rows.values():
+        assert row["status"] in ("ok", "not installed", "not loadable"), row
+        if row["status"] == "ok":
+            assert row["bulk_gbps"] > 0 and row["p50_us"] > 0 and row["req_per_s"] > 0

@@ -63,3 +63,57 @@ async def test_64_concurrent_mixed_pulls_and_pushes_are_byte_exact(transport: st
                 )
                 untouched = [64 + b for b in pulled]  # never pushed: still the peer's pattern
                 assert np.array_equal(got[untouched], want[untouched])
+
+
+BIG = (32, 1 << 20)  # 32 blocks of 1 MiB: copies long enough to be cut short
+
+
+@pytest.mark.parametrize("ra", [False, True], ids=["grant", "remote-accessible"])
+@pytest.mark.parametrize("transport", ["tcp", "same-host"])
+async def test_cancelling_many_requests_in_flight_fences_each_one(transport: str, ra: bool) -> None:
+    """32 one-block pulls in flight on one link; every other one is cancelled mid-way. A
+    cancelled pull writes nothing once its cancel has returned; the others land byte-exact;
+    the link carries on. (Remote-accessible same-host pulls are one-sided: the initiator
+    copies alone, so its own fence is all there is.)"""
+    pool = {"llm.MemPoolConfig": '{"memory_size": 134217728}'}
+    async with PeerProcess.start(
+        dd.LLMRole.PROMPT, 1, endpoint_options(transport, listen=True, ra=ra, **pool)
+    ) as p:
+        await p.request(
+            "alloc",
+            kind="blocks",
+            num_tensors=1,
+            shape=list(BIG),
+            blocks_key=encode_key(dd.BlocksCacheKey(1, 0)),
+            seed=21,
+        )
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options(transport, ra=ra, **pool)
+        ) as d:
+            await link(d, 1, p.listen)
+            cm = d.cache_manager
+            dst = cm.allocate_blocks_cache(dd.CacheDesc(1, list(BIG), dd.DataType.DT_UINT8))
+            dst.tensors[0][...] = 0xEE
+            want = expected_tensor(21, 0, BIG)
+            key = dd.BlocksCacheKey(1, 0)
+            tasks = [cm.pull_blocks(key, dst, [b], [b]) for b in range(BIG[0])]
+            await anyio.sleep(0.002)
+            for b in range(1, BIG[0], 2):
+                tasks[b].cancel()
+            cancelled = []
+            for b, task in enumerate(tasks):
+                try:
+                    await task
+                except dd.TransferCancelled:
+                    assert b % 2, f"block {b} was never cancelled"
+                    cancelled.append(b)
+                    continue
+                assert np.array_equal(dst.tensors[0][b], want[b]), f"block {b} is wrong"
+            assert cancelled, "every pull finished before its cancel: the test proved nothing"
+            # Fenced: nothing lands in a cancelled pull's block any more, whatever is in flight.
+            snapshot = dst.tensors[0][cancelled].copy()
+            await anyio.sleep(0.2)
+            assert np.array_equal(dst.tensors[0][cancelled], snapshot)
+            # The link carries on: every block again, byte-exact.
+            await cm.pull_blocks(key, dst, list(range(BIG[0])), list(range(BIG[0])))
+            assert np.array_equal(dst.tensors[0], want)

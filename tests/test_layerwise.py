@@ -16,7 +16,14 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
-from helpers import TRANSPORTS, cluster, endpoint_options, expected_tensor, link
+from helpers import (
+    TRANSPORTS,
+    cluster,
+    endpoint_options,
+    expected_tensor,
+    link,
+    use_transport,
+)
 
 import llmdd_async as dd
 from llmdd_async.testing import PeerProcess, encode_key
@@ -28,8 +35,8 @@ PROMPT = 1
 
 
 @pytest.fixture(params=TRANSPORTS)
-def transport(request: pytest.FixtureRequest) -> str:
-    return request.param
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    return use_transport(request, monkeypatch)
 
 
 @contextlib.asynccontextmanager
@@ -268,8 +275,9 @@ class AsyncGate(dd.AsyncLayerSynchronizer):
         return True
 
 
-async def test_async_synchronizer_and_exceptions() -> None:
-    async with decoders("tcp") as ([dec], prompt):
+@pytest.mark.parametrize("transport", ["tcp", TRANSPORTS[2]], indirect=True)
+async def test_async_synchronizer_and_exceptions(transport) -> None:
+    async with decoders(transport) as ([dec], prompt):
         await dec.request(
             "register",
             kind="blocks",
@@ -374,8 +382,9 @@ async def test_the_next_layer_is_awaited_while_one_is_in_flight() -> None:
 
 
 # ------------------------------------------------------------------ fencing and links
-async def test_cancel_fences_a_layerwise_transfer() -> None:
-    async with decoders("tcp") as ([dec], prompt):
+@pytest.mark.parametrize("transport", ["tcp", TRANSPORTS[2]], indirect=True)
+async def test_cancel_fences_a_layerwise_transfer(transport) -> None:
+    async with decoders(transport) as ([dec], prompt):
         dst = await dec.request(
             "register",
             kind="blocks",
@@ -406,9 +415,10 @@ async def test_cancel_fences_a_layerwise_transfer() -> None:
         await cm.transfer_cache_async(src, Always(), [cfg], [0], [0])
 
 
-async def test_pulls_and_layerwise_on_one_link_never_interleave_and_queue_fifo() -> None:
+@pytest.mark.parametrize("transport", ["tcp", TRANSPORTS[2]], indirect=True)
+async def test_pulls_and_layerwise_on_one_link_never_interleave_and_queue_fifo(transport) -> None:
     shape = (64, 16384)
-    async with decoders("tcp", **{"llm.SyncKvCacheWaitTime": "20000"}) as ([dec], prompt):
+    async with decoders(transport, **{"llm.SyncKvCacheWaitTime": "20000"}) as ([dec], prompt):
         await dec.request(
             "register",
             kind="blocks",

@@ -59,11 +59,30 @@ def run_plan(plan: Plan, src: Space, dst: Space) -> None:
         dst.get(d, n)[:] = src.get(s, n)
 
 
-def assert_maximally_merged(plan: Plan) -> None:
+def _tensor_of(layout: Layout, addrs: np.ndarray) -> np.ndarray:
+    order = np.argsort(layout.addrs)
+    starts = layout.addrs[order]
+    return order[np.searchsorted(starts, addrs, side="right") - 1]
+
+
+def assert_maximally_merged(
+    plan: Plan, src: Layout | None = None, dst: Layout | None = None
+) -> None:
+    """No two consecutive descriptors could merge; with layouts: every descriptor lies inside
+    one tensor on each side (tensors that touch in memory are never merged across), and
+    consecutive descriptors merge whenever they are in the same tensors."""
+    same = np.ones(max(0, len(plan) - 1), dtype=bool)
+    for layout, addrs in ((src, plan.src), (dst, plan.dst)):
+        if layout is None or not len(plan):
+            continue
+        t = _tensor_of(layout, addrs)
+        end = addrs - layout.addrs[t] + plan.nbytes
+        assert np.all(end <= np.uint64(layout.tensor_bytes)), "a descriptor spans two tensors"
+        same &= t[1:] == t[:-1]
     if len(plan) > 1:
         ends_s = plan.src[:-1] + plan.nbytes[:-1]
         ends_d = plan.dst[:-1] + plan.nbytes[:-1]
-        assert not np.any((plan.src[1:] == ends_s) & (plan.dst[1:] == ends_d))
+        assert not np.any((plan.src[1:] == ends_s) & (plan.dst[1:] == ends_d) & same)
     assert np.all(plan.nbytes > 0)
 
 
@@ -117,7 +136,7 @@ def test_blocks_to_blocks_matches_naive(data: st.DataObject) -> None:
     s_idx = np.arange(src.num_tensors)
     d_idx = np.arange(t0, t0 + src.num_tensors)
     plan = plan_blocks(src, dst, s_idx, d_idx, s_blocks, d_blocks)
-    assert_maximally_merged(plan)
+    assert_maximally_merged(plan, src, dst)
     src_sp = space_for(src, 1)
     got, want = space_for(dst, 2), space_for(dst, 2)
     run_plan(plan, src_sp, got)
@@ -145,7 +164,7 @@ def test_slot_to_slot_matches_naive(data: st.DataObject) -> None:
     plan = plan_slots(src, dst, idx, idx, s_slot, d_slot, size, s_off, d_off)
     eff = dst.stride - d_off if size == -1 else size
     assert plan.total_bytes == eff * src.num_tensors
-    assert_maximally_merged(plan)
+    assert_maximally_merged(plan, src, dst)
     src_sp = space_for(src, 3)
     got, want = space_for(dst, 4), space_for(dst, 4)
     run_plan(plan, src_sp, got)
@@ -171,6 +190,7 @@ def test_slot_to_blocks_matches_naive(data: st.DataObject) -> None:
     s_slot = data.draw(st.integers(0, src_count - 1))
     idx = np.arange(dst.num_tensors)
     plan = plan_slot_to_blocks(src, dst, idx, idx, s_slot, d_blocks)
+    assert_maximally_merged(plan, src, dst)
     assert plan.total_bytes == src_stride * dst.num_tensors
     src_sp = space_for(src, 5)
     got, want = space_for(dst, 6), space_for(dst, 6)
@@ -326,7 +346,9 @@ def test_big_request_coalesces_contiguous_runs_and_tensors() -> None:
     idx = np.arange(n_tensors)
     blocks = np.arange(n_blocks)
     plan = plan_blocks(src, dst, idx, idx, blocks, blocks)
-    assert len(plan) == 1  # all tensors back to back on both sides
+    # All tensors lie back to back on both sides, but a descriptor never spans two tensors
+    # (both ends check ranges per tensor): one descriptor per tensor.
+    assert len(plan) == n_tensors
     assert plan.total_bytes == n_tensors * n_blocks * 64
     shuffled = np.random.default_rng(0).permutation(n_blocks)
     plan = plan_blocks(src, dst, idx, idx, shuffled, blocks)
@@ -345,3 +367,61 @@ def test_block_copies_within_one_cache() -> None:
         for s, d in ((0, 3), (0, 4), (2, 5)):
             want[base + d * 8 : base + d * 8 + 8] = want[base + s * 8 : base + s * 8 + 8]
     assert np.array_equal(sp.mem, want)
+
+
+@given(
+    bases=st.lists(
+        st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)), min_size=1, max_size=8
+    ),
+    pieces=st.lists(
+        st.tuples(st.integers(0, 300), st.integers(0, 300), st.integers(1, 100)),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_small_plans_built_in_python_equal_the_numpy_ones(bases, pieces) -> None:  # type: ignore[no-untyped-def]
+    """The few-descriptor planner (Python ints) gives the numpy planner's exact descriptors,
+    merges and uint64 wrap-around included."""
+    from llmdd_async import _planner
+
+    u = np.uint64
+    sb, db = (np.array([b[i] for b in bases], dtype=u) for i in (0, 1))
+    so, do, nb = (np.array([p[i] for p in pieces], dtype=u) for i in (0, 1, 2))
+    small = _planner._outer_small(sb, db, so, do, nb)
+    with np.errstate(over="ignore"):
+        s = (sb[:, None] + so[None, :]).ravel()
+        d = (db[:, None] + do[None, :]).ravel()
+        big = _planner.coalesce(s, d, np.tile(nb, len(sb)), row=len(nb))
+    for a, b in zip(
+        (small.src, small.dst, small.nbytes), (big.src, big.dst, big.nbytes), strict=True
+    ):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+@given(
+    regions=st.lists(st.tuples(st.integers(0, 2**64 - 2), st.integers(1, 500)), max_size=6),
+    ranges=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 600)), max_size=10),
+    near=st.booleans(),
+)
+def test_check_within_small_inputs_agree_with_numpy(regions, ranges, near) -> None:  # type: ignore[no-untyped-def]
+    """The Python path for a few ranges answers exactly as the vectorised one."""
+    from llmdd_async import _planner
+
+    regions = sorted({s: n for s, n in regions}.items())
+    kept: list[tuple[int, int]] = []
+    for s, n in regions:  # non-overlapping, as the registry guarantees
+        if (not kept or s >= kept[-1][0] + kept[-1][1]) and s + n < 2**64:
+            kept.append((s, n))
+    starts = np.array([s for s, _ in kept], dtype=np.uint64)
+    ends = np.array([s + n for s, n in kept], dtype=np.uint64)
+    if near and kept:  # ranges around the regions' edges, where the answers change
+        ranges = [(kept[i % len(kept)][0] + (a % 700) - 100, n) for i, (a, n) in enumerate(ranges)]
+        ranges = [(max(0, a), n) for a, n in ranges]
+    a = np.array([r[0] for r in ranges], dtype=np.uint64)
+    n = np.array([r[1] for r in ranges], dtype=np.uint64)
+    fast = _planner.check_within(a, n, starts, ends)
+    # Past the small-input cut, the same ranges take the numpy path.
+    reps = _planner._SMALL // max(1, len(ranges)) + 1
+    with np.errstate(over="ignore"):
+        slow = _planner.check_within(np.tile(a, reps), np.tile(n, reps), starts, ends)
+    assert fast == slow

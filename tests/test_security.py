@@ -532,7 +532,8 @@ async def test_a_grant_for_other_blocks_of_ours_is_refused(
     transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The initiator checks that a grant writes only the blocks it asked for: a target that
-    shifts our destination by three blocks breaks the link instead."""
+    shifts our destination by three blocks breaks the link instead. (Request/response mode:
+    in remote-accessible mode a same-host pull is planned by the initiator, with no grant.)"""
     from llmdd_async import _transfer
 
     real = _transfer._resolve_and_plan
@@ -542,13 +543,13 @@ async def test_a_grant_for_other_blocks_of_ours_is_refused(
         plan = _transfer.Plan(plan.src, plan.dst + np.uint64(3 * 64), plan.nbytes)
         return entries, plan, slot_info, mode, n
 
-    opts = endpoint_options(transport, listen=True, ra=True)
+    opts = endpoint_options(transport, listen=True)
     async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
         p.cache_manager.allocate_blocks_cache(
             dd.CacheDesc(1, [8, 64], dd.DataType.DT_UINT8), dd.BlocksCacheKey(1, 0)
         )
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
-            endpoint_options(transport, ra=True)
+            endpoint_options(transport)
         ) as d:
             await link(d, 1, p.listen_address)
             mine = d.cache_manager.allocate_blocks_cache(

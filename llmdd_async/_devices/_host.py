@@ -42,8 +42,11 @@ def wants_threads(plan: Plan) -> bool:
     return int(plan.nbytes[bad].sum(dtype=np.uint64)) * 2 > plan.total_bytes
 
 
-async def copy_plan(plan: Plan, token: CancelToken, threads: int) -> int:
-    """Run ``plan`` with memmove on up to ``threads`` worker threads; returns bytes copied.
+async def copy_plan(
+    plan: Plan, token: CancelToken, threads: int, limiter: anyio.CapacityLimiter | None = None
+) -> int:
+    """Run ``plan`` with memmove on up to ``threads`` worker threads (drawn from ``limiter``,
+    default anyio's); returns bytes copied.
 
     Raises:
         CopyCancelled: ``token`` was cancelled (every thread has stopped when this returns).
@@ -55,11 +58,15 @@ async def copy_plan(plan: Plan, token: CancelToken, threads: int) -> int:
         return copy_ranges(plan.src, plan.dst, plan.nbytes, token)
     parts = split_plan(plan, threads if wants_threads(plan) else 1)
     if len(parts) == 1:
-        return await anyio.to_thread.run_sync(copy_ranges, plan.src, plan.dst, plan.nbytes, token)
+        return await anyio.to_thread.run_sync(
+            copy_ranges, plan.src, plan.dst, plan.nbytes, token, limiter=limiter
+        )
     done = [0] * len(parts)
 
     async def one(i: int, p: Plan) -> None:
-        done[i] = await anyio.to_thread.run_sync(copy_ranges, p.src, p.dst, p.nbytes, token)
+        done[i] = await anyio.to_thread.run_sync(
+            copy_ranges, p.src, p.dst, p.nbytes, token, limiter=limiter
+        )
 
     async with anyio.create_task_group() as tg:
         for i, p in enumerate(parts):
@@ -75,6 +82,15 @@ class HostAdapter:
 
     def __init__(self, copy_threads: int = 2) -> None:
         self.copy_threads = copy_threads
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    @property
+    def limiter(self) -> anyio.CapacityLimiter:
+        """The threads copies run on: as many as ``llm.CopyThreads``. Many concurrent copies
+        then queue instead of thrashing the cores (memcpy never waits on a peer)."""
+        if self._limiter is None:  # made on first use: it needs the running loop's backend
+            self._limiter = anyio.CapacityLimiter(self.copy_threads)
+        return self._limiter
 
     def resolve(self, obj: Any, nbytes: int, name: str) -> tuple[int, Any]:
         return resolve_host_memory(obj, nbytes, name)
@@ -83,7 +99,7 @@ class HostAdapter:
         return MemoryPool(config, name)
 
     async def copy(self, plan: Plan, token: CancelToken) -> int:
-        return await copy_plan(plan, token, self.copy_threads)
+        return await copy_plan(plan, token, self.copy_threads, self.limiter)
 
     def owns(self, addrs: Any) -> bool:
         return False

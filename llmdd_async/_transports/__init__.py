@@ -5,10 +5,14 @@
 * ``same_host``: the initiator copies straight from/to the peer's memory: pool memory through
   a shared mapping of the peer's ``memfd``, other memory with ``process_vm_readv/writev``.
 * ``in_process``: both endpoints share an address space; one memmove.
+* ``nixl``: one-sided NIXL READ/WRITE (UCX: RDMA, cma, shm, tcp, cuda_ipc) between the granted
+  ranges, when both endpoints set ``llm.Transport=nixl`` (loaded only then).
 
-The link picks per transfer; ``llm.Transport`` (``auto``, ``tcp``, ``same-host``) constrains it.
-An adapter over an RDMA transfer engine would be another module here, offering the same
-:class:`PeerAccess` shape.
+The link picks per transfer; ``llm.Transport`` (``auto``, ``tcp``, ``same-host``, ``nixl``)
+constrains it. Another transfer engine (Mooncake TE) would be one more module offering the same
+:class:`PeerAccess` shape: ``read`` / ``write`` of granted ranges, ``caps``, ``close``, plus the
+optional hooks ``attach(link)`` (fetch its metadata over the link) and ``caps_for(entry)``
+(which local caches it can reach).
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ class PeerAccess(Protocol):
         self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, token: CancelToken
     ) -> int:
         """Copy local memory into peer memory; returns bytes. Raises CopyCancelled, OSError."""
+        ...
+
+    def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
+        """True if this access can copy every range of the peer's memory one-sidedly (without
+        the peer's help): the initiator then plans a remote-accessible pull itself."""
         ...
 
     def close(self) -> None: ...

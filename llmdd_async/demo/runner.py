@@ -447,7 +447,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--transport",
-        choices=["auto", "tcp", "same-host"],
+        choices=["auto", "tcp", "same-host", "nixl"],
         default=d.transport,
         help="llm.Transport of both endpoints",
     )

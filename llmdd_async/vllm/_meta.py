@@ -1,0 +1,55 @@
+"""Scheduler -> worker metadata of :class:`LlmddConnector` (plain data, pickle/msgspec-safe)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+__all__ = ["LlmddHandshake", "LlmddMetadata", "RecvSpec", "base_request_id"]
+
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def base_request_id(req_id: str) -> str:
+    """vLLM's external request id: the internal id without the random ``-xxxxxxxx`` suffix."""
+    return _SUFFIX.sub("", req_id)
+
+
+@dataclass
+class RecvSpec:
+    """A decode request's load: where from, into which blocks."""
+
+    local_blocks: list[int]
+    skip_blocks: int  # leading blocks the decode already has (local prefix cache)
+    params: dict[str, Any]  # the request's kv_transfer_params (the remote_* keys)
+    num_tokens: int
+
+
+@dataclass
+class LlmddHandshake(KVConnectorHandshakeMetadata):
+    """One worker's side channel, reported to the scheduler."""
+
+    host: str
+    port: int
+    cluster_id: int
+    tp_rank: int
+
+
+@dataclass
+class LlmddMetadata(KVConnectorMetadata):
+    #: decode: requests to load, by request id
+    recv: dict[str, RecvSpec] = field(default_factory=dict)
+    #: decode: aborted before loading: (host, port, remote request id) to release on the prefill
+    release: list[tuple[str, int, str]] = field(default_factory=list)
+    #: prefill: finished requests whose blocks the connector holds -> (lease seconds, blocks)
+    send: dict[str, tuple[float, list[int]]] = field(default_factory=dict)
+    #: prefill: finished requests that were aborted (layer-wise push to stop)
+    aborted: set[str] = field(default_factory=set)
+    #: prefill, layer-wise: requests whose prompt completes this step -> their prompt blocks
+    save: dict[str, list[int]] = field(default_factory=dict)

@@ -1,0 +1,174 @@
+"""Scheduler side of :class:`LlmddConnector` (NixlConnector's request flow and params)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .._log import get_logger
+from ._config import ConnectorConfig
+from ._meta import LlmddHandshake, LlmddMetadata, RecvSpec
+
+__all__ = ["SchedulerSide"]
+
+log = get_logger("vllm")
+
+_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    if isinstance(block_ids, tuple) or (block_ids and isinstance(block_ids[0], list)):
+        return list(block_ids[0]) if block_ids else []
+    return list(block_ids or [])
+
+
+class SchedulerSide:
+    def __init__(self, cfg: ConnectorConfig, vllm_config: Any, engine_id: str) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size = int(vllm_config.cache_config.block_size)
+        pc = vllm_config.parallel_config
+        self.tp_size = int(pc.tensor_parallel_size)
+        self.pp_size = int(pc.pipeline_parallel_size)
+        self._ranks: dict[int, LlmddHandshake] = {}
+        self._recv: dict[str, RecvSpec] = {}
+        self._release: list[tuple[str, int, str]] = []
+        self._send: dict[str, tuple[float, list[int]]] = {}
+        self._aborted: set[str] = set()
+        self._lw_candidates: dict[str, int] = {}  # layer-wise prefill: id -> prompt tokens
+        self._saved: set[str] = set()
+
+    def set_handshake(self, metadata: dict[int, Any]) -> None:
+        for rank, m in metadata.items():
+            if isinstance(m, LlmddHandshake):
+                self._ranks[int(rank)] = m
+
+    @property
+    def port(self) -> int:
+        if 0 in self._ranks:
+            return self._ranks[0].port
+        return self.cfg.side_channel_port
+
+    # ------------------------------------------------------------------ decode
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        missing = [k for k in _REMOTE_KEYS if k not in params]
+        if self.cfg.mode == "pull" and not params.get("remote_block_ids"):
+            missing.append("remote_block_ids")
+        if missing:
+            log.warning(
+                "vllm.bad_params",
+                request_id=request.request_id,
+                missing=missing,
+                note="computed locally",
+            )
+            return 0, False
+        count = len(request.prompt_token_ids or []) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if params.get("do_remote_decode") and self.cfg.mode == "layerwise":
+            self._lw_candidates[request.request_id] = len(request.prompt_token_ids or [])
+        if not params.get("do_remote_prefill"):
+            return
+        if num_external_tokens > 0:
+            group = blocks.blocks[0]
+            skip = sum(1 for b in group if b.block_hash is not None and not b.is_null)
+            local = blocks.get_unhashed_block_ids_all_groups()[0]
+            self._recv[request.request_id] = RecvSpec(
+                local_blocks=list(local),
+                skip_blocks=skip,
+                params={k: v for k, v in params.items() if k != "do_remote_prefill"},
+                num_tokens=len(request.prompt_token_ids or []),
+            )
+        params["do_remote_prefill"] = False
+
+    # ------------------------------------------------------------------ both
+
+    def build_connector_meta(self, scheduler_output: Any) -> LlmddMetadata:
+        save: dict[str, list[int]] = {}
+        if self._lw_candidates:
+            for nr in scheduler_output.scheduled_new_reqs:
+                n = self._lw_candidates.pop(nr.req_id, None)
+                if n is None:
+                    continue
+                done = nr.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(
+                    nr.req_id, 0
+                )
+                if done >= n:  # the whole prompt runs in this step: save it layer by layer
+                    save[nr.req_id] = list(nr.block_ids[0][: math.ceil(n / self.block_size)])
+                    self._saved.add(nr.req_id)
+            # requests still chunking are pushed when they finish
+            self._lw_candidates.clear()
+        meta = LlmddMetadata(
+            recv=self._recv,
+            release=self._release,
+            send=self._send,
+            aborted=self._aborted,
+            save=save,
+        )
+        self._recv, self._release, self._send, self._aborted = {}, [], {}, set()
+        return meta
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        saved = request.request_id in self._saved
+        self._saved.discard(request.request_id)
+        self._lw_candidates.pop(request.request_id, None)
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # a decode request that ends before loading (aborted): free the prefill's blocks
+            if all(k in params for k in _REMOTE_KEYS):
+                self._release.append(
+                    (
+                        str(params["remote_host"]),
+                        int(params["remote_port"]),
+                        str(params["remote_request_id"]),
+                    )
+                )
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        ids = _first_group(block_ids)
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            if saved and ids:  # a layer-wise push may be reading the blocks: fence it first
+                self._aborted.add(request.request_id)
+                self._send[request.request_id] = (self.cfg.lease_s, ids)
+                return True, None
+            return False, None
+        n = math.ceil(len(request.prompt_token_ids or []) / self.block_size)
+        ids = ids[:n] if n else ids
+        delay = len(ids) > 0
+        if delay:
+            self._send[request.request_id] = (self.cfg.lease_s, ids)
+        out: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.cfg.side_channel_host,
+            "remote_port": self.port,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "remote_num_tokens": len(request.prompt_token_ids or []),
+            "transfer_mode": self.cfg.mode,
+        }
+        if len(self._ranks) > 1:
+            out["llmdd_ports"] = [self._ranks[r].port for r in sorted(self._ranks)]
+        return delay, out
