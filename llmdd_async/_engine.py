@@ -71,6 +71,8 @@ class Engine:
         self.links = LinkManager(self)
         #: the NIXL agent (``llm.Transport=nixl``), made when the engine starts
         self.nixl: Any = None
+        #: bumped whenever a cache id is released; same-host peers map it (one-sided pulls)
+        self.epoch: Any = None
 
     @property
     def sync_kv_timeout_s(self) -> float:
@@ -92,6 +94,10 @@ class Engine:
         """Open the engine's task group; on exit every task is cancelled and fenced."""
         self._thread = threading.get_ident()
         self._create_pools()
+        from ._memory import EpochPage
+
+        self.epoch = EpochPage()
+        self.registry.on_release = self.epoch.bump
         body_error: BaseException | None = None
         try:
             async with (
@@ -123,6 +129,10 @@ class Engine:
             for pool in self.pools.values():
                 pool.close()
             self.pools.clear()
+            if self.epoch is not None:
+                self.registry.on_release = None
+                self.epoch.close()
+                self.epoch = None
             self.adapter.close()
             self.log.info("engine.down")
         if body_error is not None:
@@ -192,12 +202,15 @@ class Engine:
         if ready is not None:
             await ready.wait()
 
-    def published_table(self) -> dict[str, Any]:
+    def published_table(self, nixl: bool = True) -> dict[str, Any]:
         """This endpoint's cache table, as a peer snapshots it (remote-accessible mode); with
-        NIXL also the agent's metadata, so that a linked peer can reach its registered
-        (remote-accessible) caches."""
+        NIXL (and ``nixl``: asked over a NIXL link) also the agent's metadata, so that a
+        linked peer can reach its registered (remote-accessible) caches."""
         table = self.registry.published_table()
-        if self.nixl is not None:
+        if self.epoch is not None:
+            # Where a peer reading our caches one-sidedly checks that its snapshot still holds.
+            table["epoch"] = [self.epoch.base, self.epoch.value]
+        if self.nixl is not None and nixl:
             table["nixl"] = self.nixl.table_entry()
         return table
 

@@ -247,6 +247,8 @@ class Link:
         self.table: dict[str, Any] | None = None
         #: the table's caches by id (as the peer described them; checked before any use)
         self.peer_caches: dict[int, dict[str, Any]] = {}
+        #: (address, value) of the peer's epoch counter as of that view (one-sided pulls)
+        self.peer_epoch: tuple[int, int] | None = None
         #: requests waiting for a reply of a given type (TABLE, UNLINK_ACK, PONG)
         self._waiters: dict[MT, list[Pending]] = {MT.TABLE: [], MT.UNLINK_ACK: [], MT.PONG: []}
         self._reader_scope: anyio.CancelScope | None = None
@@ -589,14 +591,41 @@ class Link:
                 )
             if self.table is None:
                 self.table = msg.fields
-                self.peer_regions = regions_of_table(msg.fields)
-                caches = msg.fields.get("caches")
-                self.peer_caches = {
-                    c["cache_id"]: c
-                    for c in (caches if isinstance(caches, list) else [])
-                    if isinstance(c, dict) and isinstance(c.get("cache_id"), int)
-                }
+                self._adopt_view(msg.fields)
         return self.table
+
+    def _adopt_view(self, table: dict[str, Any]) -> None:
+        """What this side knows of the peer's memory, from a copy of its table: the reachable
+        regions, the caches by id and the epoch (one-sided pulls), all from the same copy."""
+        self.peer_regions = regions_of_table(table)
+        caches = table.get("caches")
+        self.peer_caches = {
+            c["cache_id"]: c
+            for c in (caches if isinstance(caches, list) else [])
+            if isinstance(c, dict) and isinstance(c.get("cache_id"), int)
+        }
+        epoch = table.get("epoch")
+        words: list[Any] = epoch if isinstance(epoch, list) else []
+        valid = (
+            len(words) == 2
+            and all(type(v) is int for v in words)
+            and 0 < words[0] < 2**64
+            and 0 <= words[1] < 2**64
+        )
+        self.peer_epoch = (words[0], words[1]) if valid else None
+
+    async def refresh_view(self, timeout_s: float) -> bool:
+        """Fetch the peer's table again for :meth:`_adopt_view` (the snapshot that resolves
+        keys and ids stays as it was). Returns False if the peer did not answer in time.
+
+        Raises:
+            LinkBroken: the link failed meanwhile.
+        """
+        msg = await self.roundtrip(Message(MT.TABLE_REQ), MT.TABLE, timeout_s)
+        if msg is None:
+            return False
+        self._adopt_view(msg.fields)
+        return True
 
     async def check_remote(self, remote: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> None:
         """Every range a grant names in the peer's memory must lie in what the peer published
@@ -608,11 +637,8 @@ class Link:
         """
         if check_within(remote, nbytes, *self.peer_regions):
             return
-        msg = await self.roundtrip(Message(MT.TABLE_REQ), MT.TABLE, timeout_s)
-        if msg is not None:
-            self.peer_regions = regions_of_table(msg.fields)
-            if check_within(remote, nbytes, *self.peer_regions):
-                return
+        if await self.refresh_view(timeout_s) and check_within(remote, nbytes, *self.peer_regions):
+            return
         raise ProtocolError("GRANT points outside the peer's published caches")
 
     # ------------------------------------------------------------------ reading
@@ -790,7 +816,9 @@ class Link:
             if aborted is not None:
                 aborted.fail(LLMException(text, status_code=code))
         elif t == MT.TABLE_REQ:
-            await self._owe_reply(Message(MT.TABLE, 0, self.engine.published_table()))
+            # NIXL metadata (keys to our registered memory) only to a peer linked over NIXL.
+            over_nixl = getattr(self.access, "name", None) == "nixl"
+            await self._owe_reply(Message(MT.TABLE, 0, self.engine.published_table(over_nixl)))
         elif t == MT.PING:
             await self._owe_reply(Message(MT.PONG))
         elif t == MT.UNLINK:

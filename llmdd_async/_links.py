@@ -131,6 +131,8 @@ class LinkManager:
         """What a proven same-host peer learns: pool files, the probe, reachable caches."""
         e = self.engine
         pools = [[p.fd, p.base, p.nbytes] for p in e.pools.values() if hasattr(p, "fd")]
+        if e.epoch is not None:  # mapped like a pool: read by one-sided pulls (see _transfer)
+            pools.append([e.epoch.fd, e.epoch.base, e.epoch.nbytes])
         return {
             "pools": pools,
             "probe": [int(self._probe.ctypes.data), self._probe.tobytes().hex()],

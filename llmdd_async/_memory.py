@@ -14,8 +14,11 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import numpy as np
 
 from ._enums import LLMStatusCode
@@ -25,6 +28,7 @@ from ._options import PoolConfig
 __all__ = [
     "CancelToken",
     "CopyCancelled",
+    "EpochPage",
     "MemoryPool",
     "PageAllocator",
     "PoolAllocation",
@@ -32,6 +36,7 @@ __all__ = [
     "copy_ranges",
     "host_view",
     "resolve_host_memory",
+    "run_parts",
 ]
 
 
@@ -403,3 +408,70 @@ def populate(addrs: np.ndarray, nbytes: int) -> int:
         if end > start and _libc_madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
             done += end - start
     return done
+
+
+class EpochPage:
+    """One shareable page holding a counter that this endpoint bumps whenever a cache id is
+    released.
+
+    Same-host peers map it (like a pool) and read it with a plain load before and after a
+    one-sided pull: an unchanged epoch means every cache in their table snapshot was still
+    registered for the whole copy. A peer cannot stall that read (it is our own mapping of
+    shared memory, not a syscall into its address space).
+    """
+
+    nbytes = mmap.PAGESIZE
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("llmdd-epoch", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.nbytes)
+            self._map = mmap.mmap(self.fd, self.nbytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._word = np.frombuffer(self._map, dtype=np.uint64, count=1)
+        self.base = int(self._word.ctypes.data)
+
+    @property
+    def value(self) -> int:
+        return int(self._word[0])
+
+    def bump(self) -> None:
+        # Before the memory is released: a copy that overlaps the release sees the change.
+        self._word[0] += np.uint64(1)
+
+    def close(self) -> None:
+        del self._word
+        with contextlib.suppress(BufferError):
+            self._map.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+async def run_parts(parts: list[Callable[[], int]], limiter: anyio.CapacityLimiter | None) -> int:
+    """Run blocking ``parts`` (pieces of one copy) on worker threads at once; returns the sum
+    of their results. Every part has finished when this returns or raises.
+
+    Raises:
+        CopyCancelled: if any part was cancelled; else the first exception a part raised
+            (one exception, never an ExceptionGroup, so callers can tell what happened).
+    """
+    if len(parts) == 1:
+        result: int = await anyio.to_thread.run_sync(parts[0], limiter=limiter)
+        return result
+    results = [0] * len(parts)
+    errors: list[Exception] = []
+
+    async def one(i: int, fn: Callable[[], int]) -> None:
+        try:
+            results[i] = await anyio.to_thread.run_sync(fn, limiter=limiter)
+        except Exception as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for i, fn in enumerate(parts):
+            tg.start_soon(one, i, fn)
+    if errors:
+        raise next((e for e in errors if isinstance(e, CopyCancelled)), errors[0])
+    return sum(results)

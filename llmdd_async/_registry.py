@@ -82,6 +82,9 @@ class Registry:
         #: memory goes, before it goes (a transfer engine registers / deregisters it)
         self.on_add: Callable[[CacheEntry], None] | None = None
         self.on_free: Callable[[CacheEntry], None] | None = None
+        #: called when a cache id is released (before any of its memory is), so that peers
+        #: reading our caches one-sidedly learn that their table snapshot went stale
+        self.on_release: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- ids and entries
     def new_id(self) -> int:
@@ -268,6 +271,8 @@ class Registry:
         """Drop the id reference; memory goes once no key or transfer holds the cache."""
         if entry.id_released:
             return
+        if self.on_release is not None:
+            self.on_release()
         entry.id_released = True
         if entry.is_blocks:
             for model_id, cid in list(self._blocks_keys.items()):

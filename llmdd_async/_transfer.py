@@ -202,13 +202,18 @@ async def initiate(
             (LLM_LINK_FAILED / LLM_NOT_YET_LINK), or the transfer was stopped.
     """
     await engine.populated(spec.local.addrs)
-    direct = _direct_plan(engine, link, spec)
-    if direct is not None:
-        done = await _pull_direct(link, spec, direct, token)
-        if done is not None:
-            return done
     req = link.open_pending(deadline)
     req.token = token
+    try:
+        # Tracked like any request: a link going down cancels the copy, and its mappings stay
+        # until the copy has stopped.
+        done = await _pull_direct(engine, link, spec, req)
+    except BaseException:
+        link.close_pending(req)
+        raise
+    if done is not None:
+        link.close_pending(req)
+        return done
     grant_info: dict[str, Any] = {}
 
     def on_grant(msg: Message) -> None:
@@ -290,9 +295,9 @@ def _direct_plan(engine: Any, link: Link, spec: XferSpec) -> Plan | None:
 
     In remote-accessible mode a peer publishes its caches' layouts and lets linked peers reach
     them, as an RDMA engine does: when our access to its memory needs no help from it (a
-    mapped pool, ``process_vm_readv``, the same process), a pull by cache id is planned here
-    from its table and copied one-sidedly, with no round trip. Only pulls: a push would write
-    into memory the peer may have released since its table was taken, so the peer grants it.
+    mapped pool, ``process_vm_readv``) and we can read its epoch (see :func:`_pull_direct`), a
+    pull by cache id is planned here from its table and copied one-sidedly, with no round
+    trip. Only pulls: a push writes into the peer's memory, which only the peer can pin.
 
     Raises:
         LLMException: LLM_PARAM_INVALID / LLM_KV_CACHE_NOT_EXIST for a selection that does not
@@ -304,7 +309,8 @@ def _direct_plan(engine: Any, link: Link, spec: XferSpec) -> Plan | None:
         or not engine.options.remote_accessible
         or spec.target.get("by") != "cache_id"
         or access is None
-        or getattr(access, "reaches", None) is None
+        or getattr(access, "read_word", None) is None
+        or link.peer_epoch is None
         or not engine.host_reachable(spec.local.addrs)
     ):
         return None
@@ -333,22 +339,42 @@ def _direct_plan(engine: Any, link: Link, spec: XferSpec) -> Plan | None:
 
 
 async def _pull_direct(
-    link: Link, spec: XferSpec, plan: Plan, token: CancelToken
+    engine: Any, link: Link, spec: XferSpec, req: Pending
 ) -> tuple[int, int] | None:
-    """Copy a pull planned by :func:`_direct_plan`; returns ``(bytes, descriptors)``, or None
-    when the peer's memory is no longer where its table said (the peer then answers).
+    """Run a pull one-sidedly if :func:`_direct_plan` allows; returns ``(bytes, descriptors)``,
+    or None when the target must serve it.
+
+    The peer bumps its epoch whenever it releases a cache id, before any memory goes. The epoch
+    is read before and after the copy: unchanged, every cache of our view of its table was
+    registered for the whole copy, so the bytes are that cache's. Changed, our view is
+    refreshed and the pull goes to the peer, which answers for its caches (and pins them).
 
     Raises:
-        CopyCancelled: ``token`` tripped (the copy has stopped). LLMException: the link is down.
+        CopyCancelled: the request's token tripped (the copy has stopped). LLMException: the
+            link is down, or the selection does not fit (as the peer would answer).
     """
+    plan = _direct_plan(engine, link, spec)
+    access, epoch = link.access, link.peer_epoch
+    if plan is None or access is None or epoch is None:
+        return None
+    if access.read_word(epoch[0]) != epoch[1]:
+        await link.refresh_view(engine.sync_kv_timeout_s)
+        return None
     t_start = time.monotonic()
     try:
-        assert link.access is not None  # checked by _direct_plan
-        total = await link.access.read(plan.src, plan.dst, plan.nbytes, token)
+        total = await access.read(plan.src, plan.dst, plan.nbytes, req.token)
+    except CopyCancelled:
+        raise req.error or CopyCancelled() from None
     except OSError:
         if not link.alive:
             raise link.down_error() from None
-        return None  # e.g. the peer unmapped the cache since its table was taken
+        return None  # e.g. the peer unmapped memory: it answers for its caches
+    if req.error is not None:  # the link went down (or the peer aborted) under the copy
+        raise req.error
+    if access.read_word(epoch[0]) != epoch[1]:
+        # A cache was released while we copied: the bytes may not be what was asked for.
+        await link.refresh_view(engine.sync_kv_timeout_s)
+        return None
     link.stats_transfers += 1
     link.stats_bytes += total
     link.history.append(TransferRecord(spec.op, t_start, time.monotonic(), total, "direct"))

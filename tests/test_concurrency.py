@@ -7,7 +7,7 @@ import base64
 import anyio
 import numpy as np
 import pytest
-from helpers import endpoint_options, expected_tensor, link
+from helpers import cluster, endpoint_options, expected_tensor, link
 
 import llmdd_async as dd
 from llmdd_async.testing import PeerProcess, encode_key
@@ -117,3 +117,48 @@ async def test_cancelling_many_requests_in_flight_fences_each_one(transport: str
             # The link carries on: every block again, byte-exact.
             await cm.pull_blocks(key, dst, list(range(BIG[0])), list(range(BIG[0])))
             assert np.array_equal(dst.tensors[0], want)
+
+
+async def test_force_unlink_during_one_sided_pulls_stops_them_before_unmapping() -> None:
+    """Remote-accessible same-host pulls copy one-sidedly from the peer's mapped pool. A
+    ``force`` unlink while 128 MiB pulls are in flight fails them with LLM_NOT_YET_LINK, and the
+    link keeps its mappings until each copy stopped (before, the pool was unmapped under the
+    copy and the process crashed)."""
+    pool = {"llm.MemPoolConfig": '{"memory_size": 167772160}'}
+    shape = [64, 1 << 20]
+    async with PeerProcess.start(
+        dd.LLMRole.PROMPT, 1, endpoint_options("same-host", listen=True, ra=True, **pool)
+    ) as p:
+        await p.request(
+            "alloc",
+            kind="blocks",
+            num_tensors=2,
+            shape=shape,
+            blocks_key=encode_key(dd.BlocksCacheKey(1, 0)),
+            seed=3,
+        )
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options("same-host", ra=True, **pool)
+        ) as d:
+            await link(d, 1, p.listen)
+            cm = d.cache_manager
+            dst = cm.allocate_blocks_cache(dd.CacheDesc(2, shape, dd.DataType.DT_UINT8))
+            key, every = dd.BlocksCacheKey(1, 0), list(range(64))
+            await cm.pull_blocks(key, dst, every, every)
+            assert d.link_statistics(1).recent[-1].mode == "direct"
+            interrupted = 0
+            for i in range(6):
+                task = cm.pull_blocks(key, dst, every, every)
+                await anyio.sleep(0.002 + 0.001 * i)
+                in_flight = not task.done()
+                await d.unlink_clusters([cluster(1)], force=True)
+                try:
+                    await task
+                except dd.LLMException as err:
+                    assert err.status_code == dd.LLMStatusCode.LLM_NOT_YET_LINK, str(err)
+                    interrupted += in_flight
+                await link(d, 1, p.listen)
+            assert interrupted, "no pull was in flight at the unlink: the test proved nothing"
+            await cm.pull_blocks(key, dst, every, every)
+            for t in range(2):
+                assert np.array_equal(dst.tensors[t], expected_tensor(3, t, tuple(shape)))

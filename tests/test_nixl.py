@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 
+import anyio
 import numpy as np
 import pytest
+from helpers import cluster, endpoint_options, expected_tensor, link, pool_json
 
 import llmdd_async as dd
 from llmdd_async._options import parse_options
 from llmdd_async._transports import nixl as nixl_mod
-from llmdd_async.testing import DEFAULT_OPTIONS, linked_pair
+from llmdd_async.testing import DEFAULT_OPTIONS, PeerProcess, encode_key, linked_pair
 
 pytestmark = pytest.mark.anyio
 
@@ -185,3 +187,47 @@ def test_cuts_and_merged_runs() -> None:
     assert runs.tolist() == [[100, 300], [500, 100]]
     assert nixl_mod._find1([100, 500], [400, 600], [1, 2], 350, 50) == 1
     assert nixl_mod._find1([100, 500], [400, 600], [1, 2], 350, 51) == -1
+
+
+@needs_nixl
+async def test_relinking_at_once_after_a_force_unlink_keeps_nixl_working() -> None:
+    """A 128 MiB pull is in flight when this side force-unlinks and links again at once. The
+    old link's NIXL state is dropped only once its pull stopped; that must not drop the peer's
+    agent that the new link loaded meanwhile (before: every later pull failed with
+    NIXL_ERR_NOT_FOUND)."""
+    extra = {"llm.MemPoolConfig": pool_json(160 << 20)}
+    shape = [64, 1 << 20]
+    async with PeerProcess.start(
+        dd.LLMRole.PROMPT, 1, endpoint_options("nixl", listen=True, **extra)
+    ) as p:
+        await p.request(
+            "alloc",
+            kind="blocks",
+            num_tensors=2,
+            shape=shape,
+            blocks_key=encode_key(dd.BlocksCacheKey(1, 0)),
+            seed=3,
+        )
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options("nixl", **extra)
+        ) as d:
+            await link(d, 1, p.listen)
+            cm = d.cache_manager
+            dst = cm.allocate_blocks_cache(dd.CacheDesc(2, shape, dd.DataType.DT_UINT8))
+            key, every = dd.BlocksCacheKey(1, 0), list(range(64))
+            await cm.pull_blocks(key, dst, every, every)
+            task = cm.pull_blocks(key, dst, every, every)
+            await anyio.sleep(0.003)
+            await d.unlink_clusters([cluster(1)], force=True)
+            try:
+                await task
+            except dd.LLMException as err:
+                assert err.status_code == dd.LLMStatusCode.LLM_NOT_YET_LINK, str(err)
+            await link(d, 1, p.listen)
+            dst.tensors[0][...] = 0
+            for _ in range(3):
+                await anyio.sleep(0.3)  # the old link lets go of its NIXL state meanwhile
+                await cm.pull_blocks(key, dst, every, every)
+                assert d.link_statistics(1).transport == "nixl"
+            for t in range(2):
+                assert np.array_equal(dst.tensors[t], expected_tensor(3, t, tuple(shape)))

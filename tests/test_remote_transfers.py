@@ -593,3 +593,26 @@ async def test_every_block_of_a_pool_cache_whose_tensors_touch(transport) -> Non
         for t in range(2):
             assert np.array_equal(dst.tensors[t], expected_tensor(41, t, shape))
         assert task.statistics().descriptors == 2  # one per tensor
+
+
+@pytest.mark.parametrize("transport", ["same-host", "tcp"])
+async def test_a_cache_released_after_the_snapshot_is_never_read(transport: str) -> None:
+    """The peer deallocates a cache after our table snapshot and allocates another at the
+    same addresses: a pull of the old id is refused (LLM_KV_CACHE_NOT_EXIST) and never returns
+    the new cache's bytes, one-sided or not (the peer's epoch moved)."""
+    async with pair(transport, ra=True) as (p, d):
+        shape = (1, 4096)
+        old = await p.request("alloc", kind="cache", num_tensors=2, shape=list(shape), seed=3)
+        cm = d.cache_manager
+        dst = cm.allocate_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
+        await cm.pull_cache(dd.CacheKeyByIdAndIndex(PROMPT, old, 0), dst)
+        assert np.array_equal(dst.tensors[0], expected_tensor(3, 0, shape))
+        before = await p.request("addrs", cache_id=old)
+        await p.request("call", method="deallocate_cache", args=[{"cache": old}], kwargs={})
+        new = await p.request("alloc", kind="cache", num_tensors=2, shape=list(shape), seed=9)
+        assert await p.request("addrs", cache_id=new) == before  # the same memory, reused
+        dst.tensors[0][...] = 0
+        with pytest.raises(dd.LLMException) as err:
+            await cm.pull_cache(dd.CacheKeyByIdAndIndex(PROMPT, old, 0), dst)
+        assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        assert not dst.tensors[0].any()  # nothing of the new cache landed

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-import anyio.to_thread
+import anyio
 import numpy as np
 
 from .._errors import raise_if_false
-from .._memory import CancelToken, MemoryPool, copy_ranges, resolve_host_memory
+from .._memory import CancelToken, MemoryPool, copy_ranges, resolve_host_memory, run_parts
 from .._options import PoolConfig
 from .._planner import Plan, split_plan
 
@@ -57,21 +58,9 @@ async def copy_plan(
         # A thread hop costs more than this copy (tens of microseconds at most).
         return copy_ranges(plan.src, plan.dst, plan.nbytes, token)
     parts = split_plan(plan, threads if wants_threads(plan) else 1)
-    if len(parts) == 1:
-        return await anyio.to_thread.run_sync(
-            copy_ranges, plan.src, plan.dst, plan.nbytes, token, limiter=limiter
-        )
-    done = [0] * len(parts)
-
-    async def one(i: int, p: Plan) -> None:
-        done[i] = await anyio.to_thread.run_sync(
-            copy_ranges, p.src, p.dst, p.nbytes, token, limiter=limiter
-        )
-
-    async with anyio.create_task_group() as tg:
-        for i, p in enumerate(parts):
-            tg.start_soon(one, i, p)
-    return sum(done)
+    return await run_parts(
+        [functools.partial(copy_ranges, p.src, p.dst, p.nbytes, token) for p in parts], limiter
+    )
 
 
 class HostAdapter:

@@ -12,7 +12,9 @@ The link picks per transfer; ``llm.Transport`` (``auto``, ``tcp``, ``same-host``
 constrains it. Another transfer engine (Mooncake TE) would be one more module offering the same
 :class:`PeerAccess` shape: ``read`` / ``write`` of granted ranges, ``caps``, ``close``, plus the
 optional hooks ``attach(link)`` (fetch its metadata over the link) and ``caps_for(entry)``
-(which local caches it can reach).
+(which local caches it can reach). An access that also offers ``reaches(remote, nbytes)`` and
+``read_word(addr)`` (reading the peer's epoch page without a syscall into the peer) lets
+remote-accessible pulls run one-sidedly; only the same-host access does.
 """
 
 from __future__ import annotations
@@ -46,11 +48,6 @@ class PeerAccess(Protocol):
         self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, token: CancelToken
     ) -> int:
         """Copy local memory into peer memory; returns bytes. Raises CopyCancelled, OSError."""
-        ...
-
-    def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
-        """True if this access can copy every range of the peer's memory one-sidedly (without
-        the peer's help): the initiator then plans a remote-accessible pull itself."""
         ...
 
     def close(self) -> None: ...

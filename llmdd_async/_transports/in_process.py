@@ -35,9 +35,5 @@ class InProcessAccess:
         result: int = await self._copy(Plan(local, remote, nbytes), token)
         return result
 
-    def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
-        """Every address of this process is reachable."""
-        return True
-
     def close(self) -> None:
         pass

@@ -26,9 +26,8 @@ and layer-wise scheduling are the link's and the task's, exactly as for the othe
   through one poller thread per agent that checks ``check_xfer_state`` with backoff and wakes
   the loop (it also progresses UCX for the peer's one-sided requests, which UCX tcp needs).
   Large ones run in a worker thread, posted in chunks of at most ``_CHUNK_BYTES`` (``_WINDOW``
-  in flight), so a cancel stops after the chunks in flight. In remote-accessible mode a pull by
-  id may skip the grant (``reaches``: the link's one-sided "direct" path): NIXL then reads what
-  the peer's published table and metadata cover.
+  in flight), so a cancel stops after the chunks in flight. Every request is granted by the
+  owner of the cache, which pins it while NIXL moves its bytes.
 * **Fencing.** Releasing a NIXL request that is still in flight does not stop UCX from moving
   its bytes (measured with UCX tcp: the whole transfer landed after ``release()`` returned).
   So a cancelled request stops posting and waits until every posted chunk is done before it
@@ -276,6 +275,11 @@ def _merged_runs(addrs: np.ndarray, size: int) -> np.ndarray:
     return np.stack([lo, hi - lo], axis=1)
 
 
+class FenceLost(OSError):
+    """Posted NIXL transfers did not finish within the stall timeout after a cancel or a
+    failure: bytes may still land, so the link is failed (its UCX endpoints are dropped)."""
+
+
 class _Wait:
     __slots__ = ("event", "handle", "state", "token")
 
@@ -409,6 +413,8 @@ class NixlEndpoint:
         self._leaked: list[Any] = []
         #: peers whose metadata is being dropped (a disconnect can block: never on the loop)
         self._removing: dict[str, threading.Thread] = {}
+        #: accesses (links) that loaded each peer agent's metadata
+        self._peer_refs: dict[str, int] = {}
         self.log: Any = None
 
     @classmethod
@@ -662,7 +668,7 @@ class NixlEndpoint:
                         for handle, _ in flight:
                             self.leak(handle)
                         flight.clear()
-                        raise OSError(
+                        raise FenceLost(
                             "NIXL transfers did not finish after a cancel or failure; their "
                             "handles are kept (bytes may still land)"
                         )
@@ -698,7 +704,7 @@ class NixlEndpoint:
                         state = await self.poller.wait(handle, None)
                     if state == "PROC":
                         self.leak(handle)
-                        raise OSError("a cancelled NIXL transfer did not finish (handle kept)")
+                        raise FenceLost("a cancelled NIXL transfer did not finish (handle kept)")
                     if token.cancelled:
                         state = "CANCELLED"
             if state != "PROC":
@@ -710,10 +716,20 @@ class NixlEndpoint:
         raise OSError("NIXL failed a transfer (peer gone or memory refused)")
 
     def forget_peer(self, name: str) -> None:
-        """Drop a peer's metadata and disconnect from it, in a thread of its own (UCX may wait
-        for the peer while it closes its endpoints). Never raises."""
+        """Give back one reference to a peer's metadata (:meth:`load_peer`); the last one
+        drops it and disconnects, in a thread of its own (UCX may wait for the peer while it
+        closes its endpoints). An old link closing after a new link to the same peer loaded
+        it again therefore leaves the new one working. Never raises."""
+        left = self._peer_refs.get(name, 0) - 1
+        if left > 0:
+            self._peer_refs[name] = left
+            return
+        self._peer_refs.pop(name, None)
+        before = self._removing.get(name)
 
         def remove() -> None:
+            if before is not None:
+                before.join()
             with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(name)
 
@@ -721,21 +737,26 @@ class NixlEndpoint:
         self._removing[name] = t
         t.start()
 
-    async def load_peer(self, name: str, md: bytes) -> str:
-        """Load a peer's metadata (after any pending drop of the same agent); returns the
-        agent name NIXL knows it by.
+    async def load_peer(self, name: str, md: bytes, acquire: bool = True) -> str:
+        """Load (or, ``acquire=False``, reload) a peer's metadata, after any pending drop of
+        the same agent; returns the agent name NIXL knows it by. Each acquiring load is one
+        reference, given back with :meth:`forget_peer`.
 
         Raises:
             OSError: NIXL refused the metadata.
         """
-        pending = self._removing.pop(name, None)
-        if pending is not None:
-            await anyio.to_thread.run_sync(pending.join)
+        if not self._peer_refs.get(name):
+            pending = self._removing.pop(name, None)
+            if pending is not None:
+                await anyio.to_thread.run_sync(pending.join)
         try:
             got = await anyio.to_thread.run_sync(self.agent.add_remote_agent, md)
         except Exception as exc:
             raise OSError(f"NIXL refused the peer's metadata: {exc}") from exc
-        return got.decode() if isinstance(got, bytes) else str(got)
+        agent = got.decode() if isinstance(got, bytes) else str(got)
+        if acquire:
+            self._peer_refs[agent] = self._peer_refs.get(agent, 0) + 1
+        return agent
 
     def new_access(self) -> NixlAccess:
         access = NixlAccess(self)
@@ -818,6 +839,8 @@ class NixlAccess:
         self._lists: tuple[list[int], list[int], list[int]] = ([], [], [])
         self._refresh_lock = anyio.Lock()
         self._primed: anyio.Event | None = None
+        #: prepared lists of the peer's caches that changed, kept until the link closes
+        self._retired: list[Any] = []
         self.closed = False
 
     def attach(self, link: Any) -> None:
@@ -854,17 +877,6 @@ class NixlAccess:
             return self.caps()
         return {"inproc": False, "pools": False, "pvr": False}
 
-    def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
-        """True if the peer's loaded NIXL metadata covers every range: NIXL reads them without
-        the peer's help (a remote-accessible pull by id then needs no grant). A local cache
-        that is not registered with NIXL makes the read fail with OSError, and the peer is
-        asked instead."""
-        if self.peer_agent is None or self.closed:
-            return False
-        if len(nbytes) == 1:
-            return _find1(*self._lists, int(remote[0]), int(nbytes[0])) >= 0
-        return check_within(remote, nbytes, self._starts, self._ends)
-
     # ---------------------------------------------------------------- peer metadata
     async def refresh(self, timeout_s: float) -> None:
         """Fetch the peer's table over the link and load its NIXL metadata if it changed.
@@ -890,9 +902,11 @@ class NixlAccess:
                     md = base64.b64decode(nx["md"], validate=True)
                 except ValueError as exc:
                     raise OSError(f"malformed NIXL metadata: {exc}") from exc
-                name = await self.ep.load_peer(str(nx.get("agent")), md)
+                held = self.peer_agent is not None
+                name = await self.ep.load_peer(str(nx.get("agent")), md, acquire=not held)
                 if self.closed:
-                    self.ep.forget_peer(name)
+                    if not held:
+                        self.ep.forget_peer(name)
                     raise OSError("the link closed")
                 self.peer_agent = name
                 self._load(table, nx.get("mem"))
@@ -932,7 +946,10 @@ class NixlAccess:
             fresh[cid] = _Layout(cid, addrs, tb, count, str(m[0]), int(m[1]))
         for cid, old in self._remote.items():
             if fresh.get(cid) is not old and old.prepped is not None:
-                self.ep.release(old.prepped)
+                # A request of this link may still use it: released when the link closes
+                # (no request runs then).
+                self._retired.append(old.prepped)
+                old.prepped = None
         self._remote = fresh
         lays = list(fresh.values())
         if lays:
@@ -1000,6 +1017,9 @@ class NixlAccess:
             if chunk is not None:
                 try:
                     return await self.ep.run_small(op, chunk, token, stall)
+                except FenceLost as exc:
+                    self.link.fail(exc)
+                    raise
                 except OSError:
                     await self._settle()
                     raise
@@ -1013,16 +1033,31 @@ class NixlAccess:
         chunks = await self._plan(llay, local, remote, nbytes)
         total = sum(c.nbytes for c in chunks)
         try:
-            if len(chunks) == 1 and total <= _SMALL_BYTES:
-                return await self.ep.run_small(op, chunks[0], token, stall)
-            return int(
-                await anyio.to_thread.run_sync(
-                    self.ep.pump, op, chunks, token, stall, limiter=self.link.threads
-                )
-            )
+            return await self._run(op, chunks, total, token, stall)
+        except FenceLost as exc:
+            # Never report a stopped transfer while NIXL may still write: the link goes down,
+            # which disconnects the peer's UCX endpoints once no request runs on it.
+            self.link.fail(exc)
+            raise
         except OSError:
             await self._settle()
             raise
+
+    async def _run(
+        self, op: str, chunks: list[_Chunk], total: int, token: CancelToken, stall: float
+    ) -> int:
+        """Run planned chunks: one small one on the loop, the rest in a worker thread.
+
+        Raises:
+            CopyCancelled, FenceLost, OSError: as :meth:`NixlEndpoint.pump`.
+        """
+        if len(chunks) == 1 and total <= _SMALL_BYTES:
+            return await self.ep.run_small(op, chunks[0], token, stall)
+        return int(
+            await anyio.to_thread.run_sync(
+                self.ep.pump, op, chunks, token, stall, limiter=self.link.threads
+            )
+        )
 
     async def _settle(self) -> None:
         """A NIXL failure is most often the peer dying: give the link a moment to notice, so
@@ -1117,6 +1152,9 @@ class NixlAccess:
                 self.ep.release(lay.prepped)
                 lay.prepped = None
         self._remote = {}
+        for prepped in self._retired:
+            self.ep.release(prepped)
+        self._retired = []
         if self.peer_agent is not None:
             self.ep.forget_peer(self.peer_agent)
             self.peer_agent = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import select
@@ -30,7 +31,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from .._memory import CancelToken, CopyCancelled
+from .._memory import CancelToken, CopyCancelled, run_parts
 from .._planner import Plan, split_plan
 
 __all__ = [
@@ -49,9 +50,6 @@ __all__ = [
 
 _IOV_MAX = 1024
 _BATCH_BYTES = 64 << 20
-#: process_vm_* of at most this much runs on the loop: a thread hop costs more (measured:
-#: ~10 us for 64 KiB against ~60 us for the hop under load)
-_VM_INLINE_BYTES = 256 << 10
 #: above this, a process_vm_* plan is cut in two and runs on two threads: one stream tops out
 #: near 5.4 GB/s here (page-table walks of both processes), two reach memcpy's rate
 _VM_SPLIT_BYTES = 8 << 20
@@ -367,38 +365,29 @@ class SameHostAccess:
     async def _vm_plan(self, name: str, plan: Plan, token: CancelToken) -> int:
         """process_vm_* over ``plan`` (src: peer, dst: ours): small plans inline, big ones on
         two threads. Raises CopyCancelled, OSError (every thread stopped when it raises)."""
-        total = plan.total_bytes
-        if total <= _VM_INLINE_BYTES and len(plan) <= 64:
-            return _vm_copy(name, self.pid, plan.dst, plan.src, plan.nbytes, token, self.pidfd)
-        parts = split_plan(plan, 2 if total >= _VM_SPLIT_BYTES else 1)
-        done = [0] * len(parts)
-
+        # Always in a thread, however small: the peer's memory may be backed by something that
+        # makes the syscall block (userfaultfd, FUSE, swap), which must never stall the loop.
+        parts = split_plan(plan, 2 if plan.total_bytes >= _VM_SPLIT_BYTES else 1)
         if self._vm_limiter is None:  # made on first use: it needs the running backend
             self._vm_limiter = anyio.CapacityLimiter(2)
-        limiter = self._vm_limiter
+        # Two threads at most: many concurrent requests queue rather than thrash the cores.
+        return await run_parts(
+            [
+                functools.partial(
+                    _vm_copy, name, self.pid, p.dst, p.src, p.nbytes, token, self.pidfd
+                )
+                for p in parts
+            ],
+            self._vm_limiter,
+        )
 
-        async def one(i: int, p: Plan) -> None:
-            # Two threads at most: many concurrent requests queue rather than thrash the cores
-            # (process_vm_* is a kernel copy; it never waits on the peer).
-            done[i] = await anyio.to_thread.run_sync(
-                _vm_copy,
-                name,
-                self.pid,
-                p.dst,
-                p.src,
-                p.nbytes,
-                token,
-                self.pidfd,
-                limiter=limiter,
-            )
-
-        if len(parts) == 1:
-            await one(0, parts[0])
-        else:
-            async with anyio.create_task_group() as tg:
-                for i, p in enumerate(parts):
-                    tg.start_soon(one, i, p)
-        return sum(done)
+    def read_word(self, addr: int) -> int | None:
+        """The uint64 at the peer's ``addr`` if it lies in a mapped pool (a plain load from
+        our own mapping: the peer cannot make it block), else None."""
+        for p in self.pools:
+            if p.remote_base <= addr and addr + 8 <= p.remote_base + p.size:
+                return int(ctypes.c_uint64.from_address(p.local_base + addr - p.remote_base).value)
+        return None
 
     def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
         """True if every range of the peer's memory can be copied without the peer's help:
