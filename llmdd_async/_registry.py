@@ -298,6 +298,8 @@ class Registry:
 
     def close(self) -> None:
         """Free everything (engine shutdown); pins no longer matter once transfers are fenced."""
+        if self.entries and self.on_release is not None:
+            self.on_release()  # before any memory goes, as for release_id
         for entry in list(self.entries.values()):
             entry.slot_keys.clear()
             entry.pins = 0

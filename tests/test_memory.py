@@ -144,3 +144,25 @@ def test_copy_ranges_copies_in_order_and_stops_when_cancelled() -> None:
     with pytest.raises(CopyCancelled):
         copy_ranges(descs[:, 0], descs[:, 1], descs[:, 2], token)
     assert not dst.any()
+
+
+@pytest.mark.anyio
+async def test_a_copy_cut_across_threads_fails_with_one_exception() -> None:
+    """Parts of one copy run on several threads; their failure is one exception that says
+    what happened (a cancel wins), never an ExceptionGroup that status mapping cannot read."""
+    from llmdd_async._memory import CopyCancelled, run_parts
+
+    def ok() -> int:
+        return 5
+
+    def cancelled() -> int:
+        raise CopyCancelled
+
+    def fault() -> int:
+        raise OSError(14, "Bad address")
+
+    assert await run_parts([ok, ok, ok], None) == 15
+    with pytest.raises(CopyCancelled):
+        await run_parts([fault, cancelled, ok], None)
+    with pytest.raises(OSError, match="Bad address"):
+        await run_parts([ok, fault, fault], None)
