@@ -616,3 +616,45 @@ async def test_a_cache_released_after_the_snapshot_is_never_read(transport: str)
             await cm.pull_cache(dd.CacheKeyByIdAndIndex(PROMPT, old, 0), dst)
         assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
         assert not dst.tensors[0].any()  # nothing of the new cache landed
+
+
+async def test_a_lying_table_never_steers_a_one_sided_pull() -> None:
+    """What the peer's table says is checked before a one-sided pull: a cache whose addresses
+    leave what the peer published as reachable, or an epoch address that is not in the
+    peer's shared pages, makes the pull go to the peer (which answers for its caches), and
+    only our own planned destination is ever written."""
+    async with pair("same-host", ra=True) as (p, d):
+        shape = (8, 256)
+        theirs = await p.request(
+            "alloc",
+            kind="blocks",
+            num_tensors=2,
+            shape=list(shape),
+            blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
+            seed=51,
+        )
+        cm = d.cache_manager
+        dst = cm.allocate_blocks_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
+        key = dd.BlocksCacheKey(PROMPT, 0)
+        await cm.pull_blocks(key, dst, [1], [1])
+        lnk = d._engine.links.get(PROMPT)
+        assert lnk.statistics().recent[-1].mode == "direct"
+        want = [expected_tensor(51, t, shape) for t in range(2)]
+        honest = dict(lnk.peer_caches[theirs])
+        # 1. Addresses shifted past the published regions: not read one-sidedly.
+        lnk.peer_caches[theirs] = {**honest, "addrs": [a + (1 << 40) for a in honest["addrs"]]}
+        await cm.pull_blocks(key, dst, [2], [2])
+        assert lnk.statistics().recent[-1].mode != "direct"
+        # 2. A bogus epoch address: the view is refreshed and the peer serves the pull.
+        lnk.peer_caches[theirs] = honest
+        good_epoch = lnk.peer_epoch
+        assert good_epoch is not None
+        lnk.peer_epoch = (good_epoch[0] + (1 << 40), good_epoch[1])
+        await cm.pull_blocks(key, dst, [3], [3])
+        assert lnk.statistics().recent[-1].mode != "direct"
+        assert lnk.peer_epoch == good_epoch  # refreshed from the peer's table
+        await cm.pull_blocks(key, dst, [4], [4])
+        assert lnk.statistics().recent[-1].mode == "direct"
+        for t in range(2):
+            assert np.array_equal(dst.tensors[t][1:5], want[t][1:5])
+            assert not dst.tensors[t][[0, 5, 6, 7]].any()  # nothing else was written
