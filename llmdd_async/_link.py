@@ -316,6 +316,15 @@ class Link:
         """How this side can reach the peer's memory directly (sent with each request)."""
         return self.access.caps() if self.access is not None else self.no_caps()
 
+    def trusted_caps(self, claimed: Any) -> dict[str, bool]:
+        """The caps a peer sent with its request, limited to what this link's kind lets it
+        use: a peer on a TCP link that claims direct access gets stream grants (and never
+        learns our addresses), one on a NIXL link only NIXL grants."""
+        if not isinstance(claimed, dict):
+            return {}
+        allowed = _CAPS_OF_KIND.get(self.access.name if self.access is not None else "tcp", ())
+        return {k: True for k in allowed if claimed.get(k) is True}
+
     def fail(self, exc: BaseException, expected: bool = False) -> None:
         """Mark the link broken, fail every request on it, release what it holds."""
         if self.broken is not None or self.closed:
@@ -875,6 +884,14 @@ class Link:
 
 _CANCELLED = CancelToken()
 _CANCELLED.cancel()
+
+
+#: the direct-access caps a peer may use, by the kind of link it is on
+_CAPS_OF_KIND: dict[str, tuple[str, ...]] = {
+    "in-process": ("inproc", "pools", "pvr"),
+    "same-host": ("pools", "pvr"),
+    "nixl": ("nixl",),
+}
 
 
 def _reason(exc: BaseException) -> str:

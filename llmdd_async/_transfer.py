@@ -398,7 +398,7 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
     t0 = time.monotonic()
     try:
         try:
-            entries, plan, slot_info, mode, ntensors = _resolve_and_plan(engine, msg)
+            entries, plan, slot_info, mode, ntensors = _resolve_and_plan(engine, link, msg)
         except Exception as exc:  # any malformed or unfulfillable request gets an answer
             code = (
                 exc.status_code
@@ -579,7 +579,7 @@ def plan_request(
 
 
 def _resolve_and_plan(
-    engine: Any, msg: Message
+    engine: Any, link: Link, msg: Message
 ) -> tuple[list[CacheEntry], Plan, tuple[int, np.ndarray] | None, str, int]:
     """Find the target's cache, plan the request, and check every range.
 
@@ -687,7 +687,7 @@ def _resolve_and_plan(
         slot_info = (src_slot, src_idx)
     mode = (
         "local"
-        if engine.reachable_by_peer(f.get("caps", {}), target_side, plan.nbytes)
+        if engine.reachable_by_peer(link.trusted_caps(f.get("caps")), target_side, plan.nbytes)
         else "stream"
     )
     return entries, plan, slot_info, mode, len(src_idx)

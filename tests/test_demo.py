@@ -8,6 +8,7 @@ import sys
 
 import anyio
 import pytest
+from helpers import TRANSPORTS
 
 from llmdd_async.demo import runner
 from llmdd_async.demo.runner import DemoConfig, run_demo
@@ -23,11 +24,13 @@ SMALL = {
     "prompt": 37,
     "tokens": 5,
 }
+# the demo over NIXL (UCX loopback); a missing NIXL skips, or fails under CI=true
+DEMO_NIXL = [p for p in TRANSPORTS if getattr(p, "id", None) == "nixl"]
 ASYNCIO = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
 
 
 @ASYNCIO
-@pytest.mark.parametrize("transport", ["tcp", "same-host", "auto"])
+@pytest.mark.parametrize("transport", ["tcp", "same-host", "auto", *DEMO_NIXL])
 @pytest.mark.parametrize("mode", ["push", "pull"])
 async def test_small_demo_passes(transport: str, mode: str) -> None:
     report = await run_demo(DemoConfig(**SMALL, transport=transport, mode=mode))
@@ -39,7 +42,7 @@ async def test_small_demo_passes(transport: str, mode: str) -> None:
     }
     assert len(report["tokens"]) == SMALL["tokens"] + 1
     assert report["kv_bytes"] >= report["config"]["prompt"] * 2 * 2 * 2 * 16 * 4
-    assert report["transport"] == ("tcp" if transport == "tcp" else "same-host")
+    assert report["transport"] == (transport if transport in ("tcp", "nixl") else "same-host")
     if mode == "push":
         assert report["ttft_layerwise_s"] > 0 and report["ttft_sequential_s"] > 0
     # Both modes show when the KV moved, in the report and in its text.

@@ -218,8 +218,16 @@ async def test_cancel_while_waiting_for_the_send_lock_does_not_hang() -> None:
                     list(range(48)),
                     wait=False,
                 )
+                # Wait until a worker streams one of its 32 MiB frames under our send lock
+                # (a fixed sleep raced with the peer starting its pull on a loaded machine).
+                ours = d._engine.links.get(3)
+                with anyio.fail_after(10):
+                    while not any(s.fence is not None for s in ours.serving.values()):
+                        await anyio.sleep(0.0005)
                 task = cm.push_blocks(dd.BlocksCacheKey(3, 0), small, [1], [1])
-                await anyio.sleep(0.001)
+                for _ in range(3):
+                    await anyio.lowlevel.checkpoint()
+                assert ours.send_lock.locked() and not task.done()
                 task.cancel()  # ...while our push waits for it
                 with anyio.fail_after(10):
                     with pytest.raises(dd.LLMException):

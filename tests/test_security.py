@@ -207,6 +207,24 @@ async def test_grants_outside_the_peers_published_caches_are_refused() -> None:
     assert (secret == 0x33).all()
 
 
+async def test_a_peer_on_a_tcp_link_claiming_direct_access_gets_a_stream_grant() -> None:
+    """The caps a request carries are the initiator's claim: over a TCP link a peer that
+    claims it can read our memory itself (``pvr``, ``inproc``, ``pools``, ``nixl``) is still
+    served over the stream, so it never learns our addresses from a grant."""
+    opts = endpoint_options("tcp", listen=True, ra=True)
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, opts) as p:
+        public = await p.request("register", kind="cache", num_tensors=1, shape=[1, 256])
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+            endpoint_options("tcp", ra=True)
+        ) as d:
+            await link(d, 1, p.listen)
+            claim = {"inproc": True, "pools": True, "pvr": True, "nixl": True}
+            d._engine.request_caps = lambda *a: claim  # type: ignore[method-assign]
+            mine = d.cache_manager.allocate_cache(dd.CacheDesc(1, [1, 256], dd.DataType.DT_UINT8))
+            await d.cache_manager.pull_cache(dd.CacheKeyByIdAndIndex(1, public, 0), mine)
+            assert [r.mode for r in d.link_statistics(1).recent] == ["stream"]
+
+
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 async def test_caches_that_are_not_remote_accessible_stay_private(transport: str) -> None:
     """By id or address a peer reaches only remote-accessible caches; their addresses are all
@@ -538,8 +556,8 @@ async def test_a_grant_for_other_blocks_of_ours_is_refused(
 
     real = _transfer._resolve_and_plan
 
-    def shifted(engine: Any, msg: Message) -> Any:
-        entries, plan, slot_info, mode, n = real(engine, msg)
+    def shifted(engine: Any, link: Any, msg: Message) -> Any:
+        entries, plan, slot_info, mode, n = real(engine, link, msg)
         plan = _transfer.Plan(plan.src, plan.dst + np.uint64(3 * 64), plan.nbytes)
         return entries, plan, slot_info, mode, n
 

@@ -103,8 +103,13 @@ class Proxy:
         try:
             return await self.forward(request, path, decode_body, headers)
         finally:
-            resp = await prefill
-            resp.release()
+            # The decode leg's answer stands whatever the prefill leg did (it failed: the
+            # decode recomputed the prompt).
+            try:
+                resp = await prefill
+                resp.release()
+            except Exception as exc:
+                print(json.dumps({"prefill_leg_failed": repr(exc), "request_id": rid}))
 
     async def forward(
         self, request: web.Request, path: str, body: dict[str, Any], headers: dict[str, str]

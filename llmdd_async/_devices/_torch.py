@@ -16,9 +16,10 @@ which is how machines without an accelerator test this adapter.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import anyio.to_thread
@@ -270,6 +271,45 @@ class _Registered:
             self._adapter.regions.remove(self._addr)
 
 
+class DeviceEventWaiter:
+    """Runs callbacks once the device has reached the point where each was recorded.
+
+    One helper thread waits on the events in order; it starts when an event is queued and
+    exits when none is left, so an idle waiter holds no thread.
+    """
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[tuple[Any, Callable[[], None]]] = collections.deque()
+        self._lock = threading.Lock()
+        self._running = False
+
+    def record(self, callback: Callable[[], None], stream: Any = None) -> None:
+        """Record a device event on ``stream`` (default: the current one) and call
+        ``callback`` from the helper thread once the device has passed it; at once without
+        CUDA (CPU tensors: the work already happened)."""
+        if not torch.cuda.is_available():
+            callback()
+            return
+        event = torch.cuda.Event()
+        event.record(stream)
+        with self._lock:
+            self._queue.append((event, callback))
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._run, daemon=True, name="llmdd-device-events").start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                event, callback = self._queue.popleft()
+            event.synchronize()
+            callback()
+
+
 class TorchLayerEvents(LayerEvents):
     """A layer synchronizer fed by device events.
 
@@ -280,34 +320,11 @@ class TorchLayerEvents(LayerEvents):
 
     def __init__(self) -> None:
         super().__init__()
-        self._queue: list[tuple[int, Any]] = []
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._waiter = DeviceEventWaiter()
 
     def record(self, layer_index: int, stream: Any = None) -> None:
         """Record a device event for ``layer_index`` on ``stream`` (default: current)."""
-        if not torch.cuda.is_available():
-            self.layer_ready(layer_index)  # CPU tensors: the compute already happened
-            return
-        event = torch.cuda.Event()
-        event.record(stream)
-        with self._cv:
-            self._queue.append((layer_index, event))
-            self._cv.notify()
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._wait_loop, daemon=True, name="llmdd-device-events"
-                )
-                self._thread.start()
-
-    def _wait_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                layer, event = self._queue.pop(0)
-            event.synchronize()
-            self.layer_ready(layer)
+        self._waiter.record(lambda: self.layer_ready(layer_index), stream)
 
 
 def create(options: dict[str, str]) -> TorchAdapter:

@@ -595,6 +595,14 @@ class NixlEndpoint:
         except Exception:
             return "ERR"
 
+    def make(self, chunk: _Chunk, op: str) -> Any:
+        """A NIXL request for ``chunk``, or None when NIXL refuses to make one (its errors,
+        e.g. a disconnected peer, are not ``OSError``s)."""
+        try:
+            return chunk.make(self.agent, op)
+        except Exception:
+            return None
+
     def post(self, handle: Any) -> str:
         try:
             return str(self.agent.transfer(handle))
@@ -632,7 +640,10 @@ class NixlEndpoint:
                 ):
                     c = chunks[i]
                     i += 1
-                    handle = c.make(self.agent, op)
+                    handle = self.make(c, op)
+                    if handle is None:
+                        failed = "NIXL could not make a transfer (peer gone or memory refused)"
+                        break
                     state = self.post(handle)
                     if state == "PROC":
                         flight.append((handle, c.nbytes))
@@ -692,13 +703,18 @@ class NixlEndpoint:
         """
         if token.cancelled:
             raise CopyCancelled
-        handle = chunk.make(self.agent, op)
+        handle = self.make(chunk, op)
+        if handle is None:
+            raise OSError("NIXL could not make a transfer (peer gone or memory refused)")
         state = self.post(handle)
         try:
             if state == "PROC":
                 state = await self.poller.wait(handle, token)
         finally:
             if state in ("PROC", "CANCELLED"):
+                # Until the poller says otherwise the request is still in flight: a wait that
+                # runs out must keep the handle (bytes may still land), never release it.
+                state = "PROC"
                 with anyio.CancelScope(shield=True):
                     with anyio.move_on_after(stall_s):
                         state = await self.poller.wait(handle, None)

@@ -22,6 +22,18 @@ def _first_group(block_ids: Any) -> list[int]:
     return list(block_ids or [])
 
 
+def _release_of(params: dict[str, Any]) -> tuple[str, int, str] | None:
+    """Where to tell a prefill that a decode request is done with its blocks, or None when
+    the params cannot say (missing or malformed keys: that prefill's lease frees them)."""
+    if not all(k in params for k in _REMOTE_KEYS):
+        return None
+    try:
+        port = int(params["remote_port"])
+    except (TypeError, ValueError):
+        return None
+    return str(params["remote_host"]), port, str(params["remote_request_id"])
+
+
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, vllm_config: Any, engine_id: str) -> None:
         self.cfg = cfg
@@ -79,6 +91,10 @@ class SchedulerSide:
             self._lw_candidates[request.request_id] = len(request.prompt_token_ids or [])
         if not params.get("do_remote_prefill"):
             return
+        if num_external_tokens == 0 and (release := _release_of(params)) is not None:
+            # nothing to load here (bad params, or the prompt is cached locally): the prefill
+            # frees its blocks now instead of at the end of its lease
+            self._release.append(release)
         if num_external_tokens > 0:
             group = blocks.blocks[0]
             skip = sum(1 for b in group if b.block_hash is not None and not b.is_null)
@@ -129,14 +145,8 @@ class SchedulerSide:
             return False, None
         if params.get("do_remote_prefill"):
             # a decode request that ends before loading (aborted): free the prefill's blocks
-            if all(k in params for k in _REMOTE_KEYS):
-                self._release.append(
-                    (
-                        str(params["remote_host"]),
-                        int(params["remote_port"]),
-                        str(params["remote_request_id"]),
-                    )
-                )
+            if (release := _release_of(params)) is not None:
+                self._release.append(release)
             params["do_remote_prefill"] = False
             return False, None
         if not params.get("do_remote_decode"):

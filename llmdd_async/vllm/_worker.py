@@ -130,6 +130,8 @@ class WorkerEngine:
         # vLLM thread only
         self._send: dict[str, float] = {}  # request id -> lease deadline
         self._step_saves: list[tuple[str, LayerEvents]] = []
+        #: on a GPU: layers count as ready once the compute stream passed their KV writes
+        self._device_events: Any = None
 
     # ---------------------------------------------------------------- setup
 
@@ -144,6 +146,10 @@ class WorkerEngine:
         self.layout = layout
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._keep = tensors
+        if not layout.device.startswith("cpu"):
+            from .._devices._torch import DeviceEventWaiter
+
+            self._device_events = DeviceEventWaiter()
         self._loop.run(self._start(layout, tensors), timeout=120)
         log.info(
             "vllm.registered",
@@ -242,14 +248,24 @@ class WorkerEngine:
             self._loop.loop.call_soon_threadsafe(self._dispatch, meta, events)
 
     def save_layer(self, layer_name: str) -> None:
-        """The forward pass wrote ``layer_name``'s KV (CPU: synchronously)."""
+        """The forward pass launched ``layer_name``'s KV writes. On CPU they are done; on a
+        GPU they are queued on the compute stream, so the layer counts as ready once the
+        device passed an event recorded here (waited for in a helper thread)."""
         if not self._step_saves:
             return
         i = self._layer_index.get(layer_name)
         if i is None:
             return
-        for _, events in self._step_saves:
-            events.layer_ready(i)
+        targets = [events for _, events in self._step_saves]
+
+        def ready() -> None:
+            for events in targets:
+                events.layer_ready(i)
+
+        if self._device_events is not None:
+            self._device_events.record(ready)
+        else:
+            ready()
 
     def end_of_step(self) -> None:
         if not self._step_saves:
@@ -356,9 +372,11 @@ class WorkerEngine:
             p = _Push(key, LayerEvents())
             self._pushes[key] = p
         p.req_id = req_id
+        # ids older than a decode waits for them belong to a decode that gave up
+        stale = time.monotonic() - self.cfg.lease_s - self.cfg.transfer_timeout_s
         for k in (req_id, key):
             pending = self._pending_ids.pop(k, None)
-            if pending is not None:
+            if pending is not None and float(pending[0].get("_at", 0.0)) >= stale:
                 p.dst, p.peer = pending
         return p
 
@@ -687,22 +705,27 @@ class WorkerEngine:
         except asyncio.CancelledError:  # the request was aborted: vLLM frees its blocks
             cancelled = True
             log.info("vllm.load_cancelled", request_id=req_id)
-            if mode == "layerwise" and r is not None and r.dead is None:
-                # the prefill may be writing into these blocks: wait until it stopped
-                await self._stop_remote_push(r, remote_req)
         except Exception as e:  # any failure: vLLM recomputes, the engine carries on
             log.warning("vllm.load_failed", request_id=req_id, reason=repr(e))
-            if (
-                r is not None
-                and isinstance(e, LLMException)
-                and e.status_code in (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK)
-            ):
-                await self._drop_remote(r)
-            if r is not None and isinstance(e, ControlError):
+            link_down = isinstance(e, LLMException) and e.status_code in (
+                LLMStatusCode.LLM_LINK_FAILED,
+                LLMStatusCode.LLM_NOT_YET_LINK,
+            )
+            if r is not None and (link_down or isinstance(e, ControlError)):
                 await self._drop_remote(r)
         finally:
             if r is not None:
                 r.waiters.pop(remote_req, None)
+        # vLLM frees (and reuses) these blocks once this load is reported: first the prefill
+        # must have stopped pushing into them, or the link to it must go
+        if (
+            not ok
+            and mode == "layerwise"
+            and r is not None
+            and r.dead is None
+            and not await self._stop_remote_push(r, remote_req)
+        ):
+            await self._drop_remote(r)
         if not ok and not cancelled:
             with self._lock:
                 self._load_errors.update(spec.local_blocks)
@@ -712,14 +735,20 @@ class WorkerEngine:
         with self._lock:
             self._recv_done.add(req_id)
 
-    async def _stop_remote_push(self, r: _Remote, remote_req: str) -> None:
+    async def _stop_remote_push(self, r: _Remote, remote_req: str) -> bool:
+        """Ask the prefill to stop (or never start) pushing ``remote_req``; True once it
+        confirmed that no more bytes come."""
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         r.waiters[remote_req] = fut
         try:
             await r.client.send({"op": "cancel", "req": remote_req})
             await asyncio.wait_for(fut, self.cfg.transfer_timeout_s)
+            return True
         except Exception as e:
             log.warning("vllm.cancel_unconfirmed", request_id=remote_req, reason=repr(e))
+            return False
+        finally:
+            r.waiters.pop(remote_req, None)
 
     def _cancel_loads(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
