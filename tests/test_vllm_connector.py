@@ -223,6 +223,21 @@ def test_bad_params(pair: Pair, ref: EngineProc) -> None:
     }
     if pair.mode == "pull":
         expect_recomputed(pair, ref, "b1", prompt, bad_blocks)
+        # the keys to reach the prefill but no blocks: nothing to load, computed here, and
+        # the prefill is told at once instead of holding its blocks for the whole lease
+        held = pair.prefill.run([prefill_req("b5", tokens(100, 504))])["b5"]["params"]
+        assert pair.prefill.call("free_blocks") < pair.prefill_free
+        t0 = time.monotonic()
+        no_blocks = {k: v for k, v in held.items() if k != "remote_block_ids"}
+        want5 = reference(ref, {"b5": tokens(100, 504)})["b5"]
+        assert (
+            pair.decode.run([{"id": "b5", "tokens": tokens(100, 504), "params": no_blocks}])["b5"][
+                "tokens"
+            ]
+            == want5
+        )
+        free = pair.prefill.call("wait_free", {"free_blocks": pair.prefill_free, "seconds": 10})
+        assert free == pair.prefill_free and time.monotonic() - t0 < LEASE_S - 1
     # a side channel nobody listens on
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -316,6 +331,32 @@ def test_abort_mid_transfer(pair: Pair, ref: EngineProc) -> None:
         "wait_free", {"free_blocks": pair.prefill_free, "seconds": LEASE_S + 5}
     )
     assert free == pair.prefill_free
+
+
+def test_a_decode_that_gave_up_is_never_pushed_to(pair: Pair, ref: EngineProc) -> None:
+    """Layer-wise, concurrent flow: the decode leg gives up waiting for its prefill (lease plus
+    transfer timeout), recomputes, and vLLM reuses its blocks; the prefill leg that comes
+    after that must not push into them (the decode cancelled its ids before reporting)."""
+    if pair.mode == "pull":
+        pytest.skip("pull mode: only the decode writes into its blocks (it reads the prefill)")
+    prompt = tokens(120, 750)
+    params = {
+        "do_remote_prefill": True,
+        "remote_request_id": "late",
+        "tp_size": 1,
+        "pp_size": 1,
+        **pair.prefill_info,
+    }
+    expect_recomputed(pair, ref, "late", prompt, params)  # after lease_s + transfer_timeout_s
+    pair.prefill.call("transfers")
+    pair.prefill.run([prefill_req("late", prompt)])
+    free = pair.prefill.call(
+        "wait_free", {"free_blocks": pair.prefill_free, "seconds": LEASE_S + 5}
+    )
+    assert free == pair.prefill_free  # the lease freed them: nobody took them
+    pushed = [t for t in pair.prefill.call("transfers") if t["event"] == "vllm.pushed"]
+    assert pushed == []
+    check_transferred(pair, ref, {"after": tokens(60, 751)}, concurrent=True)
 
 
 def test_mismatched_block_size_refused(pair: Pair, ref: EngineProc) -> None:

@@ -53,3 +53,5 @@ class LlmddMetadata(KVConnectorMetadata):
     aborted: set[str] = field(default_factory=set)
     #: prefill, layer-wise: requests whose prompt completes this step -> their prompt blocks
     save: dict[str, list[int]] = field(default_factory=dict)
+    #: the step schedules no tokens (only requests waiting for their KV, say)
+    idle: bool = False

@@ -130,6 +130,7 @@ class SchedulerSide:
             send=self._send,
             aborted=self._aborted,
             save=save,
+            idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1),
         )
         self._recv, self._release, self._send, self._aborted = {}, [], {}, set()
         return meta

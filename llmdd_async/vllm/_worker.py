@@ -35,6 +35,8 @@ log = get_logger("vllm")
 
 _MODEL_ID = 0  # every engine registers its KV as BlocksCacheKey(own cluster id, 0)
 _PENDING_IDS_MAX = 4096
+#: how long an idle step (nothing scheduled, loads in flight) waits for a load to finish
+_IDLE_WAIT_S = 0.002
 
 
 class _Loop:
@@ -130,6 +132,10 @@ class WorkerEngine:
         # vLLM thread only
         self._send: dict[str, float] = {}  # request id -> lease deadline
         self._step_saves: list[tuple[str, LayerEvents]] = []
+        self._idle_step = False
+        #: set by the loop thread when a load finished or blocks were released (wakes an
+        #: idle step's wait)
+        self._progress = threading.Event()
         #: on a GPU: layers count as ready once the compute stream passed their KV writes
         self._device_events: Any = None
 
@@ -244,6 +250,7 @@ class WorkerEngine:
         # this step's layer-wise saves: their events are fed by save_layer on this thread
         events = {req_id: LayerEvents() for req_id in meta.save}
         self._step_saves = list(events.items())
+        self._idle_step = meta.idle
         if meta.recv or meta.release or meta.save or meta.send or meta.aborted:
             self._loop.loop.call_soon_threadsafe(self._dispatch, meta, events)
 
@@ -282,11 +289,18 @@ class WorkerEngine:
                 p.forward_end = when
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        if self._loads:
+        if self._idle_step and (self._loads or self._send):
+            # Nothing scheduled: every request waits for its KV, or for its decode to take
+            # the blocks. The engine loop would step without pause, spinning a core that the
+            # transfer (or a prefill on the same host) needs: wait until a load finishes or
+            # blocks are released instead, for at most _IDLE_WAIT_S.
+            self._progress.wait(_IDLE_WAIT_S)
+        elif self._loads:
             # While loads are in flight the engine loop steps without pause, holding the GIL
             # most of the time; the endpoint's loop thread must run to grant pushes and
             # finish pulls. A zero sleep hands it the GIL once per step (no added delay).
             time.sleep(0)
+        self._progress.clear()
         now = time.monotonic()
         sending: set[str] = set()
         with self._lock:
@@ -550,6 +564,7 @@ class WorkerEngine:
             self._released.move_to_end(req_id)
             while len(self._released) > 65536:
                 self._released.popitem(last=False)
+        self._progress.set()
 
     # -------- decode side
 
@@ -734,6 +749,7 @@ class WorkerEngine:
         self._loads.pop(req_id, None)
         with self._lock:
             self._recv_done.add(req_id)
+        self._progress.set()
 
     async def _stop_remote_push(self, r: _Remote, remote_req: str) -> bool:
         """Ask the prefill to stop (or never start) pushing ``remote_req``; True once it
