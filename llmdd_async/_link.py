@@ -42,9 +42,11 @@ from ._transports.tcp import (
     INLINE_BYTES,
     Fence,
     StreamPlan,
+    recv_nowait,
     recv_views,
     recv_views_inline,
     scratch_views,
+    send_nowait,
     send_views,
     send_views_inline,
 )
@@ -494,7 +496,10 @@ class Link:
                 )
                 try:
                     if n <= INLINE_BYTES:
-                        await self._inline(send_views_inline(self.sock, header, views, token))
+                        bufs = [memoryview(header), *views]
+                        idx = send_nowait(self.sock, bufs)
+                        if idx < len(bufs):
+                            await self._inline(send_views_inline(self.sock, bufs, idx, token))
                     else:
                         # Set only now, next to the worker that will release it.
                         req.fence = fence
@@ -726,7 +731,12 @@ class Link:
             fence = None
             try:
                 if rest <= INLINE_BYTES:
-                    await self._inline(recv_views_inline(self.sock, target, token, scratch))
+                    bufs = list(target)
+                    idx = 0 if token.cancelled else recv_nowait(self.sock, bufs)
+                    if idx < len(bufs):
+                        await self._inline(
+                            recv_views_inline(self.sock, bufs, idx, token, scratch)
+                        )
                 else:
                     fence = Fence(token, deadline)
                     if req is not None:

@@ -259,7 +259,8 @@ async def initiate(
             await link.send(Message(MT.DONE, req.req_id, {"status": 0}))
         elif spec.op == "pull":
             await req.wait_data()
-            await link.send(Message(MT.DONE, req.req_id, {"status": 0}))
+            if grant.fields.get("done", True) is not False:
+                await link.send(Message(MT.DONE, req.req_id, {"status": 0}))
         else:
             stream = await engine.open_stream(local, nbytes)
             try:
@@ -437,13 +438,15 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
                     registry.note_pulled(consumed_entry, slot, tensors)
 
             req.on_done = consume
-        grant = Message(
-            MT.GRANT,
-            req.req_id,
-            {"status": 0, "mode": mode, "total": plan.total_bytes},
-            arrays,
-        )
         streamed_pull = mode == "stream" and op == "pull"
+        # A streamed pull is done here once its bytes are sent: nothing of ours is touched
+        # after that, so unless the initiator's DONE has an effect (consuming a key) it sends
+        # none and the request is one round trip.
+        wants_done = not streamed_pull or req.on_done is not None
+        grant_fields: dict[str, Any] = {"status": 0, "mode": mode, "total": plan.total_bytes}
+        if not wants_done:
+            grant_fields["done"] = False
+        grant = Message(MT.GRANT, req.req_id, grant_fields, arrays)
         if not streamed_pull:
             await link.send(grant)
         granted = True
@@ -460,7 +463,8 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
                     out.close()
                 if not sent:
                     return
-                await req.done_event.wait()
+                if wants_done:
+                    await req.done_event.wait()
             elif mode == "stream":
                 await req.data_event.wait()
                 if req.error is None:

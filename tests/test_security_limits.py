@@ -247,17 +247,18 @@ def test_link_limits_are_validated() -> None:
 
 # ---------------------------------------------------------------------------- 3. queue cap
 async def test_requests_over_the_queue_are_refused_busy() -> None:
-    """``llm.LinkQueue`` = 2, ``llm.LinkServing`` = 1: a peer that sends 10 pulls and never
-    DONE gets request 1 served (GRANT ok, then its DATA; held until DONE), request 2 queued,
+    """``llm.LinkQueue`` = 2, ``llm.LinkServing`` = 1: a peer that sends 10 pushes and never
+    their DATA gets request 1 served (GRANT ok; held until its bytes come), request 2 queued,
     and GRANT LLM_LINK_BUSY for requests 3..10. Before, every request was queued (memory and
-    tasks without bound) and none was refused."""
+    tasks without bound) and none was refused. (Pushes: a streamed pull is done once its
+    bytes are sent, so it holds no slot the peer could keep.)"""
     opts = _server_options(**{"llm.LinkQueue": "2", "llm.LinkServing": "1"})
     async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
         cache = p.cache_manager.allocate_cache(_u8([1, 256]))
         peer = await raw_link(p.listen_address, 66)
         try:
             for rid in range(1, 11):
-                await peer.send(pull_request(rid, cache.cache_id, 256))
+                await peer.send(pull_request(rid, cache.cache_id, 256, op="push"))
             grants: dict[int, Message] = {}
             with anyio.fail_after(10):
                 while len(grants) < 9:
@@ -270,15 +271,46 @@ async def test_requests_over_the_queue_are_refused_busy() -> None:
                 assert wire_status(grants[rid]) == S.LLM_LINK_BUSY, grants[rid].fields
                 assert "queued" in grants[rid].fields["message"]
             assert len(p._engine.links.links[66].serving) == 2
-            # Finishing request 1 lets the queued request 2 in.
-            await peer.send(Message(MT.DONE, 1, {"status": 0}))
+            # Finishing request 1 (its bytes) lets the queued request 2 in.
+            await peer.send(Message(MT.DATA, 1, {"off": 0}, payload_len=256))
+            await peer.send_bytes(bytes(256))
             with anyio.fail_after(10):
                 while True:
                     msg = await peer.frame()
                     if msg.type == MT.GRANT:
                         break
+                    assert msg.type == MT.RESULT and msg.req_id == 1
             assert msg.req_id == 2 and wire_status(msg) == S.LLM_SUCCESS
             assert p._engine.links.links[66].alive
+        finally:
+            peer.close()
+
+
+async def test_a_streamed_pull_is_one_round_trip_and_holds_nothing_after() -> None:
+    """A pull served over the stream is done on the serving side once its bytes are sent: the
+    GRANT says no DONE is expected, and the request holds no slot (nor pin) after its DATA,
+    even from a peer that never answers."""
+    opts = _server_options(**{"llm.LinkServing": "1"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            for rid in range(1, 6):  # one served at a time: each must finish without a DONE
+                await peer.send(pull_request(rid, cache.cache_id, 256))
+            seen: list[tuple[int, str]] = []
+            with anyio.fail_after(10):
+                while len(seen) < 10:
+                    msg = await peer.frame()
+                    seen.append((msg.req_id, msg.type.name))
+                    if msg.type == MT.GRANT:
+                        assert wire_status(msg) == S.LLM_SUCCESS
+                        assert msg.fields["done"] is False
+            assert sorted(seen) == [(r, t) for r in range(1, 6) for t in ("DATA", "GRANT")]
+            lnk = p._engine.links.links[66]
+            with anyio.fail_after(5):
+                while lnk.serving:
+                    await anyio.sleep(0.001)
+            assert p._engine.registry.entries[cache.cache_id].pins == 0
         finally:
             peer.close()
 

@@ -23,7 +23,9 @@ from .._memory import CancelToken
 
 __all__ = [
     "INLINE_BYTES",
+    "recv_nowait",
     "recv_views_inline",
+    "send_nowait",
     "send_views_inline",
     "CHUNK_BYTES",
     "Fence",
@@ -229,10 +231,42 @@ def _check_deadline(fence: Fence, what: str) -> None:
 INLINE_BYTES = 256 << 10
 
 
+def send_nowait(sock: socket.socket, bufs: list[memoryview]) -> int:
+    """One non-blocking ``sendmsg`` of ``bufs`` (small frames): returns the index of the first
+    buffer not fully sent (``len(bufs)`` when all went out; ``bufs`` is trimmed in place).
+    Most small frames go out whole, and then need no cancel scope or loop turn.
+
+    Raises:
+        OSError: the connection failed.
+    """
+    try:
+        n = sock.sendmsg(_batch(bufs, 0), [], socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return 0
+    return _advance(bufs, 0, n)
+
+
+def recv_nowait(sock: socket.socket, bufs: list[memoryview]) -> int:
+    """One non-blocking ``recvmsg_into`` into ``bufs``: returns the index of the first buffer
+    not yet full (``bufs`` is trimmed in place).
+
+    Raises:
+        EOFError: the peer closed the connection. OSError: the connection failed.
+    """
+    try:
+        n = sock.recvmsg_into(_batch(bufs, 0), 0, socket.MSG_DONTWAIT)[0]
+    except (BlockingIOError, InterruptedError):
+        return 0
+    if n == 0:
+        raise EOFError("peer closed the connection in the middle of a frame")
+    return _advance(bufs, 0, n)
+
+
 async def send_views_inline(
-    sock: socket.socket, header: bytes, views: list[memoryview], token: CancelToken
+    sock: socket.socket, bufs: list[memoryview], idx: int, token: CancelToken
 ) -> None:
-    """Send ``header`` then every view from the event loop (small frames; no worker thread).
+    """Send ``bufs[idx:]`` (a frame's header and views, ``bufs[:idx]`` already sent) from the
+    event loop (small frames; no worker thread).
 
     The caller shields it and bounds it with a stall timeout: a frame, once started, must be
     finished. If ``token`` trips meanwhile, the rest goes out as zeros and source memory is
@@ -241,8 +275,6 @@ async def send_views_inline(
     Raises:
         OSError: the connection failed.
     """
-    bufs: list[memoryview] = [memoryview(header), *views]
-    idx = 0
     padded = False
     while idx < len(bufs):
         if not padded and token.cancelled:
@@ -258,17 +290,20 @@ async def send_views_inline(
 
 
 async def recv_views_inline(
-    sock: socket.socket, views: list[memoryview], token: CancelToken, scratch: memoryview
+    sock: socket.socket,
+    bufs: list[memoryview],
+    idx: int,
+    token: CancelToken,
+    scratch: memoryview,
 ) -> bool:
-    """Receive exactly the views' bytes into them from the event loop (small frames). If
-    ``token`` trips meanwhile, the rest goes to ``scratch``. Returns True when every byte
-    landed in ``views``; the caller bounds it with a stall timeout.
+    """Receive exactly the bytes of ``bufs[idx:]`` into them from the event loop (small
+    frames; ``bufs[:idx]`` are full already). If ``token`` trips meanwhile, the rest goes to
+    ``scratch``. Returns True when every byte landed in ``bufs``; the caller bounds it with a
+    stall timeout.
 
     Raises:
         EOFError: the peer closed the connection mid-frame. OSError: the connection failed.
     """
-    bufs = list(views)
-    idx = 0
     diverted = False
     while idx < len(bufs):
         if not diverted and token.cancelled:
