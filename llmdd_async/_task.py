@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -163,7 +164,9 @@ class CacheTask:
         self._token.deadline = deadline
         ctl = TaskControl(self, deadline)
         cancelled_exc = anyio.get_cancelled_exc_class()
-        self._log.debug("transfer.started", kind=self.kind)
+        # A filtered structlog call still runs its processor chain: ask the logger first.
+        if self._log.isEnabledFor(logging.DEBUG):
+            self._log.debug("transfer.started", kind=self.kind)
         error: BaseException | None = None
         try:
             with anyio.CancelScope() as scope:
@@ -224,9 +227,10 @@ class CacheTask:
             if self._results[slot] is None:
                 self._results[slot] = status
         if status == LLMStatusCode.LLM_SUCCESS:
-            self._log.debug(
-                "transfer.complete", kind=self.kind, bytes=self._bytes, seconds=self._seconds
-            )
+            if self._log.isEnabledFor(logging.DEBUG):
+                self._log.debug(
+                    "transfer.complete", kind=self.kind, bytes=self._bytes, seconds=self._seconds
+                )
         else:
             self._log.info("transfer.failed", kind=self.kind, status=str(status), error=str(error))
         self._done.set()

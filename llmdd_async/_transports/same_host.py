@@ -16,6 +16,7 @@ exits. When no proof is possible the link moves bytes over TCP.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import ctypes.util
@@ -180,14 +181,11 @@ class _Iovec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
-_libc: Any = None
-
-
+@functools.cache
 def _vm_call(name: str) -> Any:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    fn = getattr(_libc, name)
+    """libc's ``process_vm_readv`` / ``process_vm_writev``, typed once."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    fn = getattr(libc, name)
     fn.restype = ctypes.c_ssize_t
     fn.argtypes = [
         ctypes.c_int,
@@ -198,6 +196,11 @@ def _vm_call(name: str) -> Any:
         ctypes.c_ulong,
     ]
     return fn
+
+
+#: plans of at most this many ranges go to the kernel from Python lists (numpy costs
+#: microseconds per call on arrays this small)
+_VM_FEW = 16
 
 
 def _exited(pidfd: int | None) -> bool:
@@ -222,8 +225,10 @@ def _vm_copy(
         CopyCancelled: ``token`` tripped. OSError: the kernel refused, or the peer exited.
     """
     fn = _vm_call(name)
-    done = 0
     n = len(nbytes)
+    if 0 < n <= _VM_FEW:
+        return _vm_copy_few(fn, name, pid, local, remote, nbytes, token, pidfd)
+    done = 0
     i = 0
     while i < n:
         if token is not None and token.cancelled:
@@ -249,6 +254,35 @@ def _vm_copy(
         done += got
         i = j
     return done
+
+
+def _vm_copy_few(
+    fn: Any,
+    name: str,
+    pid: int,
+    local: np.ndarray,
+    remote: np.ndarray,
+    nbytes: np.ndarray,
+    token: CancelToken | None,
+    pidfd: int | None,
+) -> int:
+    """:func:`_vm_copy` of a few ranges: one call, iovecs built from Python ints."""
+    if token is not None and token.cancelled:
+        raise CopyCancelled
+    if _exited(pidfd):
+        raise OSError(f"peer process {pid} exited")
+    k = len(nbytes)
+    lens = nbytes.tolist()
+    liov = (_Iovec * k)(*zip(local.tolist(), lens, strict=True))
+    riov = (_Iovec * k)(*zip(remote.tolist(), lens, strict=True))
+    want = sum(lens)
+    got = fn(pid, liov, k, riov, k, 0)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name} from pid {pid}: {os.strerror(err)}")
+    if got != want:
+        raise OSError(f"{name} moved {got} of {want} bytes (peer memory went away?)")
+    return int(got)
 
 
 def pvr_probe(pid: int, addr: int, expect: bytes) -> bool:
@@ -321,6 +355,18 @@ class SameHostAccess:
         self._bases = np.array([p.remote_base for p in self.pools], dtype=np.uint64)
         self._ends = np.array([p.remote_base + p.size for p in self.pools], dtype=np.uint64)
         self._delta = np.array([p.local_base - p.remote_base for p in self.pools], dtype=np.int64)
+        self._base_list = [p.remote_base for p in self.pools]
+        self._end_list = [p.remote_base + p.size for p in self.pools]
+
+    def _touches_pool(self, remote: np.ndarray) -> bool:
+        """True if any range starts inside a mapped pool (a few ranges; plain Python)."""
+        if not self.pools:
+            return False
+        for a in remote.tolist():
+            j = bisect.bisect_right(self._base_list, a) - 1
+            if j >= 0 and a < self._end_list[j]:
+                return True
+        return False
 
     def _pool_index(self, remote: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """Index of the mapped pool holding each range, or -1."""
@@ -343,6 +389,10 @@ class SameHostAccess:
         token: CancelToken,
         read: bool,
     ) -> int:
+        name = "process_vm_readv" if read else "process_vm_writev"
+        if len(remote) <= _VM_FEW and self.pvr and not self._touches_pool(remote):
+            # A few ranges outside the mapped pools (user-registered memory): no numpy.
+            return await self._vm_plan(name, Plan(remote, local, nbytes), token)
         where = self._pool_index(remote, nbytes)
         mapped = where >= 0
         done = 0
@@ -357,7 +407,6 @@ class SameHostAccess:
             )
             done += await self._copy(plan, token)
         if (~mapped).any():
-            name = "process_vm_readv" if read else "process_vm_writev"
             if not self.pvr:
                 raise OSError("process_vm_* is not permitted for this peer")
             rest = Plan(remote[~mapped], local[~mapped], nbytes[~mapped])
