@@ -273,8 +273,8 @@ def _vm_copy_few(
         raise OSError(f"peer process {pid} exited")
     k = len(nbytes)
     lens = nbytes.tolist()
-    liov = (_Iovec * k)(*zip(local.tolist(), lens, strict=True))
-    riov = (_Iovec * k)(*zip(remote.tolist(), lens, strict=True))
+    liov = (_Iovec * k)(*[_Iovec(a, n) for a, n in zip(local.tolist(), lens, strict=True)])
+    riov = (_Iovec * k)(*[_Iovec(a, n) for a, n in zip(remote.tolist(), lens, strict=True)])
     want = sum(lens)
     got = fn(pid, liov, k, riov, k, 0)
     if got < 0:
