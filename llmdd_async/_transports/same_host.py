@@ -225,27 +225,37 @@ def _vm_copy(
         CopyCancelled: ``token`` tripped. OSError: the kernel refused, or the peer exited.
     """
     fn = _vm_call(name)
-    n = len(nbytes)
-    if 0 < n <= _VM_FEW:
-        return _vm_copy_few(fn, name, pid, local, remote, nbytes, token, pidfd)
     done = 0
+    n = len(nbytes)
     i = 0
     while i < n:
         if token is not None and token.cancelled:
             raise CopyCancelled
         if _exited(pidfd):
             raise OSError(f"peer process {pid} exited")
-        # Batches bounded in count and bytes, so cancellation is checked regularly.
-        j = min(n, i + _IOV_MAX)
-        csum = np.cumsum(nbytes[i:j])
-        cut = int(np.searchsorted(csum, _BATCH_BYTES, side="right")) + 1
-        j = min(j, i + max(1, cut))
-        liov = np.empty((j - i, 2), dtype=np.uint64)
-        riov = np.empty((j - i, 2), dtype=np.uint64)
-        liov[:, 0], riov[:, 0] = local[i:j], remote[i:j]
-        liov[:, 1] = riov[:, 1] = nbytes[i:j]
-        want = int(nbytes[i:j].sum())
-        got = fn(pid, liov.ctypes.data, j - i, riov.ctypes.data, j - i, 0)
+        liov: Any
+        riov: Any
+        if n <= _VM_FEW:
+            # A few ranges: one call, iovecs built from Python ints (numpy's fixed cost per
+            # call is most of a small copy's time).
+            j = n
+            lens = nbytes.tolist()
+            liov = (_Iovec * n)(*[_Iovec(a, k) for a, k in zip(local.tolist(), lens, strict=True)])
+            riov = (_Iovec * n)(*[_Iovec(a, k) for a, k in zip(remote.tolist(), lens, strict=True)])
+            want = sum(lens)
+        else:
+            # Batches bounded in count and bytes, so cancellation is checked regularly.
+            j = min(n, i + _IOV_MAX)
+            csum = np.cumsum(nbytes[i:j])
+            cut = int(np.searchsorted(csum, _BATCH_BYTES, side="right")) + 1
+            j = min(j, i + max(1, cut))
+            lv = np.empty((j - i, 2), dtype=np.uint64)
+            rv = np.empty((j - i, 2), dtype=np.uint64)
+            lv[:, 0], rv[:, 0] = local[i:j], remote[i:j]
+            lv[:, 1] = rv[:, 1] = nbytes[i:j]
+            liov, riov = lv.ctypes.data, rv.ctypes.data
+            want = int(nbytes[i:j].sum())
+        got = fn(pid, liov, j - i, riov, j - i, 0)
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"{name} from pid {pid}: {os.strerror(err)}")
@@ -253,36 +263,7 @@ def _vm_copy(
             raise OSError(f"{name} moved {got} of {want} bytes (peer memory went away?)")
         done += got
         i = j
-    return done
-
-
-def _vm_copy_few(
-    fn: Any,
-    name: str,
-    pid: int,
-    local: np.ndarray,
-    remote: np.ndarray,
-    nbytes: np.ndarray,
-    token: CancelToken | None,
-    pidfd: int | None,
-) -> int:
-    """:func:`_vm_copy` of a few ranges: one call, iovecs built from Python ints."""
-    if token is not None and token.cancelled:
-        raise CopyCancelled
-    if _exited(pidfd):
-        raise OSError(f"peer process {pid} exited")
-    k = len(nbytes)
-    lens = nbytes.tolist()
-    liov = (_Iovec * k)(*[_Iovec(a, n) for a, n in zip(local.tolist(), lens, strict=True)])
-    riov = (_Iovec * k)(*[_Iovec(a, n) for a, n in zip(remote.tolist(), lens, strict=True)])
-    want = sum(lens)
-    got = fn(pid, liov, k, riov, k, 0)
-    if got < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{name} from pid {pid}: {os.strerror(err)}")
-    if got != want:
-        raise OSError(f"{name} moved {got} of {want} bytes (peer memory went away?)")
-    return int(got)
+    return int(done)
 
 
 def pvr_probe(pid: int, addr: int, expect: bytes) -> bool:
