@@ -70,6 +70,10 @@ def check_uint16(name: str, value: Any, *, optional: bool = False) -> None:
     _check_int(name, value, 0, UINT16_MAX, optional)
 
 
+#: index lists up to this long are checked with Python ints
+_FEW = 64
+
+
 def check_index_list(name: str, value: Any, *, optional: bool = False) -> np.ndarray | None:
     """Check a list/tuple of uint64 and return it as an int64 numpy array.
 
@@ -86,6 +90,13 @@ def check_index_list(name: str, value: Any, *, optional: bool = False) -> np.nda
     value = cast(Sequence[Any], value)
     if len(value) == 0:
         return np.zeros(0, dtype=np.int64)
+    if len(value) <= _FEW and all(type(v) is int for v in value):
+        # numpy's conversion and reductions cost microseconds each on a few indices.
+        if min(value) < 0:
+            raise ValueError(f"{name} holds a negative value")
+        if max(value) > INT64_MAX:
+            raise ValueError(f"{name} holds a value outside [0, 2**63-1]")
+        return np.array(value, dtype=np.int64)
     try:
         arr = np.asarray(value)
     except (ValueError, OverflowError) as exc:  # ragged or absurd input

@@ -260,6 +260,11 @@ class Engine:
 
         await serve_request(self, link, req, msg)
 
+    def serve_now(self, link: Any, msg: Any) -> bool:
+        from ._transfer import serve_now
+
+        return serve_now(self, link, msg)
+
     def drop_link(self, link: Any) -> None:
         self.links.forget(link)
 

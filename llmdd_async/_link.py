@@ -26,7 +26,7 @@ from ._errors import LLMException, status_from_exception
 from ._log import get_logger
 from ._memory import CancelToken, CopyCancelled
 from ._phase_lock import PhaseLock
-from ._planner import check_within
+from ._planner import Layout, check_within
 from ._protocol import (
     MT,
     NEED_DATA,
@@ -236,8 +236,9 @@ class Link:
         self.log = get_logger(
             "link", cluster_id=engine.cluster_id, peer_cluster_id=self.peer_cluster_id
         )
-        # fast_acquire: an uncontended lock costs no trip through the event loop.
-        self.send_lock = anyio.Lock(fast_acquire=True)
+        # fast_acquire: an uncontended lock costs no trip through the event loop. A semaphore,
+        # not a lock: a frame the reader started (send_now) may be finished by another task.
+        self.send_lock = anyio.Semaphore(1, fast_acquire=True)
         #: pulls and pushes share the link (exclusive=False); each layer of a layer-wise
         #: transfer has it alone (exclusive=True); FIFO between the two
         self.transfer_lock = PhaseLock()
@@ -249,6 +250,8 @@ class Link:
         self.table: dict[str, Any] | None = None
         #: the table's caches by id (as the peer described them; checked before any use)
         self.peer_caches: dict[int, dict[str, Any]] = {}
+        #: cache id -> (its table entry, the layout parsed from that entry)
+        self._peer_layouts: dict[int, tuple[dict[str, Any], Layout | None]] = {}
         #: (address, value) of the peer's epoch counter as of that view (one-sided pulls)
         self.peer_epoch: tuple[int, int] | None = None
         #: requests waiting for a reply of a given type (TABLE, UNLINK_ACK, PONG)
@@ -431,6 +434,53 @@ class Link:
         # A send that went out at once still lets cancellation in here (without a loop turn).
         await anyio.lowlevel.checkpoint_if_cancelled()
 
+    def send_now(
+        self, frames: list[Message], views: list[memoryview], done: Callable[[], None]
+    ) -> bool:
+        """Send control frames and the payload ``views`` of the last one (a small DATA frame)
+        without waiting: for the reader, which must never block on a send.
+
+        Returns False, having sent nothing, when the send lock is taken. Otherwise the frames
+        go out in one non-blocking ``sendmsg``; what the socket did not take is finished by a
+        task under the lock. ``done`` runs once nothing reads ``views`` any more: before this
+        returns, or when that task has finished. A socket error breaks the link.
+        """
+        if not self.alive or self.send_lock.value == 0:
+            return False
+        self.send_lock.acquire_nowait()
+        finishing = False
+        try:
+            # In order under the lock: each frame's tag counts frames on a keyed link.
+            header = b"".join(encode(m, self._send_auth) for m in frames)
+            bufs = [memoryview(header), *views]
+            try:
+                idx = send_nowait(self.sock, bufs)
+            except OSError as exc:
+                self.fail(exc)
+                return True
+            if idx < len(bufs):
+                try:
+                    self.engine.spawn(self._finish_now, bufs, idx, done)
+                except RuntimeError as exc:  # the engine stopped: the frame cannot be finished
+                    self.fail(exc)
+                    return True
+                finishing = True
+            return True
+        finally:
+            if not finishing:
+                self.send_lock.release()
+                done()
+
+    async def _finish_now(self, bufs: list[memoryview], idx: int, done: Callable[[], None]) -> None:
+        """The rest of :meth:`send_now`'s frames, under the send lock it took."""
+        try:
+            await self._inline(send_views_inline(self.sock, bufs, idx, CancelToken()))
+        except (OSError, TimeoutError) as exc:
+            self.fail(exc)
+        finally:
+            self.send_lock.release()
+            done()
+
     async def _send_rest(self, data: memoryview) -> None:
         """Finish a frame the socket took only part of.
 
@@ -608,11 +658,34 @@ class Link:
                 self._adopt_view(msg.fields)
         return self.table
 
+    def peer_layout(self, cache_id: int) -> Layout | None:
+        """The layout of the peer's remote-accessible cache ``cache_id`` as this view of its
+        table describes it, parsed once per view; None when it is not published as reachable
+        or its entry is malformed."""
+        desc = self.peer_caches.get(cache_id)
+        cached = self._peer_layouts.get(cache_id)
+        if cached is not None and cached[0] is desc:
+            return cached[1]
+        layout: Layout | None = None
+        if desc is not None and desc.get("remote_accessible") is True:
+            try:
+                layout = Layout.of(
+                    desc["addrs"], desc["tensor_bytes"], desc["count"], desc["is_blocks"]
+                )
+                if layout.num_tensors == 0 or layout.count <= 0 or layout.tensor_bytes <= 0:
+                    layout = None
+            except (KeyError, TypeError, ValueError, OverflowError):
+                layout = None
+        if desc is not None:
+            self._peer_layouts[cache_id] = (desc, layout)
+        return layout
+
     def _adopt_view(self, table: dict[str, Any]) -> None:
         """What this side knows of the peer's memory, from a copy of its table: the reachable
         regions, the caches by id and the epoch (one-sided pulls), all from the same copy."""
         self.peer_regions = regions_of_table(table)
         caches = table.get("caches")
+        self._peer_layouts = {}
         self.peer_caches = {
             c["cache_id"]: c
             for c in (caches if isinstance(caches, list) else [])
@@ -734,9 +807,7 @@ class Link:
                     bufs = list(target)
                     idx = 0 if token.cancelled else recv_nowait(self.sock, bufs)
                     if idx < len(bufs):
-                        await self._inline(
-                            recv_views_inline(self.sock, bufs, idx, token, scratch)
-                        )
+                        await self._inline(recv_views_inline(self.sock, bufs, idx, token, scratch))
                 else:
                     fence = Fence(token, deadline)
                     if req is not None:
@@ -802,6 +873,8 @@ class Link:
             budget = self.engine.serve_budget_s(1024)
             if isinstance(deadline_ms, int) and deadline_ms > 0:
                 budget = min(budget, deadline_ms / 1000)
+            if self.engine.serve_now(self, msg):
+                return
             req = Serving(msg.req_id, time.monotonic() + budget)
             req.meta_bytes = meta_bytes
             self.queued_bytes += meta_bytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -53,6 +54,11 @@ class Layout:
     def stride(self) -> int:
         return self.tensor_bytes // self.count
 
+    @functools.cached_property
+    def addr_list(self) -> list[int]:
+        """The tensor addresses as Python ints (small plans are built from them)."""
+        return [int(a) for a in self.addrs.tolist()]
+
     @classmethod
     def of(
         cls, addrs: Sequence[int] | np.ndarray, tensor_bytes: int, count: int, is_blocks: bool
@@ -81,9 +87,7 @@ class Plan:
         return cls(z, z, z)
 
 
-def coalesce(
-    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, row: int | None = None
-) -> Plan:
+def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, row: int | None = None) -> Plan:
     """Merge consecutive descriptors that are contiguous on both sides (order is kept).
 
     With ``row``, descriptors ``[k*row, (k+1)*row)`` belong to one tensor and never merge with
@@ -179,19 +183,32 @@ def _outer_small(
 ) -> Plan:
     """:func:`_outer` followed by :func:`coalesce`, for a few descriptors (same result, same
     uint64 wrap-around)."""
+    return _outer_lists(
+        src_bases.tolist(),
+        dst_bases.tolist(),
+        src_offs.tolist(),
+        dst_offs.tolist(),
+        nbytes.tolist(),
+    )
+
+
+def _outer_lists(
+    src_bases: list[int],
+    dst_bases: list[int],
+    src_offs: list[int],
+    dst_offs: list[int],
+    nbytes: list[int],
+) -> Plan:
+    """:func:`_outer_small` on Python ints."""
     s: list[int] = []
     d: list[int] = []
     n: list[int] = []
-    pieces = list(zip(src_offs.tolist(), dst_offs.tolist(), nbytes.tolist(), strict=True))
-    for bs, bd in zip(src_bases.tolist(), dst_bases.tolist(), strict=True):
+    pieces = list(zip(src_offs, dst_offs, nbytes, strict=True))
+    for bs, bd in zip(src_bases, dst_bases, strict=True):
         first = len(n)  # this tensor's descriptors start here: no merge across tensors
         for os_, od, k in pieces:
             a_s, a_d = (bs + os_) & _MASK, (bd + od) & _MASK
-            if (
-                len(n) > first
-                and (s[-1] + n[-1]) & _MASK == a_s
-                and (d[-1] + n[-1]) & _MASK == a_d
-            ):
+            if len(n) > first and (s[-1] + n[-1]) & _MASK == a_s and (d[-1] + n[-1]) & _MASK == a_d:
                 n[-1] = (n[-1] + k) & _MASK
             else:
                 s.append(a_s)
@@ -295,6 +312,15 @@ def plan_blocks(
         )
     _check_blocks(src_blocks, src.count, "src", LLMStatusCode.LLM_PARAM_INVALID)
     _check_blocks(dst_blocks, dst.tensor_bytes // dst_unit, "dst", LLMStatusCode.LLM_PARAM_INVALID)
+    if len(src_tensors) * len(src_blocks) <= _SMALL:
+        # A few descriptors: Python ints throughout (numpy costs microseconds per call).
+        return _outer_lists(
+            [src.addr_list[t] for t in src_tensors.tolist()],
+            [dst.addr_list[t] for t in dst_tensors.tolist()],
+            [b * piece for b in src_blocks.tolist()],
+            [b * dst_unit for b in dst_blocks.tolist()],
+            [piece] * len(src_blocks),
+        )
     return _outer(
         src.addrs[src_tensors],
         dst.addrs[dst_tensors],

@@ -6,6 +6,7 @@ Pure bookkeeping over numbers (no I/O, no anyio). Reference §8.1, §8.2, §9.1,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,9 +51,20 @@ class CacheEntry:
     def stride(self) -> int:
         return self.tensor_bytes // self.count
 
-    @property
+    @functools.cached_property
     def layout(self) -> Layout:
         return Layout(self.addrs, self.tensor_bytes, self.count, self.is_blocks)
+
+    @functools.cached_property
+    def sorted_addrs(self) -> list[int]:
+        """The tensor addresses in order, as Python ints (checks of small requests)."""
+        return sorted(int(a) for a in self.addrs.tolist())
+
+    @functools.cached_property
+    def regions(self) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted ``(starts, ends)`` of the cache's tensors."""
+        starts = np.sort(self.addrs.astype(np.uint64))
+        return starts, starts + np.uint64(self.tensor_bytes)
 
     def describe(self) -> dict[str, Any]:
         """The entry as published to peers (JSON-able); the addresses of a cache that is not

@@ -46,6 +46,7 @@ from ._planner import (
 )
 from ._protocol import MT, Message, ProtocolError
 from ._registry import CacheEntry
+from ._transports.tcp import INLINE_BYTES, StreamPlan
 
 __all__ = ["XferSpec", "initiate", "serve_request"]
 
@@ -82,18 +83,25 @@ class XferSpec:
             "target": self.target,
             "shape": self.shape,
             "layout": [e.tensor_bytes, e.count, e.is_blocks],
-            "local_slot": self.local_slot,
-            "size": self.size,
-            "src_offset": self.src_offset,
-            "dst_offset": self.dst_offset,
-            "src_range": _r(self.src_range),
-            "dst_range": _r(self.dst_range),
-            "tnpl": self.tensor_num_per_layer,
-            "dst_block_bytes": self.dst_block_bytes,
-            "raw": [self.raw_tensor_bytes, self.raw_count, self.raw_is_blocks],
-            "caps": caps,
+            "caps": {k: True for k, v in caps.items() if v is True},
             "timeout_ms": timeout_ms,
         }
+        # Fields at their defaults are left out: JSON costs microseconds per field, on both
+        # ends of every request (the target reads them with the same defaults).
+        for name, value in (
+            ("local_slot", self.local_slot),
+            ("size", self.size),
+            ("src_offset", self.src_offset),
+            ("dst_offset", self.dst_offset),
+            ("src_range", _r(self.src_range)),
+            ("dst_range", _r(self.dst_range)),
+            ("tnpl", self.tensor_num_per_layer),
+            ("dst_block_bytes", self.dst_block_bytes),
+        ):
+            if value != _REQ_DEFAULTS[name]:
+                fields[name] = value
+        if self.raw_addrs is not None:
+            fields["raw"] = [self.raw_tensor_bytes, self.raw_count, self.raw_is_blocks]
         arrays: dict[str, bytes | memoryview] = {"local_addrs": _u64(e.addrs)}
         for name, arr in (
             ("src_blocks", self.src_blocks),
@@ -103,6 +111,23 @@ class XferSpec:
             if arr is not None:
                 arrays[name] = _u64(arr)
         return Message(MT.XFER_REQ, req_id, fields, arrays)
+
+
+#: request fields a request leaves out when they hold these values
+_REQ_DEFAULTS: dict[str, Any] = {
+    "local_slot": 0,
+    "size": -1,
+    "src_offset": 0,
+    "dst_offset": 0,
+    "src_range": None,
+    "dst_range": None,
+    "tnpl": 2,
+    "dst_block_bytes": None,
+}
+
+
+def _req_field(fields: dict[str, Any], name: str) -> Any:
+    return fields.get(name, _REQ_DEFAULTS[name])
 
 
 def _r(r: range | None) -> list[int] | None:
@@ -125,11 +150,6 @@ def _raise_for_status(msg: Message, default: str) -> None:
         raise LLMException(str(msg.fields.get("message", default)), status_code=status)
 
 
-def _entry_regions(entry: CacheEntry) -> tuple[np.ndarray, np.ndarray]:
-    starts = np.sort(entry.addrs.astype(_U64))
-    return starts, starts + _U64(entry.tensor_bytes)
-
-
 def _grant_within_selection(spec: XferSpec, local: np.ndarray, nbytes: np.ndarray) -> bool:
     """True if every range a grant names in our own cache lies in what the request selected:
     the blocks (or the batch slot) it named, in any tensor of the cache. A grant naming other
@@ -140,17 +160,20 @@ def _grant_within_selection(spec: XferSpec, local: np.ndarray, nbytes: np.ndarra
     blocks = spec.dst_blocks if local_is_dst else spec.src_blocks
     local_blocks = spec.shape == "blocks" or (spec.shape == "slot_to_blocks" and local_is_dst)
     if local_blocks and blocks is None:
-        return check_within(local, nbytes, *_entry_regions(e))  # every block was asked for
+        return check_within(local, nbytes, *e.regions)  # every block was asked for
     if local_blocks:
         unit = spec.dst_block_bytes if (local_is_dst and spec.dst_block_bytes) else e.stride
+        assert blocks is not None
+        if len(local) <= 32 and len(blocks) <= 64:
+            return _within_units_small(e, unit, set(blocks.tolist()), local, nbytes)
         units = np.unique(np.asarray(blocks, dtype=np.int64))
     else:
         unit, units = e.stride, np.array([spec.local_slot], dtype=np.int64)
     if len(units) == 0:
         return False
     if len(local) <= 32:
-        return _within_units_small(e, unit, units, local, nbytes)
-    if not check_within(local, nbytes, *_entry_regions(e)):
+        return _within_units_small(e, unit, set(units.tolist()), local, nbytes)
+    if not check_within(local, nbytes, *e.regions):
         return False
     # Runs of consecutive selected units, inclusive: descriptors may span several blocks.
     brk = np.flatnonzero(np.diff(units) != 1)
@@ -168,13 +191,14 @@ def _grant_within_selection(spec: XferSpec, local: np.ndarray, nbytes: np.ndarra
 
 
 def _within_units_small(
-    e: CacheEntry, unit: int, units: np.ndarray, local: np.ndarray, nbytes: np.ndarray
+    e: CacheEntry, unit: int, selected: set[int], local: np.ndarray, nbytes: np.ndarray
 ) -> bool:
     """:func:`_grant_within_selection` for a few descriptors, in plain Python (numpy costs
     microseconds per call on arrays this small)."""
-    starts = sorted(int(a) for a in e.addrs.tolist())
+    if not selected:
+        return False
+    starts = e.sorted_addrs
     size = e.tensor_bytes
-    selected = set(units.tolist())
     for a, n in zip(local.tolist(), nbytes.tolist(), strict=True):
         t = bisect.bisect_right(starts, a) - 1
         if t < 0 or n <= 0:
@@ -315,22 +339,32 @@ def _direct_plan(engine: Any, link: Link, spec: XferSpec) -> Plan | None:
         or not engine.host_reachable(spec.local.addrs)
     ):
         return None
-    desc = link.peer_caches.get(spec.target["cache_id"])
-    if desc is None or desc.get("remote_accessible") is not True:
+    tgt = link.peer_layout(spec.target["cache_id"])
+    if tgt is None:  # not published as reachable, or malformed: the peer answers for it
         return None
-    try:
-        tgt = Layout.of(desc["addrs"], desc["tensor_bytes"], desc["count"], desc["is_blocks"])
-        if tgt.num_tensors == 0 or tgt.count <= 0 or tgt.tensor_bytes <= 0:
-            return None
-    except (KeyError, TypeError, ValueError, OverflowError):
-        return None  # a malformed table entry: let the peer answer for it
     slot = int(spec.target.get("index", 0))
     raise_if_false(
         0 <= slot < (1 if tgt.is_blocks else tgt.count),
         f"batch index {slot} is outside cache {spec.target['cache_id']}",
         LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
     )
-    plan, _, _ = plan_request(spec.encode(0, {}, 0), spec.local.layout, tgt, slot)
+    plan, _, _ = plan_selection(
+        "pull",
+        spec.shape,
+        spec.local.layout,
+        tgt,
+        slot,
+        local_slot=spec.local_slot,
+        src_range=spec.src_range,
+        dst_range=spec.dst_range,
+        tnpl=spec.tensor_num_per_layer,
+        size=spec.size,
+        src_offset=spec.src_offset,
+        dst_offset=spec.dst_offset,
+        src_blocks=spec.src_blocks,
+        dst_blocks=spec.dst_blocks,
+        dst_block_bytes=spec.dst_block_bytes,
+    )
     # Only what the peer published as reachable, and only what our access reaches alone.
     if not check_within(plan.src, plan.nbytes, *link.peer_regions) or not access.reaches(
         plan.src, plan.nbytes
@@ -493,6 +527,72 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
             registry.unpin(e)
 
 
+def serve_now(engine: Any, link: Link, msg: Message) -> bool:
+    """Serve a small streamed pull from the link's reader itself: planned, granted and sent in
+    one non-blocking ``sendmsg``, with no task, thread or serving slot. Returns False when a
+    task must serve the request instead: anything else (pushes, direct-access grants, pulls
+    that consume a key, device memory, more than ``INLINE_BYTES``), any failure (the task
+    answers it with its status), or a send lock held by another frame.
+
+    Nothing of ours is touched once the bytes are in the socket, so the request ends there
+    (its GRANT says no DONE is expected).
+    """
+    f = msg.fields
+    if (
+        f.get("op") != "pull"
+        or link.send_lock.value == 0
+        or any(link.trusted_caps(f.get("caps")).values())
+        or _bound_bytes(msg) > INLINE_BYTES
+    ):
+        return False
+    try:
+        entries, plan, slot_info, mode, _ = _resolve_and_plan(engine, link, msg)
+    except Exception:
+        return False  # the task answers with the status
+    total = plan.total_bytes
+    if (
+        mode != "stream"
+        or not 0 < total <= INLINE_BYTES
+        or (slot_info is not None and not engine.options.remote_accessible)
+        or not engine.host_reachable(plan.src)
+    ):
+        return False
+    grant = Message(
+        MT.GRANT,
+        msg.req_id,
+        {"status": 0, "mode": mode, "total": total, "done": False},
+        {"local": _u64(plan.dst), "nbytes": _u64(plan.nbytes)},
+    )
+    data = Message(MT.DATA, msg.req_id, {"off": 0}, payload_len=total, flags=FLAG_TO_INITIATOR)
+    registry = engine.registry
+    for e in entries:
+        registry.pin(e)
+
+    def unpin() -> None:
+        for e in entries:
+            registry.unpin(e)
+
+    views = StreamPlan(plan.src, plan.nbytes).views(0, total)
+    if not link.send_now([grant, data], views, unpin):
+        unpin()
+        return False
+    link.stats_bytes += total
+    return True
+
+
+def _bound_bytes(msg: Message) -> int:
+    """At most how many bytes a pull moves, from its request alone: the selected units of the
+    initiator's cache in every tensor of it (a cheap bound, before any planning)."""
+    try:
+        tb, count, _ = msg.fields["layout"]
+        ntensors = memoryview(msg.arrays["local_addrs"]).nbytes // 8
+        blocks = msg.arrays.get("dst_blocks")
+        units = 1 if blocks is None else memoryview(blocks).nbytes // 8
+        return int(units) * (int(tb) // max(1, int(count))) * ntensors
+    except (KeyError, TypeError, ValueError):
+        return 1 << 62
+
+
 async def _out_of_budget(engine: Any, link: Link, req: Serving, mode: str) -> None:
     """The request ran past what this side grants a peer: tell the initiator now (it would
     otherwise wait for its own deadline). In local mode it copies straight into our memory,
@@ -512,10 +612,7 @@ async def _out_of_budget(engine: Any, link: Link, req: Serving, mode: str) -> No
 def plan_request(
     msg: Message, init_layout: Layout, tgt_layout: Layout, slot: int
 ) -> tuple[Plan, int, np.ndarray]:
-    """Plan a request between the initiator's cache and the target's (its batch ``slot``).
-
-    The target plans every request it serves with this; an initiator that reaches the target's
-    memory on its own (a pull in remote-accessible mode) plans with it from the target's table.
+    """Plan a request the peer sent, between its cache and ours (our batch ``slot``).
     Returns ``(plan, source slot, source tensor indices)``.
 
     Raises:
@@ -523,59 +620,86 @@ def plan_request(
         ProtocolError / KeyError / TypeError / ValueError: a malformed request.
     """
     f = msg.fields
-    op = f["op"]
-    src, dst = (tgt_layout, init_layout) if op == "pull" else (init_layout, tgt_layout)
-    local_slot = int(f.get("local_slot", 0))
-    src_slot, dst_slot = (slot, local_slot) if op == "pull" else (local_slot, slot)
     rng = [
-        None if r is None else range(int(r[0]), int(r[1])) for r in (f["src_range"], f["dst_range"])
+        None if r is None else range(int(r[0]), int(r[1]))
+        for r in (_req_field(f, "src_range"), _req_field(f, "dst_range"))
     ]
-    src_idx, dst_idx = tensor_windows(
-        src.num_tensors, dst.num_tensors, rng[0], rng[1], int(f["tnpl"])
+    dbb = _req_field(f, "dst_block_bytes")
+    return plan_selection(
+        f["op"],
+        f["shape"],
+        init_layout,
+        tgt_layout,
+        slot,
+        local_slot=int(_req_field(f, "local_slot")),
+        src_range=rng[0],
+        dst_range=rng[1],
+        tnpl=int(_req_field(f, "tnpl")),
+        size=int(_req_field(f, "size")),
+        src_offset=int(_req_field(f, "src_offset")),
+        dst_offset=int(_req_field(f, "dst_offset")),
+        src_blocks=_arr(msg, "src_blocks"),
+        dst_blocks=_arr(msg, "dst_blocks"),
+        dst_block_bytes=None if dbb is None else int(dbb),
     )
-    shape = f["shape"]
-    dbb = f.get("dst_block_bytes")
+
+
+def plan_selection(
+    op: str,
+    shape: str,
+    init_layout: Layout,
+    tgt_layout: Layout,
+    slot: int,
+    *,
+    local_slot: int,
+    src_range: range | None,
+    dst_range: range | None,
+    tnpl: int,
+    size: int,
+    src_offset: int,
+    dst_offset: int,
+    src_blocks: np.ndarray | None,
+    dst_blocks: np.ndarray | None,
+    dst_block_bytes: int | None,
+) -> tuple[Plan, int, np.ndarray]:
+    """Plan a selection between the initiator's cache and the target's (its batch ``slot``).
+
+    The target plans every request it serves with this; an initiator that reaches the target's
+    memory on its own (a pull in remote-accessible mode) plans with it from the target's table.
+    Returns ``(plan, source slot, source tensor indices)``.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for a selection that does not fit the two layouts.
+        ProtocolError: a shape without the block lists it needs, or an unknown shape.
+    """
+    src, dst = (tgt_layout, init_layout) if op == "pull" else (init_layout, tgt_layout)
+    src_slot, dst_slot = (slot, local_slot) if op == "pull" else (local_slot, slot)
+    src_idx, dst_idx = tensor_windows(src.num_tensors, dst.num_tensors, src_range, dst_range, tnpl)
     if shape == "slot":
         raise_if_false(
             not src.is_blocks and not dst.is_blocks, "slot transfers need contiguous caches"
         )
         plan = plan_slots(
-            src,
-            dst,
-            src_idx,
-            dst_idx,
-            src_slot,
-            dst_slot,
-            int(f["size"]),
-            int(f["src_offset"]),
-            int(f["dst_offset"]),
+            src, dst, src_idx, dst_idx, src_slot, dst_slot, size, src_offset, dst_offset
         )
     elif shape == "blocks":
-        sb, db = _arr(msg, "src_blocks"), _arr(msg, "dst_blocks")
-        if sb is None or db is None:
+        if src_blocks is None or dst_blocks is None:
             raise ProtocolError("blocks request without block lists")
         plan = plan_blocks(
             src,
             dst,
             src_idx,
             dst_idx,
-            sb.astype(np.int64),
-            db.astype(np.int64),
-            None if dbb is None else int(dbb),
+            src_blocks.astype(np.int64),
+            dst_blocks.astype(np.int64),
+            dst_block_bytes,
         )
     elif shape == "slot_to_blocks":
         raise_if_false(not src.is_blocks, "source must be a contiguous cache")
-        db = _arr(msg, "dst_blocks")
-        if db is None:
+        if dst_blocks is None:
             raise ProtocolError("slot_to_blocks request without dst_blocks")
         plan = plan_slot_to_blocks(
-            src,
-            dst,
-            src_idx,
-            dst_idx,
-            src_slot,
-            db.astype(np.int64),
-            None if dbb is None else int(dbb),
+            src, dst, src_idx, dst_idx, src_slot, dst_blocks.astype(np.int64), dst_block_bytes
         )
     else:
         raise ProtocolError(f"bad shape {shape!r}")
@@ -636,7 +760,7 @@ def _resolve_and_plan(
         tgt_layout = entry.layout
     else:
         raw = _arr(msg, "raw_addrs")
-        rtb, rcount, rblocks = f["raw"]
+        rtb, rcount, rblocks = f.get("raw", (0, 1, False))
         if raw is None or not len(raw):
             raise ProtocolError("addressing by addresses without addresses")
         tgt_layout = Layout(raw, int(rtb), int(rcount), bool(rblocks))
@@ -645,7 +769,7 @@ def _resolve_and_plan(
     # Whatever the request said, every range must lie inside memory this endpoint registered:
     # inside the named cache, or (raw addresses) inside registered caches, which are pinned.
     if entry is not None:
-        starts, ends = _entry_regions(entry)
+        starts, ends = entry.regions
         raise_if_false(
             check_within(target_side, plan.nbytes, starts, ends),
             f"the request leaves cache {entry.cache_id} of cluster {engine.cluster_id}",

@@ -416,7 +416,7 @@ def test_check_within_small_inputs_agree_with_numpy(regions, ranges, near) -> No
     ends = np.array([s + n for s, n in kept], dtype=np.uint64)
     if near and kept:  # ranges around the regions' edges, where the answers change
         ranges = [(kept[i % len(kept)][0] + (a % 700) - 100, n) for i, (a, n) in enumerate(ranges)]
-        ranges = [(max(0, a), n) for a, n in ranges]
+        ranges = [(min(max(0, a), 2**64 - 1), n) for a, n in ranges]
     a = np.array([r[0] for r in ranges], dtype=np.uint64)
     n = np.array([r[1] for r in ranges], dtype=np.uint64)
     fast = _planner.check_within(a, n, starts, ends)

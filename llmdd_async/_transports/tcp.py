@@ -46,6 +46,8 @@ _IOV_MAX = 1024
 #: where 32 MiB calls stay near 2 GB/s (frames stay big; only the syscalls are cut)
 _SYSCALL_BYTES = 4 << 20
 _SCRATCH = 4 << 20
+#: plans of up to this many ranges are kept as Python ints
+_FEW = 16
 
 
 def configure_socket(sock: socket.socket) -> None:
@@ -78,6 +80,10 @@ class StreamPlan:
     """One side of a plan as an ordered byte stream: stream offsets -> local memory ranges."""
 
     def __init__(self, addrs: np.ndarray, nbytes: np.ndarray) -> None:
+        if len(nbytes) <= _FEW:
+            self._init_few(np.asarray(addrs).tolist(), np.asarray(nbytes).tolist())
+            return
+        self._few: tuple[list[int], list[int], list[int]] | None = None
         addrs = np.asarray(addrs, dtype=np.uint64)
         nbytes = np.asarray(nbytes, dtype=np.uint64)
         if len(addrs) > 1:
@@ -93,6 +99,24 @@ class StreamPlan:
         self.starts = self.ends - self.nbytes
         self.total = int(self.ends[-1]) if len(self.ends) else 0
 
+    def _init_few(self, addrs: list[int], nbytes: list[int]) -> None:
+        # A few ranges (most requests): Python ints, as numpy costs microseconds per call.
+        a_out: list[int] = []
+        n_out: list[int] = []
+        for a, n in zip(addrs, nbytes, strict=True):
+            if a_out and a_out[-1] + n_out[-1] == a:
+                n_out[-1] += n
+            else:
+                a_out.append(a)
+                n_out.append(n)
+        ends: list[int] = []
+        total = 0
+        for n in n_out:
+            total += n
+            ends.append(total)
+        self._few = (a_out, n_out, ends)
+        self.total = total
+
     @functools.cached_property
     def _span(self) -> tuple[int, memoryview]:
         # One view over the whole span; descriptors become cheap slices of it. Gaps in the
@@ -105,6 +129,17 @@ class StreamPlan:
         """Local ``(addresses, lengths)`` holding stream bytes ``[offset, offset + n)``."""
         if n <= 0 or not self.total:
             return [], []
+        if self._few is not None:
+            out_a: list[int] = []
+            out_n: list[int] = []
+            hi = offset + n
+            for a, k, end in zip(*self._few, strict=True):
+                start = end - k
+                lo_, hi_ = max(start, offset), min(end, hi)
+                if hi_ > lo_:
+                    out_a.append(a + lo_ - start)
+                    out_n.append(hi_ - lo_)
+            return out_a, out_n
         lo, hi = np.uint64(offset), np.uint64(offset + n)
         i0 = int(np.searchsorted(self.ends, lo, side="right"))
         i1 = int(np.searchsorted(self.ends, hi, side="left")) + 1
@@ -120,6 +155,11 @@ class StreamPlan:
         addrs, lens = self.ranges(offset, n)
         if not addrs:
             return []
+        if self._few is not None:
+            return [
+                memoryview((ctypes.c_ubyte * ln).from_address(a)).cast("B")
+                for a, ln in zip(addrs, lens, strict=True)
+            ]
         base, span = self._span
         return [span[a - base : a - base + ln] for a, ln in zip(addrs, lens, strict=True)]
 
