@@ -542,13 +542,87 @@ def raw_rpc_us(n: int, size: int = BLOCK) -> tuple[float, float]:
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
 
 
+_AIO_RPC_SERVER = """
+import asyncio, socket, sys
+import numpy as np
+port, size = map(int, sys.argv[1:])
+async def main():
+    loop = asyncio.get_running_loop()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.setblocking(False)
+    payload = memoryview(np.ones(size, np.uint8))
+    req = bytearray(8)
+    while True:
+        got = 0
+        while got < 8:
+            k = await loop.sock_recv_into(s, memoryview(req)[got:])
+            if k == 0:
+                return
+            got += k
+        await loop.sock_sendall(s, payload)
+asyncio.run(main())
+"""
+
+
+def asyncio_rpc_us(n: int, size: int = BLOCK) -> tuple[float, float]:
+    """:func:`raw_rpc_us` with both ends on a plain asyncio loop (``sock_recv_into`` /
+    ``sock_sendall``, nothing else): the floor of any asyncio-native request/response here.
+    p50 and p99 in microseconds."""
+    import asyncio
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    child = subprocess.Popen([sys.executable, "-c", _AIO_RPC_SERVER, str(port), str(size)])
+    view = memoryview(np.empty(size, np.uint8))
+    lat: list[float] = []
+
+    async def client(conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        for i in range(n + 20):
+            t0 = time.perf_counter()
+            await loop.sock_sendall(conn, b"\0" * 8)
+            got = 0
+            while got < size:
+                k = await loop.sock_recv_into(conn, view[got:])
+                if k == 0:
+                    raise RuntimeError("asyncio request/response: peer closed")
+                got += k
+            if i >= 20:
+                lat.append(time.perf_counter() - t0)
+
+    try:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.setblocking(False)
+        with conn:
+            asyncio.run(client(conn))
+    finally:
+        listener.close()
+        child.wait(timeout=30)
+    return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
+
+
+_LIMIT_KEYS = (
+    "memcpy_gbps",
+    "socket_gbps",
+    "rpc_p50_us",
+    "rpc_p99_us",
+    "aio_rpc_p50_us",
+    "aio_rpc_p99_us",
+)
+
+
 def measure_limits(sz: Sizes) -> dict[str, float]:
     p50, p99 = raw_rpc_us(max(sz.small, 50))
+    a50, a99 = asyncio_rpc_us(max(sz.small, 50))
     return {
         "memcpy_gbps": memcpy_gbps(sz.total, repeat=3),
         "socket_gbps": raw_socket_gbps(max(sz.total, 16 << 20), repeat=1),
         "rpc_p50_us": p50,
         "rpc_p99_us": p99,
+        "aio_rpc_p50_us": a50,
+        "aio_rpc_p99_us": a99,
     }
 
 
@@ -659,10 +733,7 @@ def main() -> None:
             got["limits"] = lim
             runs[cfg.name].append(got)
     rows, ratios = tabulate(cfgs, runs, status, errors, args.rounds)
-    lim_row = {
-        k: _med([lim[k] for lim in limits])
-        for k in ("memcpy_gbps", "socket_gbps", "rpc_p50_us", "rpc_p99_us")
-    }
+    lim_row = {k: _med([lim[k] for lim in limits]) for k in _LIMIT_KEYS}
     print(
         f"\n{args.blocks} blocks of 64 KiB over {args.tensors} tensors per side "
         f"({sz.total >> 20} MiB), two processes on 127.0.0.1, {args.rounds} interleaved rounds; "
@@ -670,14 +741,15 @@ def main() -> None:
     )
     print_table(
         "machine limits measured in the same run (memcpy = numpy.copyto of the bulk size; "
-        "socket = raw blocking loopback stream; rpc = raw blocking 64 KiB request/response)",
+        "socket = raw blocking loopback stream; rpc = raw blocking 64 KiB request/response; "
+        "aio_rpc = the same on plain asyncio at both ends)",
         [lim_row],
-        ["memcpy_gbps", "socket_gbps", "rpc_p50_us", "rpc_p99_us"],
+        list(_LIMIT_KEYS),
     )
     print_table(
         f"absolute figures: 1-block p50/p99; {args.concurrency}x{args.per_request} in flight "
-        f"(req/s, GB/s); bulk shuffled (GB/s); x_limit: p50 / rpc p50, GB/s / limit (memcpy "
-        "for same-host, socket for tcp)",
+        f"(req/s, GB/s); bulk shuffled (GB/s); x_rpc / x_aio: p50 / rpc p50 and / aio_rpc "
+        "p50; x_limit: GB/s / limit (memcpy for same-host, socket for tcp)",
         rows,
         [
             "engine",
@@ -686,6 +758,7 @@ def main() -> None:
             "p50_us",
             "p99_us",
             "p50_x_rpc",
+            "p50_x_aio",
             "req_per_s",
             "conc_gbps",
             "conc_x_limit",
@@ -740,6 +813,7 @@ def tabulate(
             row[k] = _med([r[k] for r in rs])
         lim = "memcpy_gbps" if c.kind == "same-host" else "socket_gbps"
         row["p50_x_rpc"] = _med([r["p50_us"] / r["limits"]["rpc_p50_us"] for r in rs])
+        row["p50_x_aio"] = _med([r["p50_us"] / r["limits"]["aio_rpc_p50_us"] for r in rs])
         row["conc_x_limit"] = _med([r["conc_gbps"] / r["limits"][lim] for r in rs])
         row["bulk_x_limit"] = _med([r["bulk_gbps"] / r["limits"][lim] for r in rs])
         rows.append(row)

@@ -800,10 +800,8 @@ class CacheManager:
         src_b, dst_b = _block_lists(src_blocks, dst_blocks)
         raise_if_false(entry.is_blocks, "pull_blocks needs a blocks destination cache")
         raise_if_false(len(dst_b) > 0, "dst_blocks must not be empty")
-        raise_if_false(
-            int(dst_b.max()) < entry.count,
-            f"dst block {int(dst_b.max())} >= the local {entry.count} blocks",
-        )
+        top = max(dst_b.tolist()) if 0 < len(dst_b) <= 64 else int(dst_b.max(initial=0))
+        raise_if_false(top < entry.count, f"dst block {top} >= the local {entry.count} blocks")
         if isinstance(src_cache_key, BlocksCacheKey) or blocks_by_id:
             raise_if_false(len(src_b) > 0, "src_blocks must not be empty with a BlocksCacheKey")
             raise_if_false(

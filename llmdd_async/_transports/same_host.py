@@ -55,7 +55,7 @@ _BATCH_BYTES = 64 << 20
 #: near 5.4 GB/s here (page-table walks of both processes), two reach memcpy's rate
 _VM_SPLIT_BYTES = 8 << 20
 #: process_vm_* of at most this much runs on the loop (the local memcpy threshold)
-_VM_INLINE_BYTES = 256 << 10
+_VM_INLINE_BYTES = 1 << 20
 
 
 def _read(path: str) -> str:

@@ -268,7 +268,7 @@ def _check_deadline(fence: Fence, what: str) -> None:
 
 #: frames up to this size move from the event loop itself: a thread hop costs more than the
 #: copy (a 256 KiB copy from or to the kernel takes tens of microseconds)
-INLINE_BYTES = 256 << 10
+INLINE_BYTES = 1 << 20
 
 
 def send_nowait(sock: socket.socket, bufs: list[memoryview]) -> int:
