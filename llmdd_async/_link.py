@@ -33,7 +33,6 @@ from ._protocol import (
     Decoder,
     FrameAuth,
     Message,
-    PayloadBytes,
     ProtocolError,
     encode,
 )
@@ -784,13 +783,11 @@ class Link:
         views = stream.receive_views(off, n) if stream is not None else []
         # Bytes the read-ahead already pulled in go first (at most 64 KiB, copied here).
         pos = 0
-        while self.decoder.buffered and self.decoder.payload_remaining:
-            ev = self.decoder.next_event()
-            assert isinstance(ev, PayloadBytes)
-            chunk = ev.data
-            if req is not None and not req.token.cancelled:
-                _copy_into(views, pos, chunk)
-            pos += chunk.nbytes
+        if self.decoder.buffered and self.decoder.payload_remaining:
+            with self.decoder.take_payload() as chunk:
+                if req is not None and not req.token.cancelled:
+                    _copy_into(views, 0, chunk)
+                pos = chunk.nbytes
         rest = self.decoder.payload_remaining
         token = req.token if req is not None else _CANCELLED
         deadline = (req.deadline if req is not None else None) or (

@@ -266,6 +266,18 @@ class Decoder:
             raise ProtocolError("payload accounting error")
         self._payload_left -= n
 
+    def take_payload(self) -> memoryview:
+        """The current frame's payload bytes that are already buffered (at most what it has
+        left), as a view into the decoder's own buffer: no copy, unlike the
+        :class:`PayloadBytes` of :meth:`next_event`. The caller copies them out and releases
+        the view before the next :meth:`receive_data` (which raises BufferError while a view
+        is held)."""
+        n = min(len(self._buf) - self._pos, self._payload_left)
+        view = memoryview(self._buf)[self._pos : self._pos + n]
+        self._pos += n
+        self._payload_left -= n
+        return view
+
     def _fail(self, message: str) -> ProtocolError:
         self._broken = ProtocolError(message)
         return self._broken

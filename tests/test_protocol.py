@@ -109,6 +109,26 @@ def test_payload_can_be_read_directly_by_the_io_layer() -> None:
         dec.payload_consumed(1)
 
 
+def test_take_payload_hands_out_the_buffered_payload_without_a_copy() -> None:
+    frame = encode(Message(MT.DATA, 7, {"off": 0}, payload_len=100))
+    after = encode(Message(MT.DONE, 7, {"status": 0}))
+    dec = Decoder()
+    dec.receive_data(frame + b"y" * 40)
+    msg = dec.next_event()
+    assert isinstance(msg, Message) and msg.payload_len == 100
+    with dec.take_payload() as view:
+        assert bytes(view) == b"y" * 40 and dec.payload_remaining == 60
+        with pytest.raises(BufferError):  # the view is the decoder's buffer: release it first
+            dec.receive_data(b"z")
+    dec.receive_data(b"z" * 60 + after)  # the rest of the payload, then the next frame
+    with dec.take_payload() as view:
+        assert bytes(view) == b"z" * 60 and dec.payload_remaining == 0
+    done = dec.next_event()
+    assert isinstance(done, Message) and done.type == MT.DONE
+    with dec.take_payload() as view:  # no payload pending: nothing
+        assert view.nbytes == 0
+
+
 def test_buffer_stays_bounded_when_chunks_never_end_on_a_frame() -> None:
     # A control-only link may never receive exactly up to a frame boundary; consumed bytes
     # must still be dropped, or the buffer grows with everything the link ever carried.

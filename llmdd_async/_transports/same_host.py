@@ -54,7 +54,9 @@ _BATCH_BYTES = 64 << 20
 #: above this, a process_vm_* plan is cut in two and runs on two threads: one stream tops out
 #: near 5.4 GB/s here (page-table walks of both processes), two reach memcpy's rate
 _VM_SPLIT_BYTES = 8 << 20
-#: process_vm_* of at most this much runs on the loop (the local memcpy threshold)
+#: process_vm_* of at most this much runs on the loop, as TCP frames do (tcp.INLINE_BYTES):
+#: 64 requests of 1 MiB in flight went from 1330 to about 1700 req/s here when they stopped
+#: hopping to threads
 _VM_INLINE_BYTES = 1 << 20
 
 
