@@ -208,6 +208,10 @@ class Serving(_Request):
         self.done_event.set()
 
 
+#: frames for :meth:`Link.send_soon`: the messages, the last one's payload, what to run after
+_Outgoing = tuple[list[Message], list[memoryview], Callable[[], None]]
+
+
 class Link:
     """One established link. Created by the engine after a successful handshake."""
 
@@ -236,7 +240,7 @@ class Link:
             "link", cluster_id=engine.cluster_id, peer_cluster_id=self.peer_cluster_id
         )
         # fast_acquire: an uncontended lock costs no trip through the event loop. A semaphore,
-        # not a lock: a frame the reader started (send_now) may be finished by another task.
+        # not a lock: a frame the reader started (send_soon) may be finished by another task.
         self.send_lock = anyio.Semaphore(1, fast_acquire=True)
         #: pulls and pushes share the link (exclusive=False); each layer of a layer-wise
         #: transfer has it alone (exclusive=True); FIFO between the two
@@ -262,6 +266,9 @@ class Link:
         #: peer must not starve the others)
         self.threads = anyio.CapacityLimiter(limits.threads)
         self._replies = anyio.Semaphore(_MAX_REPLIES)
+        #: frames the reader handed to :meth:`send_soon` while the send lock was taken
+        self._outbox: collections.deque[_Outgoing] = collections.deque()
+        self._writing = False
         #: (starts, ends) of the peer's memory that it let us reach directly, refreshed from
         #: its table when a grant names memory outside it
         self.peer_regions: tuple[np.ndarray, np.ndarray] = _no_regions()
@@ -433,19 +440,38 @@ class Link:
         # A send that went out at once still lets cancellation in here (without a loop turn).
         await anyio.lowlevel.checkpoint_if_cancelled()
 
-    def send_now(
+    def send_soon(
         self, frames: list[Message], views: list[memoryview], done: Callable[[], None]
     ) -> bool:
         """Send control frames and the payload ``views`` of the last one (a small DATA frame)
-        without waiting: for the reader, which must never block on a send.
+        for the reader, which must never wait on a send.
 
-        Returns False, having sent nothing, when the send lock is taken. Otherwise the frames
-        go out in one non-blocking ``sendmsg``; what the socket did not take is finished by a
-        task under the lock. ``done`` runs once nothing reads ``views`` any more: before this
-        returns, or when that task has finished. A socket error breaks the link.
+        With the send lock free and nothing queued they go out at once, in one non-blocking
+        ``sendmsg`` (a task finishes what the socket did not take); otherwise they queue for
+        the link's writer task, which sends what queued up together, a syscall for many. Either
+        way the lock is held from a frame's first byte to its last. ``done`` runs once nothing
+        reads ``views`` any more. Returns False, with nothing sent or queued and ``done`` not
+        run, when the link is down. A socket error breaks the link.
         """
-        if not self.alive or self.send_lock.value == 0:
+        if not self.alive:
             return False
+        if self.send_lock.value and not self._outbox:
+            self._send_at_once(frames, views, done)
+            return True
+        self._outbox.append((frames, views, done))
+        if not self._writing:
+            try:
+                self.engine.spawn(self._write_outbox)
+            except RuntimeError as exc:  # the engine stopped: nothing more goes out
+                self._outbox.pop()
+                self.fail(exc)
+                return False
+            self._writing = True
+        return True
+
+    def _send_at_once(
+        self, frames: list[Message], views: list[memoryview], done: Callable[[], None]
+    ) -> None:
         self.send_lock.acquire_nowait()
         finishing = False
         try:
@@ -456,22 +482,21 @@ class Link:
                 idx = send_nowait(self.sock, bufs)
             except OSError as exc:
                 self.fail(exc)
-                return True
+                return
             if idx < len(bufs):
                 try:
                     self.engine.spawn(self._finish_now, bufs, idx, done)
                 except RuntimeError as exc:  # the engine stopped: the frame cannot be finished
                     self.fail(exc)
-                    return True
+                    return
                 finishing = True
-            return True
         finally:
             if not finishing:
                 self.send_lock.release()
                 done()
 
     async def _finish_now(self, bufs: list[memoryview], idx: int, done: Callable[[], None]) -> None:
-        """The rest of :meth:`send_now`'s frames, under the send lock it took."""
+        """The rest of :meth:`_send_at_once`'s frames, under the send lock it took."""
         try:
             await self._inline(send_views_inline(self.sock, bufs, idx, CancelToken()))
         except (OSError, TimeoutError) as exc:
@@ -479,6 +504,44 @@ class Link:
         finally:
             self.send_lock.release()
             done()
+
+    async def _write_outbox(self) -> None:
+        """The writer of :meth:`send_soon`'s queue: batches of up to ``INLINE_BYTES`` of
+        payload per turn of the send lock, each in as few syscalls as the socket allows."""
+        batch: list[_Outgoing] = []
+        drained = False
+        try:
+            while self._outbox and self.alive:
+                async with self.send_lock:
+                    if not self.alive:
+                        break
+                    size = 0
+                    while self._outbox and (not batch or size < INLINE_BYTES):
+                        item = self._outbox.popleft()
+                        batch.append(item)
+                        size += sum(v.nbytes for v in item[1])
+                    bufs: list[memoryview] = []
+                    for frames, views, _ in batch:
+                        bufs.append(
+                            memoryview(b"".join(encode(m, self._send_auth) for m in frames))
+                        )
+                        bufs.extend(views)
+                    idx = send_nowait(self.sock, bufs)
+                    if idx < len(bufs):
+                        await self._inline(send_views_inline(self.sock, bufs, idx, CancelToken()))
+                for _, _, done in batch:
+                    done()
+                batch = []
+            drained = True
+        except (OSError, TimeoutError) as exc:
+            self.fail(exc)
+        finally:
+            self._writing = False
+            if not drained or not self.alive:  # what is still queued never goes out
+                batch.extend(self._outbox)
+                self._outbox.clear()
+            for _, _, done in batch:
+                done()
 
     async def _send_rest(self, data: memoryview) -> None:
         """Finish a frame the socket took only part of.
@@ -848,7 +911,7 @@ class Link:
             meta_bytes = sum(memoryview(a).nbytes for a in msg.arrays.values())
             limits = self.engine.options.limits
             if (
-                len(self.serving) >= limits.queued
+                len(self.serving) + len(self._outbox) >= limits.queued
                 or self.queued_bytes + meta_bytes > 4 * limits.meta_bytes
             ):
                 await self._owe_reply(

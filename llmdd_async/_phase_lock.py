@@ -8,8 +8,6 @@ one that it cannot run with.
 from __future__ import annotations
 
 import collections
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import anyio
 
@@ -62,24 +60,40 @@ class PhaseLock:
             w.granted = True
             w.event.set()
 
-    @asynccontextmanager
-    async def hold(self, exclusive: bool) -> AsyncIterator[None]:
-        """Hold the lock in one phase. Cancellation while queued leaves no trace."""
+    def hold(self, exclusive: bool) -> _Hold:
+        """Hold the lock in one phase (``async with``). Cancellation while queued leaves no
+        trace."""
+        return _Hold(self, exclusive)
+
+    async def _acquire(self, exclusive: bool) -> None:
         if not self._queue and self._fits(exclusive):
             self._take(exclusive)
-        else:
-            w = _Waiter(exclusive)
-            self._queue.append(w)
-            try:
-                await w.event.wait()
-            except BaseException:
-                if w.granted:
-                    self._release(exclusive)  # granted as we were cancelled: pass it on
-                else:
-                    self._queue.remove(w)
-                    self._wake()  # a queued exclusive may have held shared ones back
-                raise
+            return
+        w = _Waiter(exclusive)
+        self._queue.append(w)
         try:
-            yield
-        finally:
-            self._release(exclusive)
+            await w.event.wait()
+        except BaseException:
+            if w.granted:
+                self._release(exclusive)  # granted as we were cancelled: pass it on
+            else:
+                self._queue.remove(w)
+                self._wake()  # a queued exclusive may have held shared ones back
+            raise
+
+
+class _Hold:
+    """One hold of a :class:`PhaseLock` (a class, not a generator: it is on every request's
+    path)."""
+
+    __slots__ = ("_exclusive", "_lock")
+
+    def __init__(self, lock: PhaseLock, exclusive: bool) -> None:
+        self._lock = lock
+        self._exclusive = exclusive
+
+    async def __aenter__(self) -> None:
+        await self._lock._acquire(self._exclusive)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._lock._release(self._exclusive)

@@ -141,8 +141,12 @@ def encode(msg: Message, auth: FrameAuth | None = None) -> bytes:
         fields = dict(msg.fields)
         fields["arrays"] = [[name, a.nbytes] for name, a in arrays]
         js = json.dumps(fields, separators=(",", ":")).encode()
+    elif not msg.fields:
+        js = b"{}"
+    elif len(msg.fields) == 1 and type(off := msg.fields.get("off")) is int and off >= 0:
+        js = b'{"off":%d}' % off  # every DATA frame: the same bytes json.dumps would give
     else:
-        js = json.dumps(msg.fields, separators=(",", ":")).encode() if msg.fields else b"{}"
+        js = json.dumps(msg.fields, separators=(",", ":")).encode()
     meta_len = 4 + len(js) + sum(a.nbytes for _, a in arrays) + (_TAG if auth else 0)
     if meta_len > MAX_META:
         raise ProtocolError(f"meta of {meta_len} bytes exceeds {MAX_META}")
@@ -176,6 +180,11 @@ def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: byt
         raise ProtocolError(f"JSON fields of {js_len} bytes exceed {MAX_FIELDS}")
     if js_len == 2 and len(meta) == 6 and meta[4:6] == b"{}":  # a bare control frame
         return Message(mtype, req_id, {}, {}, payload_len, flags)
+    if len(meta) == 4 + js_len and meta[4:11] == b'{"off":' and meta[-1:] == b"}":
+        digits = meta[11:-1]
+        # A DATA frame's only field, exactly as encode writes it (anything else: json).
+        if len(digits) <= 20 and digits.isdigit() and (digits[:1] != b"0" or len(digits) == 1):
+            return Message(mtype, req_id, {"off": int(digits)}, {}, payload_len, flags)
     try:
         fields = json.loads(bytes(meta[4 : 4 + js_len]))
     except (ValueError, RecursionError) as exc:  # JSON errors, huge integers, bad UTF-8

@@ -531,8 +531,9 @@ def serve_now(engine: Any, link: Link, msg: Message) -> bool:
     """Serve a small streamed pull from the link's reader itself: planned, granted and sent in
     one non-blocking ``sendmsg``, with no task, thread or serving slot. Returns False when a
     task must serve the request instead: anything else (pushes, direct-access grants, pulls
-    that consume a key, device memory, more than ``INLINE_BYTES``), any failure (the task
-    answers it with its status), or a send lock held by another frame.
+    that consume a key, device memory, more than ``INLINE_BYTES``), or any failure (the task
+    answers it with its status). While the send lock is taken the frames queue for the
+    link's writer (:meth:`Link.send_soon`).
 
     Nothing of ours is touched once the bytes are in the socket, so the request ends there
     (its GRANT says no DONE is expected).
@@ -540,7 +541,6 @@ def serve_now(engine: Any, link: Link, msg: Message) -> bool:
     f = msg.fields
     if (
         f.get("op") != "pull"
-        or link.send_lock.value == 0
         or any(link.trusted_caps(f.get("caps")).values())
         or _bound_bytes(msg) > INLINE_BYTES
     ):
@@ -573,7 +573,7 @@ def serve_now(engine: Any, link: Link, msg: Message) -> bool:
             registry.unpin(e)
 
     views = StreamPlan(plan.src, plan.nbytes).views(0, total)
-    if not link.send_now([grant, data], views, unpin):
+    if not link.send_soon([grant, data], views, unpin):
         unpin()
         return False
     link.stats_bytes += total

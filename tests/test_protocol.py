@@ -269,3 +269,37 @@ def test_json_fields_are_capped() -> None:
     d.receive_data(encode(Message(MT.XFER_REQ, 1, {"x": "a" * (2 << 20)})))
     with pytest.raises(ProtocolError, match="JSON fields"):
         d.next_event()
+
+
+@given(
+    text=st.one_of(
+        st.integers(0, 10**30).map(str),
+        st.just("9" * 5000),
+        st.from_regex(r"[-+ 0-9_.e]{1,8}", fullmatch=True),
+    )
+)
+def test_data_offsets_decode_exactly_as_json_would(text: str) -> None:
+    """DATA frames' ``{"off":N}`` takes a fast path both ways; it must agree with JSON."""
+    js = b'{"off":' + text.encode() + b"}"
+    frame = (
+        HEADER.pack(MAGIC, PROTOCOL_VERSION, int(MT.DATA), 1, 4 + len(js), 0, 0)
+        + struct.pack("<I", len(js))
+        + js
+    )
+    try:
+        want: object = json.loads(js)
+    except ValueError:
+        want = ProtocolError
+    dec = Decoder()
+    dec.receive_data(frame)
+    if want is ProtocolError:
+        with pytest.raises(ProtocolError):
+            dec.next_event()
+        return
+    got = dec.next_event()
+    assert isinstance(got, Message) and got.fields == want
+    if isinstance(want, dict) and type(want["off"]) is int and want["off"] >= 0:
+        assert (
+            encode(Message(MT.DATA, 1, want))[HEADER.size + 4 :]
+            == json.dumps(want, separators=(",", ":")).encode()
+        )

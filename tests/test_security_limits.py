@@ -315,6 +315,43 @@ async def test_a_streamed_pull_is_one_round_trip_and_holds_nothing_after() -> No
             peer.close()
 
 
+async def test_small_pulls_of_a_peer_that_never_reads_queue_within_the_link_queue() -> None:
+    """Small pulls are answered from the reader; once a peer stops reading, their frames
+    queue for the link's writer, and those count against ``llm.LinkQueue`` as served
+    requests do: a flood of them gets LLM_LINK_BUSY (which the reader then stops owing), holds
+    at most that many requests' pins, leaves a legit peer on another link alone, and ends
+    with the stall timeout, every pin let go."""
+    opts = _server_options(
+        **{"llm.LinkQueue": "8", "llm.LinkServing": "4", "llm.SyncKvCacheWaitTime": "2000"}
+    )
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 64 << 10]))
+        cache.tensors[0][...] = 7
+        entry = p._engine.registry.entries[cache.cache_id]
+        peer = await raw_link(p.listen_address, 66, rcvbuf=4096)
+        try:
+            with anyio.move_on_after(3):  # the server stops reading us at some point
+                for rid in range(1, 400):
+                    await peer.send(pull_request(rid, cache.cache_id, 64 << 10))
+            lnk = p._engine.links.links[66]
+            with anyio.fail_after(10):
+                while not lnk._outbox:
+                    await anyio.sleep(0.01)
+            assert len(lnk._outbox) + len(lnk.serving) <= 8
+            assert entry.pins <= 8 + 1  # the queued ones and the one being written
+            async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+                endpoint_options("tcp", ra=True)
+            ) as d:
+                await link(d, 1, p.listen_address)
+                await _legit_pulls(d, cache.cache_id)
+            # The writer waits for the stall timeout (10 s here), then the link breaks.
+            with anyio.fail_after(30):
+                while lnk.alive or lnk._outbox or entry.pins:
+                    await anyio.sleep(0.05)
+        finally:
+            peer.close()
+
+
 # ---------------------------------------------------------------------------- 4. unlink
 _POOL_80M = {"llm.MemPoolConfig": '{"memory_size": 83886080}'}
 

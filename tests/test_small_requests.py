@@ -68,7 +68,7 @@ async def test_a_small_pull_is_served_without_a_task(
         assert not served.serving and served.send_lock.value == 1
 
 
-async def test_a_small_pull_the_socket_takes_in_parts_is_finished_by_a_task(
+async def test_small_pulls_the_socket_takes_in_parts_are_finished_and_queued(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with linked_pair(_options(True)) as (prompt, decoder):
@@ -84,18 +84,27 @@ async def test_a_small_pull_the_socket_takes_in_parts_is_finished_by_a_task(
             await original(self, bufs, idx, done)
 
         monkeypatch.setattr(Link, "_finish_now", counted)
+        writers: list[int] = []
+        original_writer = Link._write_outbox
+
+        async def writer(self: Link) -> None:
+            writers.append(len(self._outbox))
+            await original_writer(self)
+
+        monkeypatch.setattr(Link, "_write_outbox", writer)
         tasks = _count_serving_tasks(prompt, monkeypatch)
         key = dd.BlocksCacheKey(1, 0)
         pulls = [(i, (i * 7) % BLOCKS) for i in range(8)]
         # In flight together: while one frame is being finished, the next requests find the
-        # send lock taken and are served by tasks; every byte still lands where it should.
+        # send lock taken and queue for the link's writer; every byte lands where it should.
         running = [decoder.cache_manager.pull_blocks(key, cache, [s], [d]) for s, d in pulls]
         for t in running:
             await t
         for s, d in pulls:
             assert np.array_equal(dst[d], src[s])
         assert finished, "no frame was finished by a task"
-        assert len(tasks) + len(finished) <= len(pulls)
+        assert writers and sum(writers) > 0, "nothing queued for the writer"
+        assert tasks == []  # served by the reader, finished or written by the link
         await decoder.cache_manager.pull_blocks(key, cache, [1], [2])  # the link is fine
         assert np.array_equal(dst[2], src[1])
         assert served.alive and served.send_lock.value == 1
