@@ -52,6 +52,7 @@ socket (tcp), >= 0.3 x memcpy (same-host) and >= 1.5 x Mooncake's requests/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import multiprocessing as mp
@@ -61,6 +62,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -512,34 +514,45 @@ with socket.create_connection(("127.0.0.1", port)) as s:
 """
 
 
-def raw_rpc_us(n: int, size: int = BLOCK) -> tuple[float, float]:
-    """A raw blocking request/response between two processes (8-byte request, ``size``-byte
-    reply into a numpy buffer): p50 and p99 in microseconds."""
+@contextlib.contextmanager
+def _rpc_child(script: str, size: int) -> Iterator[socket.socket]:
+    """A child process running ``script`` (a request/response server for ``size``-byte
+    replies) connected to us: yields our end of the connection."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    child = subprocess.Popen([sys.executable, "-c", _RPC_SERVER, str(port), str(size)])
-    sink = np.empty(size, np.uint8)
-    view = memoryview(sink)
-    lat = []
+    child = subprocess.Popen([sys.executable, "-c", script, str(port), str(size)])
     try:
         conn, _ = listener.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
-            for i in range(n + 20):
-                t0 = time.perf_counter()
-                conn.sendall(b"\0" * 8)
-                got = 0
-                while got < size:
-                    k = conn.recv_into(view[got:], size - got)
-                    if k == 0:
-                        raise RuntimeError("raw request/response: peer closed")
-                    got += k
-                if i >= 20:
-                    lat.append(time.perf_counter() - t0)
+            yield conn
     finally:
         listener.close()
         child.wait(timeout=30)
+
+
+def _p50_p99_us(lat: list[float]) -> tuple[float, float]:
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
+
+
+def raw_rpc_us(n: int, size: int = BLOCK) -> tuple[float, float]:
+    """A raw blocking request/response between two processes (8-byte request, ``size``-byte
+    reply into a numpy buffer): p50 and p99 in microseconds."""
+    view = memoryview(np.empty(size, np.uint8))
+    lat = []
+    with _rpc_child(_RPC_SERVER, size) as conn:
+        for i in range(n + 20):
+            t0 = time.perf_counter()
+            conn.sendall(b"\0" * 8)
+            got = 0
+            while got < size:
+                k = conn.recv_into(view[got:], size - got)
+                if k == 0:
+                    raise RuntimeError("raw request/response: peer closed")
+                got += k
+            if i >= 20:
+                lat.append(time.perf_counter() - t0)
+    return _p50_p99_us(lat)
 
 
 _AIO_RPC_SERVER = """
@@ -571,9 +584,6 @@ def asyncio_rpc_us(n: int, size: int = BLOCK) -> tuple[float, float]:
     p50 and p99 in microseconds."""
     import asyncio
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    child = subprocess.Popen([sys.executable, "-c", _AIO_RPC_SERVER, str(port), str(size)])
     view = memoryview(np.empty(size, np.uint8))
     lat: list[float] = []
 
@@ -591,16 +601,10 @@ def asyncio_rpc_us(n: int, size: int = BLOCK) -> tuple[float, float]:
             if i >= 20:
                 lat.append(time.perf_counter() - t0)
 
-    try:
-        conn, _ = listener.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with _rpc_child(_AIO_RPC_SERVER, size) as conn:
         conn.setblocking(False)
-        with conn:
-            asyncio.run(client(conn))
-    finally:
-        listener.close()
-        child.wait(timeout=30)
-    return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
+        asyncio.run(client(conn))
+    return _p50_p99_us(lat)
 
 
 _LIMIT_KEYS = (
