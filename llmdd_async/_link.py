@@ -475,9 +475,7 @@ class Link:
         self.send_lock.acquire_nowait()
         finishing = False
         try:
-            # In order under the lock: each frame's tag counts frames on a keyed link.
-            header = b"".join(encode(m, self._send_auth) for m in frames)
-            bufs = [memoryview(header), *views]
+            bufs = self._bufs_of([(frames, views, done)])
             try:
                 idx = send_nowait(self.sock, bufs)
             except OSError as exc:
@@ -494,6 +492,16 @@ class Link:
             if not finishing:
                 self.send_lock.release()
                 done()
+
+    def _bufs_of(self, items: list[_Outgoing]) -> list[memoryview]:
+        """The buffers of :meth:`send_soon` items, in order: each item's encoded frames, then
+        its payload. Encoded under the send lock: each frame's tag counts frames on a keyed
+        link."""
+        bufs: list[memoryview] = []
+        for frames, views, _ in items:
+            bufs.append(memoryview(b"".join(encode(m, self._send_auth) for m in frames)))
+            bufs.extend(views)
+        return bufs
 
     async def _finish_now(self, bufs: list[memoryview], idx: int, done: Callable[[], None]) -> None:
         """The rest of :meth:`_send_at_once`'s frames, under the send lock it took."""
@@ -520,12 +528,7 @@ class Link:
                         item = self._outbox.popleft()
                         batch.append(item)
                         size += sum(v.nbytes for v in item[1])
-                    bufs: list[memoryview] = []
-                    for frames, views, _ in batch:
-                        bufs.append(
-                            memoryview(b"".join(encode(m, self._send_auth) for m in frames))
-                        )
-                        bufs.extend(views)
+                    bufs = self._bufs_of(batch)
                     idx = send_nowait(self.sock, bufs)
                     if idx < len(bufs):
                         await self._inline(send_views_inline(self.sock, bufs, idx, CancelToken()))
