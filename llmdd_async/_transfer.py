@@ -581,8 +581,10 @@ def serve_now(engine: Any, link: Link, msg: Message) -> bool:
 
 
 def _bound_bytes(msg: Message) -> int:
-    """At most how many bytes a pull moves, from its request alone: the selected units of the
-    initiator's cache in every tensor of it (a cheap bound, before any planning)."""
+    """About how many bytes a pull moves, from its request alone: the selected units of the
+    initiator's cache in every tensor of it. Only a shortcut before planning: a request it
+    underestimates (destination blocks of another size) is planned, found larger than
+    ``INLINE_BYTES`` and served by a task."""
     try:
         tb, count, _ = msg.fields["layout"]
         ntensors = memoryview(msg.arrays["local_addrs"]).nbytes // 8
