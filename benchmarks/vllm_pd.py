@@ -27,6 +27,7 @@ import argparse
 import importlib.util
 import os
 import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -126,8 +127,15 @@ def run_requests(
         for r in out.values():
             r["client_ttft"], r["client_total"] = r["ttft"], r["total"]
         return out, time.perf_counter() - t0
+    # the capability both legs share (a proxy's choice in the concurrent flow)
+    caps = {k: secrets.token_urlsafe(32) for k in prompts}
     pre_legs = [
-        {"id": k, "tokens": v, "max_tokens": 1, "params": {"do_remote_decode": True}}
+        {
+            "id": k,
+            "tokens": v,
+            "max_tokens": 1,
+            "params": {"do_remote_decode": True, "llmdd_capability": caps[k]},
+        }
         for k, v in prompts.items()
     ]
     if config == "layerwise":
@@ -139,6 +147,7 @@ def run_requests(
                 "params": {
                     "do_remote_prefill": True,
                     "remote_request_id": k,
+                    "llmdd_capability": caps[k],
                     "tp_size": 1,
                     "pp_size": 1,
                     **info,

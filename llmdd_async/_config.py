@@ -154,6 +154,9 @@ class LLMConfig:
     mem_utilization = _prop("mem_utilization", _mem_utilization, "Legacy memory ratio.")
     transport = _prop("transport", _opt_str, "llm.Transport: auto, tcp, same-host or nixl.")
     auth_key = _prop("auth_key", _opt_str, "llm.AuthKey: shared secret for link handshakes.")
+    payload_auth = _prop(
+        "payload_auth", _opt_bool, "llm.PayloadAuth: a MAC over every DATA payload (needs a key)."
+    )
 
     def __init__(self) -> None:
         self._ge_options: dict[str, str] = {}
@@ -179,6 +182,7 @@ class LLMConfig:
         self._mem_utilization: float = 0.95
         self._transport: str | None = None
         self._auth_key: str | None = None
+        self._payload_auth: bool | None = None
         self._options: dict[str, str] = {}
 
     def generate_options(self) -> dict[str, str]:
@@ -235,6 +239,8 @@ class LLMConfig:
             o["llm.Transport"] = self._transport
         if self._auth_key is not None:
             o["llm.AuthKey"] = self._auth_key
+        if self._payload_auth is not None:
+            o["llm.PayloadAuth"] = "1" if self._payload_auth else "0"
         return o
 
     gen_options = generate_options

@@ -206,7 +206,8 @@ class Engine:
         """This endpoint's cache table, as a peer snapshots it (remote-accessible mode); with
         NIXL (and ``nixl``: asked over a NIXL link) also the agent's metadata, so that a
         linked peer can reach its registered (remote-accessible) caches."""
-        table = self.registry.published_table()
+        # The registry's table is built once per change; only what varies is added to a copy.
+        table = dict(self.registry.published_table())
         if self.epoch is not None:
             # Where a peer reading our caches one-sidedly checks that its snapshot still holds.
             table["epoch"] = [self.epoch.base, self.epoch.value]
@@ -240,20 +241,28 @@ class Engine:
         """False for device memory of an adapter the CPU cannot address directly."""
         return self.adapter.host_addressable or not self.adapter.owns(addrs)
 
-    def make_stream(self, addrs: Any, nbytes: Any) -> Any:
-        """The stream view of local ranges: direct for host memory, staged for device memory."""
+    def make_stream(self, addrs: Any, nbytes: Any, limiter: Any = None) -> Any:
+        """The stream view of local ranges: direct for host memory, staged for device memory.
+        Over many ranges, its frames' views are built in threads of ``limiter`` (a link's)."""
+        from ._transfer import VIEWS_INLINE, ManyRangesStream
         from ._transports.tcp import StagedStream, StreamPlan
 
         if self.host_reachable(addrs):
+            if len(nbytes) > VIEWS_INLINE:
+                return ManyRangesStream(addrs, nbytes, limiter)
             return StreamPlan(addrs, nbytes)
         return StagedStream(addrs, nbytes, self.adapter)
 
-    async def open_stream(self, addrs: Any, nbytes: Any) -> Any:
+    async def open_stream(self, addrs: Any, nbytes: Any, limiter: Any = None) -> Any:
         """:meth:`make_stream` for async callers: a staging buffer (pinned memory, slow to
-        allocate) is made in a worker thread."""
-        if self.host_reachable(addrs):
-            return self.make_stream(addrs, nbytes)
-        return await anyio.to_thread.run_sync(self.make_stream, addrs, nbytes)
+        allocate) or a stream over many ranges is made in a worker thread (of ``limiter``)."""
+        from ._transfer import VIEWS_INLINE
+
+        if self.host_reachable(addrs) and len(nbytes) <= VIEWS_INLINE:
+            return self.make_stream(addrs, nbytes, limiter)
+        return await anyio.to_thread.run_sync(
+            self.make_stream, addrs, nbytes, limiter, limiter=limiter
+        )
 
     async def serve_request(self, link: Any, req: Any, msg: Any) -> None:
         from ._transfer import serve_request

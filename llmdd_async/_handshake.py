@@ -54,7 +54,9 @@ __all__ = [
     "server_handshake",
 ]
 
-_HANDSHAKE_META = 1 << 20
+#: the largest handshake frame either side reads from a peer that has not authenticated yet
+#: (legit ones are under 2 KB: identities, nonces, MACs); more closes the connection
+_HANDSHAKE_META = 64 << 10
 #: (send, receive) frame authenticators of a keyed link
 LinkAuth = tuple[FrameAuth, FrameAuth]
 
@@ -75,11 +77,16 @@ class HandshakeFailed(Exception):
 
 
 class Binding:
-    """What ties a side channel to one TCP handshake: its nonces and its socket."""
+    """What ties a side channel to one TCP handshake: its nonces, its socket and, on a keyed
+    link, the side-channel key both sides derived from the transcript (their side-channel
+    messages carry MACs under it: a relay without ``llm.AuthKey`` cannot take part)."""
 
-    def __init__(self, nonce_c: str, nonce_s: str, sock: socket.socket) -> None:
+    def __init__(
+        self, nonce_c: str, nonce_s: str, sock: socket.socket, side_key: bytes | None = None
+    ) -> None:
         self.nonces = (nonce_c, nonce_s)
         self.sock = sock
+        self.side_key = side_key
 
 
 async def send_message(sock: socket.socket, msg: Message) -> None:
@@ -156,6 +163,13 @@ class _Transcript:
     def mac(self, key: bytes, who: bytes) -> str:
         return hmac.new(key, who + b"|" + self._h.digest(), hashlib.sha256).hexdigest()
 
+    def side_key(self, key: bytes | None) -> bytes | None:
+        """The side-channel key of a keyed link (None without ``llm.AuthKey``): known to both
+        sides once LINK_REQ is in the transcript, before the server proves itself."""
+        if key is None:
+            return None
+        return hmac.new(key, b"side|" + self._h.digest(), hashlib.sha256).digest()
+
     def link_auth(self, key: bytes, client: bool) -> LinkAuth:
         link_key = hmac.new(key, b"link|" + self._h.digest(), hashlib.sha256).digest()
         c2s = FrameAuth(hmac.new(link_key, b"c2s", hashlib.sha256).digest())
@@ -199,7 +213,7 @@ async def client_handshake(
     if key is not None:
         req.fields["mac"] = transcript.mac(key, b"client")
     if on_binding is not None:
-        on_binding(Binding(nonce_c, nonce_s, sock))
+        on_binding(Binding(nonce_c, nonce_s, sock, transcript.side_key(key)))
     await send_message(sock, req)
     ack = await recv_message(sock, decoder, MT.LINK_ACK)
     status = wire_status(ack)
@@ -228,10 +242,12 @@ async def server_handshake(
     engine: Any,
     sock: socket.socket,
     prepare: Callable[[dict[str, Any], Binding], Awaitable[Any]],
+    on_hello: Callable[[], None] | None = None,
 ) -> tuple[Decoder, dict[str, Any], Any, LinkAuth | None]:
     """Run the server side; returns the decoder, the peer identity, what ``prepare`` made of
-    it (awaited before the client is told yes, so a refusal reaches the client) and, on a
-    keyed link, the frame authenticators.
+    it (awaited before the client is told yes, so a refusal reaches the client; called only
+    for a client that proved the key, if there is one) and, on a keyed link, the frame
+    authenticators. ``on_hello`` is told once a valid HELLO came in.
 
     Raises:
         HandshakeFailed: the client was refused (it has been told so).
@@ -244,6 +260,8 @@ async def server_handshake(
     if hello.fields.get("version") != PROTOCOL_VERSION:
         raise ProtocolError(f"client speaks protocol {hello.fields.get('version')}")
     transcript.add(hello)
+    if on_hello is not None:
+        on_hello()
     nonce_c = str(hello.fields.get("nonce", ""))
     nonce_s = new_nonce()
     ch = Message(MT.CHALLENGE, 0, {"nonce": nonce_s, "auth": key is not None})
@@ -280,8 +298,14 @@ async def server_handshake(
             "llm.EnableRemoteCacheAccessible differs between the two endpoints",
             True,
         )
+    if bool(peer.get("payload_auth")) != engine.options.payload_auth:
+        raise await refuse(
+            LLMStatusCode.LLM_PARAM_INVALID,
+            "llm.PayloadAuth differs between the two endpoints",
+            True,
+        )
     try:
-        prepared = await prepare(peer, Binding(nonce_c, nonce_s, sock))
+        prepared = await prepare(peer, Binding(nonce_c, nonce_s, sock, transcript.side_key(key)))
     except HandshakeFailed as exc:
         raise await refuse(exc.code, str(exc), True, exc.yielded) from None
     ack = Message(MT.LINK_ACK, 0, {"status": 0, **engine.identity_for_link()})

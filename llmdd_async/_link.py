@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import hmac
 import itertools
 import os
 import socket
@@ -30,6 +31,7 @@ from ._planner import Layout, check_within
 from ._protocol import (
     MT,
     NEED_DATA,
+    PAYLOAD_TAG,
     Decoder,
     FrameAuth,
     Message,
@@ -40,7 +42,9 @@ from ._transports.tcp import (
     CHUNK_BYTES,
     INLINE_BYTES,
     Fence,
+    PayloadMac,
     StreamPlan,
+    mac_update,
     recv_nowait,
     recv_views,
     recv_views_inline,
@@ -62,6 +66,9 @@ __all__ = [
 #: DATA/ABORT flag: the frame concerns a request that the *receiver* of the frame started.
 FLAG_TO_INITIATOR = 1
 _READ_AHEAD = 64 << 10
+#: the reader lets other tasks run after this much read without waiting (a peer that streams a
+#: big frame's meta as fast as the socket allows would otherwise hold the loop until it ends)
+_YIELD_BYTES = 2 << 20
 #: replies (PONG, TABLE, ...) owed to a peer before its link stops reading from it
 _MAX_REPLIES = 64
 #: how often a cancelled request checks that its worker let go
@@ -232,7 +239,10 @@ class Link:
         self.peer_cluster_id: int = int(peer["cluster_id"])
         self.access = access  # PeerAccess or None (stream only)
         self._send_auth = auth[0] if auth is not None else None
-        decoder.set_auth(auth[1] if auth is not None else None)
+        self._recv_auth = auth[1] if auth is not None else None
+        decoder.set_auth(self._recv_auth)
+        #: llm.PayloadAuth (both ends agreed in the handshake): DATA payloads end with a MAC
+        self.payload_auth = auth is not None and engine.options.payload_auth
         #: this side's link_clusters made or adopted the link (a second call: ALREADY_LINK)
         self.claimed = outbound
         limits = engine.options.limits
@@ -260,6 +270,7 @@ class Link:
         #: requests waiting for a reply of a given type (TABLE, UNLINK_ACK, PONG)
         self._waiters: dict[MT, list[Pending]] = {MT.TABLE: [], MT.UNLINK_ACK: [], MT.PONG: []}
         self._reader_scope: anyio.CancelScope | None = None
+        self._unyielded = 0
         #: requests of the peer served at once; more wait (bounds staging memory and threads)
         self.serving_limiter = anyio.CapacityLimiter(limits.serving)
         #: worker threads this link may hold (never the whole process's pool: one stalled
@@ -366,6 +377,9 @@ class Link:
             self.sock.shutdown(socket.SHUT_RDWR)
         if self._reader_scope is not None:
             self._reader_scope.cancel()
+        # What the peer sent and nobody will read (a partial frame: up to llm.LinkMaxMeta)
+        # goes now, not when the application unlinks (it may never learn of the cluster id).
+        self.decoder.close(str(exc))
         with contextlib.suppress(RuntimeError):  # the engine has stopped: release now
             self.engine.spawn(self._release_when_idle)
             return
@@ -499,9 +513,29 @@ class Link:
         link."""
         bufs: list[memoryview] = []
         for frames, views, _ in items:
+            if not (self.payload_auth and views):
+                bufs.append(memoryview(b"".join(encode(m, self._send_auth) for m in frames)))
+                bufs.extend(views)
+                continue
+            # The last frame is the DATA frame of ``views``: its payload ends with the MAC,
+            # computed here over the views (at most INLINE_BYTES: cheap on the loop). Exact:
+            # these frames are never cut short, nothing cancels them.
+            data = frames[-1]
+            frames = [
+                *frames[:-1],
+                dataclasses.replace(data, payload_len=data.payload_len + PAYLOAD_TAG),
+            ]
             bufs.append(memoryview(b"".join(encode(m, self._send_auth) for m in frames)))
             bufs.extend(views)
+            bufs.append(memoryview(self._payload_mac_of(views)))
         return bufs
+
+    def _payload_mac_of(self, views: list[memoryview]) -> bytes:
+        """The trailer of the DATA frame just encoded, over ``views``."""
+        assert self._send_auth is not None  # payload_auth implies a keyed link
+        mac = self._send_auth.payload_mac(self._send_auth.seq - 1)
+        mac_update(mac, views)
+        return mac.digest()
 
     async def _finish_now(self, bufs: list[memoryview], idx: int, done: Callable[[], None]) -> None:
         """The rest of :meth:`_send_at_once`'s frames, under the send lock it took."""
@@ -605,16 +639,26 @@ class Link:
                 # In order under the lock: each frame's tag counts frames on a keyed link.
                 first = b"" if lead is None else encode(lead, self._send_auth)
                 lead = None
+                trailer = PAYLOAD_TAG if self.payload_auth else 0
                 header = first + encode(
-                    Message(MT.DATA, req.req_id, {"off": off}, payload_len=n, flags=flags),
+                    Message(
+                        MT.DATA, req.req_id, {"off": off}, payload_len=n + trailer, flags=flags
+                    ),
                     self._send_auth,
                 )
+                tagger = None
+                if trailer:
+                    assert self._send_auth is not None  # payload_auth implies a keyed link
+                    mac = self._send_auth.payload_mac(self._send_auth.seq - 1)
+                    tagger = PayloadMac(mac, len(header), n)
                 try:
                     if n <= INLINE_BYTES:
                         bufs = [memoryview(header), *views]
-                        idx = send_nowait(self.sock, bufs)
+                        idx = send_nowait(self.sock, bufs, tagger)
                         if idx < len(bufs):
-                            await self._inline(send_views_inline(self.sock, bufs, idx, token))
+                            await self._inline(
+                                send_views_inline(self.sock, bufs, idx, token, tagger)
+                            )
                     else:
                         # Set only now, next to the worker that will release it.
                         req.fence = fence
@@ -622,7 +666,13 @@ class Link:
                         # worker itself stops at the fence's token or deadline).
                         with anyio.CancelScope(shield=True):
                             await anyio.to_thread.run_sync(
-                                send_views, self.sock, header, views, fence, limiter=self.threads
+                                send_views,
+                                self.sock,
+                                header,
+                                views,
+                                fence,
+                                tagger,
+                                limiter=self.threads,
                             )
                 except (OSError, TimeoutError) as exc:
                     self.fail(exc)
@@ -820,21 +870,52 @@ class Link:
                 self.fail(exc)
 
     async def _fill(self, mv: memoryview) -> None:
+        """Receive what the socket has into the decoder.
+
+        Raises:
+            EOFError: the peer closed. TimeoutError: it stopped in the middle of a frame for
+                the stall timeout (a partial frame holds memory, and ``llm.MetaBudget``).
+        """
         while True:
             try:
                 n = self.sock.recv_into(mv, len(mv), socket.MSG_DONTWAIT)
             except BlockingIOError:
-                await anyio.wait_readable(self.sock)
+                self._unyielded = 0  # the wait below lets others run
+                if not self.decoder.buffered:
+                    await anyio.wait_readable(self.sock)
+                    continue
+                # A legit peer sends a frame's meta without pausing; one that stops half-way
+                # must not keep its share of the budget for ever.
+                with anyio.move_on_after(self.engine.stall_timeout_s) as stalled:
+                    await anyio.wait_readable(self.sock)
+                if stalled.cancelled_caught:
+                    raise TimeoutError(
+                        f"cluster {self.peer_cluster_id} stopped in the middle of a frame for "
+                        f"{self.engine.stall_timeout_s:g} s"
+                    ) from None
                 continue
             if n == 0:
                 raise EOFError(f"cluster {self.peer_cluster_id} closed the connection")
             self.decoder.receive_data(mv[:n])
+            self._unyielded += n
+            if self._unyielded >= _YIELD_BYTES:
+                self._unyielded = 0
+                await anyio.lowlevel.checkpoint()
             return
 
     async def _receive_payload(self, msg: Message) -> None:
         if msg.type != MT.DATA:
             raise ProtocolError(f"{msg.type.name} frames carry no payload")
         n = msg.payload_len
+        # llm.PayloadAuth: the payload ends with its MAC, received with it and checked below.
+        auth = self._recv_auth if self.payload_auth else None
+        seq = 0
+        if auth is not None:
+            if n <= PAYLOAD_TAG:
+                raise ProtocolError("DATA frame without its payload MAC (llm.PayloadAuth)")
+            n -= PAYLOAD_TAG
+            seq = auth.seq - 1  # the DATA frame's own number: nothing was decoded since
+        tag = bytearray(PAYLOAD_TAG) if auth is not None else None
         if n > CHUNK_BYTES:
             raise ProtocolError(f"DATA frame of {n} bytes exceeds {CHUNK_BYTES}")
         table = self.pending if msg.flags & FLAG_TO_INITIATOR else self.serving
@@ -847,12 +928,19 @@ class Link:
             raise ProtocolError(f"DATA frame [{off}, +{n}) outside its plan")
         off = int(off or 0)
         views = stream.receive_views(off, n) if stream is not None else []
+        pmac = None
+        if auth is not None and tag is not None and req is not None:
+            # Hashed where each batch lands; the trailer lands in ``tag``.
+            pmac = PayloadMac(auth.payload_mac(seq), 0, n)
+            views = [*views, memoryview(tag)]
         # Bytes the read-ahead already pulled in go first (at most 64 KiB, copied here).
         pos = 0
         if self.decoder.buffered and self.decoder.payload_remaining:
             with self.decoder.take_payload() as chunk:
                 if req is not None and not req.token.cancelled:
                     _copy_into(views, 0, chunk)
+                    if pmac is not None:
+                        pmac.passed(views, 0, chunk.nbytes)
                 pos = chunk.nbytes
         rest = self.decoder.payload_remaining
         token = req.token if req is not None else _CANCELLED
@@ -868,15 +956,17 @@ class Link:
             try:
                 if rest <= INLINE_BYTES:
                     bufs = list(target)
-                    idx = 0 if token.cancelled else recv_nowait(self.sock, bufs)
+                    idx = 0 if token.cancelled else recv_nowait(self.sock, bufs, pmac)
                     if idx < len(bufs):
-                        await self._inline(recv_views_inline(self.sock, bufs, idx, token, scratch))
+                        await self._inline(
+                            recv_views_inline(self.sock, bufs, idx, token, scratch, pmac)
+                        )
                 else:
                     fence = Fence(token, deadline)
                     if req is not None:
                         req.fence = fence
                     await anyio.to_thread.run_sync(
-                        recv_views, self.sock, target, fence, scratch, limiter=self.threads
+                        recv_views, self.sock, target, fence, scratch, pmac, limiter=self.threads
                     )
             finally:
                 if fence is not None:
@@ -889,6 +979,10 @@ class Link:
                     req.fence = None
                 self.engine.scratch.release(scratch)
             self.decoder.payload_consumed(rest)
+        if pmac is not None and tag is not None and req is not None and not token.cancelled:
+            # Every byte landed where it belongs (a cancel diverts the rest to scratch, and
+            # those bytes nobody accepts): check them before anyone may use them.
+            await self._verify_payload(req, msg, pmac, tag)
         if req is not None and stream is not None and not token.cancelled:
             # Staged (device) streams scatter now; that worker is fenced like the receive.
             fence = Fence(token, deadline)
@@ -905,6 +999,32 @@ class Link:
             req.received += n
             if req.received >= stream.total:
                 req.data_event.set()
+
+    async def _verify_payload(
+        self, req: _Request, msg: Message, pmac: PayloadMac, tag: bytearray
+    ) -> None:
+        """Check a received DATA payload (``pmac`` was fed it where it landed) against its
+        trailer (``llm.PayloadAuth``).
+
+        Raises:
+            LinkBroken: the bytes are not the peer's (a relay changed them); the peer is told
+                first (an ABORT of that request), then the reader breaks the link.
+        """
+        if hmac.compare_digest(pmac.digest(), tag):
+            return
+        exc = LinkBroken(
+            f"payload failed authentication (llm.PayloadAuth): DATA from cluster "
+            f"{self.peer_cluster_id} to cluster {self.engine.cluster_id} does not match its MAC "
+            "(changed on the way, or the memory was written during the transfer); the link is "
+            "broken"
+        )
+        # Tell the peer why first (its link then breaks with these words, not as a hang-up):
+        # best effort, as a relay that changes bytes may drop frames too.
+        fields = {"status": int(exc.status_code), "message": str(exc), "broken": True}
+        flags = 0 if msg.flags & FLAG_TO_INITIATOR else FLAG_TO_INITIATOR
+        with contextlib.suppress(Exception), anyio.move_on_after(1):
+            await self.send(Message(MT.ABORT, req.req_id, fields, flags=flags))
+        raise exc
 
     async def _dispatch(self, msg: Message) -> None:
         t = msg.type
@@ -947,7 +1067,12 @@ class Link:
             p = self.pending.get(msg.req_id)
             if p is not None:
                 if p.on_grant is not None:
-                    p.on_grant(msg)
+                    if memoryview(msg.arrays.get("nbytes", b"")).nbytes > _GRANT_INLINE:
+                        # Checking (and mapping) a grant of many descriptors takes numpy
+                        # tens of ms: off the loop. The reader waits, so no DATA comes first.
+                        await anyio.to_thread.run_sync(p.on_grant, msg, limiter=self.threads)
+                    else:
+                        p.on_grant(msg)
                 p.grant = msg
                 p.grant_event.set()
         elif t == MT.RESULT:
@@ -963,17 +1088,23 @@ class Link:
                 s.done_event.set()
         elif t == MT.ABORT:
             code = wire_status(msg)
-            text = str(msg.fields.get("message", "aborted by peer"))
+            # The peer's words, bounded (and, as a link's reason, marked as theirs).
+            text = str(msg.fields.get("message", "aborted by peer"))[:512]
             table: Mapping[int, _Request] = (
                 self.pending if msg.flags & FLAG_TO_INITIATOR else self.serving
             )
             aborted = table.get(msg.req_id)
             if aborted is not None:
                 aborted.fail(LLMException(text, status_code=code))
+            if msg.fields.get("broken") is True:  # the peer breaks the link, and says why
+                self.fail(LinkBroken(f"cluster {self.peer_cluster_id} broke the link: {text}"))
         elif t == MT.TABLE_REQ:
             # NIXL metadata (keys to our registered memory) only to a peer linked over NIXL.
             over_nixl = getattr(self.access, "name", None) == "nixl"
             await self._owe_reply(Message(MT.TABLE, 0, self.engine.published_table(over_nixl)))
+            # Each reply encodes the whole table (milliseconds for thousands of caches): a
+            # burst of requests is answered one per loop turn, not all in one turn.
+            await anyio.lowlevel.checkpoint()
         elif t == MT.PING:
             await self._owe_reply(Message(MT.PONG))
         elif t == MT.UNLINK:
@@ -1030,6 +1161,10 @@ class Link:
 
 _CANCELLED = CancelToken()
 _CANCELLED.cancel()
+
+#: bytes of a GRANT's descriptor sizes (8 per descriptor) checked on the loop; larger grants
+#: are checked in a worker thread
+_GRANT_INLINE = 8 << 14
 
 
 #: the direct-access caps a peer may use, by the kind of link it is on

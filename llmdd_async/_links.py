@@ -25,23 +25,30 @@ from ._handshake import (
     client_handshake,
     connect_socket,
     new_nonce,
-    recv_message,
     send_message,
     server_handshake,
 )
 from ._link import Link, probe_token, regions_of_table
 from ._log import get_logger
 from ._planner import check_within
-from ._protocol import MT, Decoder, Message, ProtocolError
+from ._protocol import MT, Decoder, Message, MetaBudget, ProtocolError
 from ._transports.in_process import InProcessAccess
 from ._transports.same_host import (
     SameHostAccess,
+    close_fds,
     forget_side_channel,
     host_identity,
     is_own_side_channel,
+    mac_ok,
     on_same_host,
+    peer_pid,
     peer_process,
+    peer_uid,
+    recv_with_fds,
+    same_user,
+    send_with_fds,
     side_channel_name,
+    side_mac,
     tcp_binding,
     valid_side_channel_name,
 )
@@ -50,12 +57,24 @@ from ._types import LLMClusterInfo, int_to_ip
 
 __all__ = ["LinkManager"]
 
+#: an accepted connection's HELLO must be complete within this, and its LINK_REQ within this
+#: after the CHALLENGE (a legit client sends each at once): silent or trickling peers go
+_HELLO_S = 2.0
+#: the whole handshake of a connection, side-channel proof included
 _ACCEPT_HANDSHAKE_S = 10.0
 #: the same-host side channel's exchange (one local round trip)
 _PROOF_S = 5.0
+#: largest PROVE a client reads (nonces, the TCP binding and a MAC take a few hundred bytes)
+_PROVE_META = 64 << 10
 _PARALLEL_LINKS = 16
-#: handshakes and side-channel exchanges in progress at once; more connections are closed
+#: handshakes and side-channel exchanges in progress at once (each kind on its own); a new
+#: connection to a full listener evicts the oldest one that has not authenticated yet
 _MAX_IN_SETUP = 128
+#: handshakes of one source address not authenticated yet; its next one evicts its oldest
+_MAX_SETUP_PER_SOURCE = 64
+#: the listener's accept queue: a flood that fills it makes the kernel drop a legit client's
+#: SYN (retried a second later), so it is deep; each connection in it is accepted at once
+_BACKLOG = 1024
 #: how long an existing link may take to answer a PING before a peer linking again with its
 #: cluster id replaces it (a half-open connection); a live peer answers in milliseconds
 _HALF_OPEN_S = 3.0
@@ -90,10 +109,13 @@ class LinkManager:
         self._uds_scope: anyio.CancelScope | None = None
         #: peers that unlinked us since: our own unlink_clusters of them succeeds
         self._unlinked_by_peer: set[int] = set()
-        #: connections in their handshake right now; side-channel exchanges right now (each
-        #: capped by ``_MAX_IN_SETUP`` on its own, so one kind of flood cannot starve the other)
-        self._in_setup = 0
+        #: connections in their handshake right now, oldest first; side-channel exchanges
+        #: right now (each capped by ``_MAX_IN_SETUP`` on its own, so one kind of flood cannot
+        #: starve the other)
+        self._setups: dict[socket.socket, _Setup] = {}
         self._proving = 0
+        #: partial frames buffered across all links (``llm.MetaBudget``)
+        self.meta_budget = MetaBudget(engine.options.limits.meta_budget_bytes, "llm.MetaBudget")
         #: the last reason a link to each cluster failed (``LLMDataDist.link_failure``)
         self.failures: dict[int, str] = {}
         self._listen_scope: anyio.CancelScope | None = None
@@ -122,13 +144,15 @@ class LinkManager:
             "cluster_id": e.cluster_id,
             "role": int(e.role),
             "remote_accessible": e.options.remote_accessible,
+            "payload_auth": e.options.payload_auth,
             "host": self._host,
             "transport": e.options.transport,
             "uds": self._uds_name,
         }
 
     def _proof(self) -> dict[str, Any]:
-        """What a proven same-host peer learns: pool files, the probe, reachable caches."""
+        """What a proven same-host peer learns: pools (``[fd, base, size]``), the probe,
+        reachable caches."""
         e = self.engine
         pools = [[p.fd, p.base, p.nbytes] for p in e.pools.values() if hasattr(p, "fd")]
         if e.epoch is not None:  # mapped like a pool: read by one-sided pulls (see _transfer)
@@ -138,6 +162,29 @@ class LinkManager:
             "probe": [int(self._probe.ctypes.data), self._probe.tobytes().hex()],
             "caches": e.published_table()["caches"],
         }
+
+    def _proof_wire(self, to_pid: int) -> tuple[dict[str, Any], list[int]]:
+        """:meth:`_proof` as sent: each pool as ``[base, size]``, its descriptor passed with
+        the message (same order). This very process gets no descriptors (it has them)."""
+        proof = self._proof()
+        pools = proof.get("pools") or []
+        fds = [int(p[0]) for p in pools] if to_pid != os.getpid() else []
+        proof["pools"] = [[p[1], p[2]] for p in pools] if fds else []
+        return proof, fds
+
+    @staticmethod
+    def _uid_reason(sock: socket.socket) -> str:
+        """Why a peer of another uid gets no direct access (``transport.fallback``)."""
+        if peer_pid(sock) <= 0:
+            return (
+                "the peer's process is not visible here (another pid namespace): bytes move "
+                "over TCP"
+            )
+        return (
+            f"the peer runs as uid {peer_uid(sock)}, this endpoint as uid {os.geteuid()}: only "
+            "processes of one user share memory directly (never the overflow uid of an "
+            "unmapped user); bytes move over TCP"
+        )
 
     def _direct_allowed(self) -> bool:
         e = self.engine
@@ -159,11 +206,18 @@ class LinkManager:
         return nixl.new_access()
 
     def _access_for(
-        self, pid: int, pidfd: int | None, proof: dict[str, Any], own_name: bool
+        self,
+        pid: int,
+        pidfd: int | None,
+        proof: dict[str, Any],
+        fds: list[int],
+        own_name: bool,
     ) -> Any:
-        """Direct access to the process the kernel named, from what it sent; None if there is
-        nothing it lets us reach. ``own_name``: the peer answered on one of this process's
-        own side channels (needed to believe it is this very process). Takes ``pidfd``."""
+        """Direct access to the process the kernel named (of our uid: the caller checked), from
+        what it sent; None if there is nothing it lets us reach. ``fds``: the descriptors that
+        came with ``proof``, one per pool (they stay the caller's: it closes them). ``own_name``:
+        the peer answered on one of this process's own side channels (needed to believe it is
+        this very process). Takes ``pidfd``."""
         copy = self.engine.adapter.copy
         if pid <= 0 or (pid == os.getpid() and not own_name):
             if pidfd is not None:
@@ -174,7 +228,22 @@ class LinkManager:
                 os.close(pidfd)
             access: Any = InProcessAccess(copy)
         else:
-            access = SameHostAccess(pid, pidfd, proof.get("pools"), proof.get("probe"), copy)
+            claimed = proof.get("pools")
+            pools: list[tuple[int, Any, Any]] = []
+            if (
+                isinstance(claimed, list)
+                and len(claimed) == len(fds)
+                and all(isinstance(p, list) and len(p) == 2 for p in claimed)
+            ):
+                pools = [(fd, p[0], p[1]) for fd, p in zip(fds, claimed, strict=True)]
+            elif claimed or fds:
+                self.log.info(
+                    "side_channel.pools_refused",
+                    reason=f"{len(fds)} descriptors for {len(claimed or [])} pools",
+                )
+            access = SameHostAccess(pid, pidfd, pools, proof.get("probe"), copy)
+            if access.refused:
+                self.log.info("side_channel.pools_refused", reason="; ".join(access.refused))
             if not access.pools and not access.pvr:
                 access.close()
                 return None
@@ -266,68 +335,117 @@ class LinkManager:
 
     async def _prove_to(self, name: str, binding: Binding) -> Any:
         """Server side of the side channel: connect to the client's socket, learn its
-        process from the kernel, show it which TCP connection we mean, and only once it
-        confirmed that connection exchange what each lets the other reach."""
+        process from the kernel, show it which TCP connection we mean (with a MAC under the
+        link's side-channel key when keyed), and only once it confirmed that connection (and
+        the key) exchange what each lets the other reach. Only a process of our uid gets
+        anything.
+
+        Raises:
+            ValueError: not a side channel of ours, a peer of another uid, or a confirmation
+                without the key's MAC. OSError / EOFError / ProtocolError: it failed.
+        """
         if not valid_side_channel_name(name):
             raise ValueError(f"not a side channel of ours: {name!r}")
         u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         pidfd: int | None = None
+        fds: list[int] = []
         try:
             u.setblocking(False)
             u.connect("\0" + name)
+            if not same_user(u):
+                raise ValueError(self._uid_reason(u))  # logged as transport.fallback
             pid, pidfd = peer_process(u)
-            fields = {"nonces": list(binding.nonces), "tcp": tcp_binding(binding.sock)}
+            nonces, tcp = list(binding.nonces), tcp_binding(binding.sock)
+            fields: dict[str, Any] = {"nonces": nonces, "tcp": tcp}
+            if binding.side_key is not None:
+                fields["mac"] = side_mac(binding.side_key, b"prove", nonces, tcp)
             await send_message(u, Message(MT.PROVE, 0, fields))
-            ack = await recv_message(u, Decoder(16 << 20), MT.PROVE_ACK)
+            ack, fds = await recv_with_fds(u, Decoder(16 << 20), MT.PROVE_ACK)
             if ack.fields.get("status") != 0:
                 return None
+            if binding.side_key is not None and not mac_ok(
+                side_mac(binding.side_key, b"ack", nonces, tcp), ack.fields.get("mac")
+            ):
+                raise ValueError("the side channel's answer lacks the link key's MAC")
             own = is_own_side_channel(name)
             usable = pid > 0 and (pid != os.getpid() or own)
-            await send_message(u, Message(MT.PROVE_FIN, 0, self._proof() if usable else {}))
-            access = self._access_for(pid, pidfd, ack.fields, own)
+            proof, ours = self._proof_wire(pid) if usable else ({}, [])
+            await send_with_fds(u, Message(MT.PROVE_FIN, 0, proof), ours)
+            access = self._access_for(pid, pidfd, ack.fields, fds, own)
             pidfd = None  # taken
             return access
         finally:
             u.close()
+            close_fds(fds)  # a mapped pool holds its own reference
             if pidfd is not None:
                 os.close(pidfd)
 
     async def _serve_proof(self, conn: socket.socket) -> None:
-        """Client side of the side channel: answer a server that names one of our handshakes
-        in progress, from the other end of that very TCP connection."""
+        """Client side of the side channel: answer a server of our uid that names one of our
+        handshakes in progress, from the other end of that very TCP connection (and, on a
+        keyed link, proves the key), with what we let it reach."""
         pidfd: int | None = None
         claimed: _Expect | None = None
+        fds: list[int] = []
+        try:
+            if not same_user(conn):
+                # Another user's process gets nothing from us, so it is not read at all: it can
+                # neither fill the exchanges in progress nor make us buffer its frames.
+                self.log.info("transport.fallback", reason=self._uid_reason(conn))
+                conn.close()
+                return
+        except OSError:
+            conn.close()
+            return
         self._proving += 1
         try:
             with anyio.fail_after(_PROOF_S):
                 # The connecting process is alive (it called connect() just now) and, if it
                 # is this process, one of our own endpoints.
                 pid, pidfd = peer_process(conn)
-                decoder = Decoder(16 << 20)
-                msg = await recv_message(conn, decoder, MT.PROVE)
+                # PROVE is small (nonces, addresses, a MAC); only the server's FIN carries a
+                # cache table.
+                decoder = Decoder(_PROVE_META)
+                msg, stray = await recv_with_fds(conn, decoder, MT.PROVE)
+                close_fds(stray)  # a server passes nothing before we answered
+                decoder.set_max_meta(16 << 20)
                 nonces = msg.fields.get("nonces")
                 exp = (
                     self._expect.get((str(nonces[0]), str(nonces[1])))
                     if isinstance(nonces, list) and len(nonces) == 2
                     else None
                 )
+                tcp = tcp_binding(exp.sock, mirrored=True) if exp is not None else None
                 if (
                     exp is None
                     or exp.done
-                    or msg.fields.get("tcp") != tcp_binding(exp.sock, mirrored=True)
+                    or msg.fields.get("tcp") != tcp
+                    or (
+                        exp.side_key is not None
+                        and not mac_ok(
+                            side_mac(exp.side_key, b"prove", nonces, tcp), msg.fields.get("mac")
+                        )
+                    )
                 ):
                     await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 1}))
                     return
                 if pid <= 0:  # nothing the kernel vouches for: describe nothing
                     await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 1}))
                     return
+                if not same_user(conn):
+                    self.log.info("transport.fallback", reason=self._uid_reason(conn))
+                    await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 1}))
+                    return
                 exp.done = True
                 claimed = exp
-                await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 0, **self._proof()}))
+                proof, ours = self._proof_wire(pid)
+                if exp.side_key is not None:
+                    proof["mac"] = side_mac(exp.side_key, b"ack", nonces, tcp)
+                await send_with_fds(conn, Message(MT.PROVE_ACK, 0, {"status": 0, **proof}), ours)
                 # (the server's LINK_ACK may overtake what follows: the handshake waits for
                 # ``finished``)
-                fin = await recv_message(conn, decoder, MT.PROVE_FIN)
-                access = self._access_for(pid, pidfd, fin.fields, True)
+                fin, fds = await recv_with_fds(conn, decoder, MT.PROVE_FIN)
+                access = self._access_for(pid, pidfd, fin.fields, fds, True)
                 pidfd = None  # taken
                 if exp.abandoned:
                     if access is not None:
@@ -338,6 +456,7 @@ class LinkManager:
             self.log.info("side_channel.refused", reason=str(exc))
         finally:
             conn.close()
+            close_fds(fds)  # a mapped pool holds its own reference
             if pidfd is not None:
                 os.close(pidfd)
             if claimed is not None:
@@ -368,7 +487,7 @@ class LinkManager:
             self._uds_scope,
             None,
             self._serve_proof,
-            lambda: self._proving >= _MAX_IN_SETUP,
+            lambda *_: self._proving >= _MAX_IN_SETUP,
         )
 
     def reachable_by_peer(self, caps: Any, ranges: np.ndarray, nbytes: np.ndarray) -> bool:
@@ -398,7 +517,7 @@ class LinkManager:
         Raises:
             LLMException: LLM_LINK_FAILED when the address cannot be bound.
         """
-        lsock = _bind_listener(address, 128, "")
+        lsock = _bind_listener(address, _BACKLOG, "")
         self.listen_address = lsock.getsockname()[:2]
         scope = anyio.CancelScope()
         self._listen_scope = scope
@@ -424,17 +543,17 @@ class LinkManager:
         scope: anyio.CancelScope,
         closed: anyio.Event | None,
         handle: Callable[[socket.socket], Awaitable[None]],
-        full: Callable[[], bool],
+        full: Callable[[socket.socket, Any], bool],
     ) -> None:
         """Accept on ``lsock`` (TCP listener or side channel) until ``scope`` is cancelled;
-        each connection goes to ``handle`` in a task of its own, unless ``full()`` (a flood:
-        nothing is held for it)."""
+        each connection goes to ``handle`` in a task of its own, unless ``full(conn, address)``
+        says there is no room (a flood: the connection is closed, nothing held for it)."""
         try:
             with scope:
                 while True:
                     await anyio.wait_readable(lsock)
                     try:
-                        conn, _ = lsock.accept()
+                        conn, addr = lsock.accept()
                     except (BlockingIOError, InterruptedError):
                         continue
                     except OSError as exc:
@@ -444,40 +563,94 @@ class LinkManager:
                             continue
                         raise
                     conn.setblocking(False)
-                    if full():
+                    if full(conn, addr):
                         conn.close()
                         continue
-                    self.engine.spawn(handle, conn)
+                    try:
+                        self.engine.spawn(handle, conn)
+                    except RuntimeError:  # the engine is stopping
+                        self._setups.pop(conn, None)
+                        conn.close()
+                        raise
         finally:
             lsock.close()
             if closed is not None:
                 closed.set()
 
-    def _handshakes_full(self) -> bool:
-        return self._in_setup >= _MAX_IN_SETUP
+    def _handshakes_full(self, conn: socket.socket, addr: Any) -> bool:
+        """Make room for a new connection and note it in ``_setups``; True when there is none
+        (every handshake in progress has authenticated). Room is made by evicting the oldest
+        unauthenticated handshake of the same source address once that source has
+        ``_MAX_SETUP_PER_SOURCE`` of them, else the oldest unauthenticated one of all once
+        ``_MAX_IN_SETUP`` are in progress: a flood only ever pushes out older connections
+        (its own first), never keeps a new one out, and a legit client needs its handshake's
+        few milliseconds before that many newer connections arrive."""
+        source = str(addr[0]) if isinstance(addr, tuple) and addr else ""
+        pending = [s for s in self._setups.values() if not s.admitted]
+        own = [s for s in pending if s.source == source]
+        if len(own) >= _MAX_SETUP_PER_SOURCE:
+            self._evict(own[0], "its source has too many handshakes in progress")
+        elif len(self._setups) >= _MAX_IN_SETUP:
+            if not pending:
+                self.log.info("link.refused", reason="every handshake slot is authenticated")
+                return True
+            self._evict(pending[0], "the listener is full")
+        self._setups[conn] = _Setup(conn, source)
+        return False
+
+    def _evict(self, setup: _Setup, why: str) -> None:
+        """Drop a handshake that has not authenticated yet (its task closes the socket)."""
+        del self._setups[setup.conn]
+        setup.scope.cancel()
+        self.log.info("link.evicted", address=setup.source, reason=why)
 
     async def _accept_one(self, conn: socket.socket) -> None:
-        self._in_setup += 1
+        setup = self._setups.get(conn)
+        if setup is None:  # evicted before it started (or a listener without a table)
+            setup = _Setup(conn, "")
+            setup.scope.cancel()
+        link = None
         try:
-            link = await self._accept(conn)
+            with setup.scope:
+                link = await self._accept(conn, setup)
         finally:
-            self._in_setup -= 1
+            if self._setups.get(conn) is setup:
+                del self._setups[conn]
+            if link is None:
+                conn.close()
         if link is not None:
             await link.run_reader()
 
-    async def _accept(self, conn: socket.socket) -> Link | None:
+    async def _accept(self, conn: socket.socket, setup: _Setup) -> Link | None:
+        """The server side of one connection's handshake, under its deadlines: ``_HELLO_S``
+        for the HELLO, as long again for the LINK_REQ, ``_ACCEPT_HANDSHAKE_S`` in all."""
         admitted: list[int] = []
         prepared: list[Any] = []
+        started = anyio.current_time()
+        phase = anyio.CancelScope(deadline=started + _HELLO_S)
+        waiting_for = ["its HELLO"]
+
+        def greeted() -> None:
+            phase.deadline = anyio.current_time() + _HELLO_S
+            waiting_for[0] = "its LINK_REQ"
 
         async def prepare(peer: dict[str, Any], binding: Binding) -> Any:
+            # Authenticated (or, without a key, a well-formed request): never evicted now.
+            setup.admitted = True
+            phase.deadline = started + _ACCEPT_HANDSHAKE_S
+            waiting_for[0] = "the rest of its handshake"
             access = await self._server_prepare(peer, binding)
             admitted.append(int(peer["cluster_id"]))
             prepared.append(access)
             return access
 
         try:
-            with anyio.fail_after(_ACCEPT_HANDSHAKE_S):
-                decoder, peer, access, auth = await server_handshake(self.engine, conn, prepare)
+            with phase:
+                decoder, peer, access, auth = await server_handshake(
+                    self.engine, conn, prepare, on_hello=greeted
+                )
+            if phase.cancelled_caught:
+                raise TimeoutError(f"the client did not send {waiting_for[0]} in time")
         except BaseException as exc:
             # Whatever a hostile or broken client sends, it only loses its connection (and
             # whatever was prepared for it).
@@ -509,6 +682,7 @@ class LinkManager:
     ) -> Link:
         configure_socket(sock)
         decoder.set_max_meta(self.engine.options.limits.meta_bytes)
+        decoder.set_budget(self.meta_budget)
         link = Link(self.engine, sock, decoder, peer, access, auth, outbound)
         if access is not None:
             link.peer_regions = access.regions
@@ -617,7 +791,7 @@ class LinkManager:
 
         def expect(binding: Binding) -> None:
             nonces.append(binding.nonces)
-            self._expect[binding.nonces] = _Expect(binding.sock)
+            self._expect[binding.nonces] = _Expect(binding.sock, binding.side_key)
 
         nonce_c = new_nonce()
         self._linking[cid] = nonce_c  # settles a simultaneous link from the peer (``_admit``)
@@ -829,11 +1003,26 @@ class LinkManager:
                 await link.close(notify=True)
 
 
+class _Setup:
+    """A connection in its server handshake (``LinkManager._setups``)."""
+
+    def __init__(self, conn: socket.socket, source: str) -> None:
+        self.conn = conn
+        #: the client's IP address
+        self.source = source
+        #: cancelled to evict it
+        self.scope = anyio.CancelScope()
+        #: the client authenticated (without a key: sent a well-formed LINK_REQ)
+        self.admitted = False
+
+
 class _Expect:
     """A client handshake in progress, waiting for the server's side-channel proof."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, side_key: bytes | None = None) -> None:
         self.sock = sock
+        #: the link's side-channel key (keyed links): the server's PROVE must carry its MAC
+        self.side_key = side_key
         self.done = False
         self.access: Any = None
         #: set once the exchange that claimed this handshake ended, either way

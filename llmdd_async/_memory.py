@@ -1,7 +1,9 @@
 """Host memory: views of raw addresses, user objects as memory, and shareable memory pools.
 
-Pools are ``memfd`` files mapped into this process. A peer on the same host maps the very same
-pages through ``/proc/<pid>/fd/<fd>``, which is what makes same-host transfers a single copy.
+Pools are ``memfd`` files mapped into this process, sealed against shrinking and growing once
+sized. A peer on the same host (of our user) maps the very same pages from the descriptor we
+pass it over the side channel, which is what makes same-host transfers a single copy; the seal
+is what lets it map them without fearing SIGBUS.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import bisect
 import contextlib
 import ctypes
 import dataclasses
+import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -281,14 +285,41 @@ class PagedPool:
         self._pages.free(alloc.offset, alloc.nbytes)
 
 
+def sealed_memfd(name: str, nbytes: int) -> int:
+    """A ``memfd`` of ``nbytes`` that nobody (not us, not a peer we pass it to) can shrink or
+    grow: a peer maps it knowing no access can fault past its end (SIGBUS).
+
+    Raises:
+        OSError: the kernel refused (out of memory, no memfd sealing).
+    """
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS):
+            raise
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)  # no sealing here: peers won't map it
+    try:
+        os.ftruncate(fd, nbytes)
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        except OSError as exc:
+            # A kernel or sandbox without sealing: the memfd still works here, and a peer
+            # refuses to map an unsealed one (its ranges go over process_vm_* or TCP).
+            if exc.errno not in (errno.EINVAL, errno.EPERM, errno.ENOSYS):
+                raise
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class MemoryPool(PagedPool):
     """Host pool memory: one shareable ``memfd`` mapping carved by a :class:`PageAllocator`."""
 
     def __init__(self, config: PoolConfig, name: str) -> None:
         super().__init__(config, name)
         try:
-            self.fd = os.memfd_create(f"llmdd-{name}", os.MFD_CLOEXEC)
-            os.ftruncate(self.fd, self.nbytes)
+            self.fd = sealed_memfd(f"llmdd-{name}", self.nbytes)
             self._map = mmap.mmap(self.fd, self.nbytes)
         except OSError as exc:
             raise LLMException(
@@ -423,9 +454,8 @@ class EpochPage:
     nbytes = mmap.PAGESIZE
 
     def __init__(self) -> None:
-        self.fd = os.memfd_create("llmdd-epoch", os.MFD_CLOEXEC)
+        self.fd = sealed_memfd("llmdd-epoch", self.nbytes)
         try:
-            os.ftruncate(self.fd, self.nbytes)
             self._map = mmap.mmap(self.fd, self.nbytes)
         except BaseException:
             os.close(self.fd)

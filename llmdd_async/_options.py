@@ -62,12 +62,14 @@ OWN_OPTIONS = frozenset(
         "llm.LayerSyncTimeout",
         "llm.CopyThreads",
         "llm.AuthKey",
+        "llm.PayloadAuth",
         "llm.CommPortBase",
         "llm.LinkMaxMeta",
         "llm.LinkServing",
         "llm.LinkQueue",
         "llm.LinkThreads",
         "llm.ServeTimeout",
+        "llm.MetaBudget",
     }
 )
 KNOWN_OPTIONS = UPSTREAM_OPTIONS | OWN_OPTIONS
@@ -106,6 +108,12 @@ class LinkLimits:
     threads: int = 8
     #: most seconds one request of the peer may run here, 0 = derive from sync_kv_timeout
     serve_timeout_s: float = 0.0
+    #: bytes of partial frames buffered across all links at once, 0 = 4 x ``meta_bytes``
+    meta_budget: int = 0
+
+    @property
+    def meta_budget_bytes(self) -> int:
+        return self.meta_budget or 4 * self.meta_bytes
 
 
 _LIMIT_KEYS = {
@@ -114,6 +122,7 @@ _LIMIT_KEYS = {
     "llm.LinkQueue": ("queued", 1, 1 << 16),
     "llm.LinkThreads": ("threads", 1, 256),
     "llm.ServeTimeout": ("serve_timeout_s", 1, 1 << 31),
+    "llm.MetaBudget": ("meta_budget", 1 << 16, 1 << 42),
 }
 
 
@@ -130,6 +139,9 @@ def parse_limits(opts: Mapping[str, str]) -> LinkLimits:
         values[field] = int(raw) / 1000 if field == "serve_timeout_s" else int(raw)
     limits = LinkLimits(**values)
     raise_if_false(limits.queued >= limits.serving, "llm.LinkQueue must be >= llm.LinkServing")
+    raise_if_false(
+        limits.meta_budget_bytes >= limits.meta_bytes, "llm.MetaBudget must be >= llm.LinkMaxMeta"
+    )
     return limits
 
 
@@ -153,6 +165,8 @@ class EngineOptions:
     legacy_kv_pool: PoolConfig | None = None
     link_total_time_s: int = 0
     limits: LinkLimits = LinkLimits()
+    #: llm.PayloadAuth: every DATA frame's payload carries a MAC (keyed links only)
+    payload_auth: bool = False
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -290,6 +304,14 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
     auth = opts.get("llm.AuthKey")
     # An empty key is a mistake (a missing environment variable), never "auth off".
     raise_if_false(auth is None or len(auth) > 0, "llm.AuthKey must not be empty")
+    payload_auth = opts.get("llm.PayloadAuth", "0")
+    raise_if_false(
+        payload_auth in ("0", "1"), f'llm.PayloadAuth must be "0" or "1", got {payload_auth!r}'
+    )
+    raise_if_false(
+        payload_auth == "0" or auth is not None,
+        "llm.PayloadAuth=1 needs llm.AuthKey: the payload MAC is keyed by the link's key",
+    )
     sync_to = opts.get("llm.LayerSyncTimeout")
     raise_if_false(
         sync_to is None or (sync_to.isdigit() and int(sync_to) > 0),
@@ -328,4 +350,5 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         legacy_kv_pool=legacy_pool,
         link_total_time_s=int(total_time),
         limits=parse_limits(opts),
+        payload_auth=payload_auth == "1",
     )

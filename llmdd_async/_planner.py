@@ -20,6 +20,9 @@ from ._enums import LLMStatusCode
 from ._errors import raise_if_false
 
 __all__ = [
+    "MAX_DESCRIPTORS",
+    "MAX_PIECES",
+    "MAX_TENSORS",
     "Layout",
     "Plan",
     "check_within",
@@ -160,12 +163,51 @@ def _outer(
 ) -> Plan:
     # Tensor-major, piece-minor order: consecutive pieces of one tensor end up adjacent, which is
     # what lets contiguous block runs merge (within a tensor, never across two).
-    if len(src_bases) * len(nbytes) <= _SMALL:
+    pieces = len(nbytes)
+    raise_if_false(
+        len(src_bases) * pieces <= MAX_PIECES,
+        f"the request names {len(src_bases)} tensors x {pieces} pieces, more than "
+        f"{MAX_PIECES} ranges",
+    )
+    if len(src_bases) * pieces <= _SMALL:
         return _outer_small(src_bases, dst_bases, src_offs, dst_offs, nbytes)
-    s = (src_bases[:, None] + src_offs[None, :].astype(_U64)).ravel()
-    d = (dst_bases[:, None] + dst_offs[None, :].astype(_U64)).ravel()
-    n = np.tile(nbytes.astype(_U64), len(src_bases))
-    return coalesce(s, d, n, row=len(nbytes))
+    so, do, nb = src_offs.astype(_U64), dst_offs.astype(_U64), nbytes.astype(_U64)
+    # A few tensors at a time, each group merged before the next is built: the temporaries
+    # of a request stay near _CHUNK_PIECES ranges whatever its size (merging never crosses a
+    # tensor, so the result is the same as in one piece).
+    step = max(1, _CHUNK_PIECES // max(1, pieces))
+    parts: list[Plan] = []
+    kept = 0
+    for t0 in range(0, len(src_bases), step):
+        sb, db = src_bases[t0 : t0 + step], dst_bases[t0 : t0 + step]
+        s = (sb[:, None] + so[None, :]).ravel()
+        d = (db[:, None] + do[None, :]).ravel()
+        part = coalesce(s, d, np.tile(nb, len(sb)), row=pieces)
+        kept += len(part)
+        raise_if_false(
+            kept <= MAX_DESCRIPTORS,
+            f"the request needs more than {MAX_DESCRIPTORS} copy descriptors",
+        )
+        parts.append(part)
+    if len(parts) == 1:
+        return parts[0]
+    return Plan(
+        np.concatenate([p.src for p in parts]),
+        np.concatenate([p.dst for p in parts]),
+        np.concatenate([p.nbytes for p in parts]),
+    )
+
+
+#: most tensors one request may name, on either side (its initiator's layout, or the raw
+#: addresses it names here)
+MAX_TENSORS = 1 << 16
+#: most ranges (tensors x blocks, or slot pieces) one request may select before contiguous
+#: ones merge
+MAX_PIECES = 1 << 22
+#: most copy descriptors one request may need once contiguous ranges are merged
+MAX_DESCRIPTORS = 1 << 20
+#: ranges planned at once (bounds a large plan's temporaries)
+_CHUNK_PIECES = 1 << 18
 
 
 #: below this many descriptors, plans are built with Python ints: numpy's fixed cost per call

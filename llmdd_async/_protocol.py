@@ -13,7 +13,11 @@ receive them straight into their destination. There is no pickle anywhere.
 On a keyed link (``llm.AuthKey``) every frame's meta ends with a 32-byte HMAC-SHA256 tag over
 the frame's sequence number in its direction, its header and its meta (a :class:`FrameAuth`
 on each side): a relay can neither inject, drop, replay nor reorder frames. Payload bytes are
-not covered (see the README's security model).
+covered only with ``llm.PayloadAuth``: then a DATA frame's payload ends with a 32-byte
+trailer, :meth:`FrameAuth.payload_mac` over the frame's sequence number and the payload bytes
+before it (``payload_len`` counts the trailer). The frame's own tag binds its header to the
+same sequence number, so a relay can neither change payload bytes nor move a payload and its
+trailer onto another frame (see the README's security model).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import enum
 import hashlib
 import hmac
 import json
+import mmap
 import struct
 from typing import Any
 
@@ -32,10 +37,12 @@ __all__ = [
     "MAX_META",
     "MT",
     "NEED_DATA",
+    "PAYLOAD_TAG",
     "PROTOCOL_VERSION",
     "MAX_FIELDS",
     "Decoder",
     "FrameAuth",
+    "MetaBudget",
     "Message",
     "PayloadBytes",
     "ProtocolError",
@@ -50,6 +57,8 @@ MAX_META = 256 << 20  # descriptor arrays of very large requests; anything large
 MAX_FIELDS = 1 << 20
 MAX_PAYLOAD = 1 << 40
 _TAG = 32
+#: bytes of the MAC trailer of a DATA frame's payload (``llm.PayloadAuth``)
+PAYLOAD_TAG = 32
 
 
 class ProtocolError(Exception):
@@ -106,6 +115,8 @@ class FrameAuth:
 
     def __init__(self, key: bytes) -> None:
         self._key = key
+        # Its own key: a payload MAC can never pass for a frame tag or the other way round.
+        self._payload_key = hmac.new(key, b"payload", hashlib.sha256).digest()
         self.seq = 0
 
     def tag(self, header: bytes | memoryview, meta: bytes | memoryview) -> bytes:
@@ -114,6 +125,12 @@ class FrameAuth:
         mac.update(meta)
         self.seq += 1
         return mac.digest()
+
+    def payload_mac(self, seq: int) -> hmac.HMAC:
+        """The MAC (HMAC-SHA256, OpenSSL's: it releases the GIL on large updates) of the
+        payload of the frame numbered ``seq`` in this direction (``seq - 1`` right after that
+        frame was tagged); feed it the payload, then compare its digest with the trailer."""
+        return hmac.new(self._payload_key, struct.pack("<Q", seq), "sha256")
 
 
 class _NeedData:
@@ -218,6 +235,34 @@ def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: byt
     return Message(mtype, req_id, fields, arrays, payload_len, flags)
 
 
+#: a frame's meta up to this size is not charged to a :class:`MetaBudget`: one read-ahead
+#: (a connection buffers at most its frame plus one read)
+UNCHARGED_META = 64 << 10
+#: a partial frame with more meta than this is collected in a mapping of its own (a mapping
+#: costs ~0.1 ms, so smaller ones grow the buffer instead)
+_MAPPED_META = 1 << 20
+
+
+class MetaBudget:
+    """Bytes of partial frames that the decoders sharing it may buffer at once (one endpoint's
+    links). ``name`` says which setting sets ``total`` (in error messages)."""
+
+    def __init__(self, total: int, name: str = "the meta budget") -> None:
+        self.total = total
+        self.name = name
+        self.used = 0
+
+    def reserve(self, n: int) -> bool:
+        """Take ``n`` bytes; False (nothing taken) if that would exceed ``total``."""
+        if self.used + n > self.total:
+            return False
+        self.used += n
+        return True
+
+    def release(self, n: int) -> None:
+        self.used -= n
+
+
 class Decoder:
     """Incremental frame parser.
 
@@ -227,19 +272,53 @@ class Decoder:
     :class:`PayloadBytes`, and the I/O layer may instead receive ``payload_remaining`` bytes
     itself and report them with :meth:`payload_consumed`. After a :class:`ProtocolError` the
     decoder is unusable.
+
+    A frame whose meta is over :data:`UNCHARGED_META` and not all here yet is charged to the
+    decoder's :class:`MetaBudget` (if it has one) until it is complete; one that does not fit
+    is a :class:`ProtocolError`. :meth:`close` frees the buffer at once.
     """
 
-    def __init__(self, max_meta: int = MAX_META) -> None:
+    def __init__(self, max_meta: int = MAX_META, budget: MetaBudget | None = None) -> None:
         self._buf = bytearray()
         self._pos = 0
         self._max_meta = max_meta
         self._payload_left = 0
         self._broken: ProtocolError | None = None
         self._auth: FrameAuth | None = None
+        self._budget = budget
+        #: bytes of ``_budget`` the partial frame in the buffer holds
+        self._reserved = 0
+        #: a frame over _MAPPED_META being collected (header and meta), and how much of it
+        #: is here: an anonymous mapping of its exact size, touched only as bytes arrive and
+        #: returned to the kernel when it is done (heap memory would linger in malloc's arenas)
+        self._big: mmap.mmap | None = None
+        self._big_fill = 0
 
     def set_max_meta(self, max_meta: int) -> None:
         """Change the meta size limit (small during a handshake, larger afterwards)."""
         self._max_meta = max_meta
+
+    def set_budget(self, budget: MetaBudget | None) -> None:
+        """Charge later partial frames to ``budget`` (a link's decoder, once it is set up)."""
+        self._unreserve()
+        self._budget = budget
+
+    def close(self, reason: str = "the connection is closed") -> None:
+        """Free the buffer and what it holds of the budget; later calls raise ProtocolError."""
+        self._unreserve()
+        self._buf = bytearray()  # (a take_payload view still held keeps the old one alive)
+        self._pos = 0
+        if self._big is not None:
+            self._big.close()
+            self._big = None
+        self._payload_left = 0
+        if self._broken is None:
+            self._broken = ProtocolError(reason)
+
+    def _unreserve(self) -> None:
+        if self._reserved and self._budget is not None:
+            self._budget.release(self._reserved)
+        self._reserved = 0
 
     def set_auth(self, auth: FrameAuth | None) -> None:
         """Require every later frame to carry a valid tag (a keyed link, after the handshake)."""
@@ -252,11 +331,19 @@ class Decoder:
 
     @property
     def buffered(self) -> int:
-        return len(self._buf) - self._pos
+        """Bytes received and not yet handed out (a partial frame's included)."""
+        return len(self._buf) - self._pos + (self._big_fill if self._big is not None else 0)
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         if self._broken is not None:
             raise self._broken
+        if self._big is not None:
+            n = min(len(data), len(self._big) - self._big_fill)
+            self._big[self._big_fill : self._big_fill + n] = data[:n]
+            self._big_fill += n
+            if n == len(data):
+                return
+            data = data[n:]  # the next frames
         if self._pos:
             # Drop consumed bytes first: a link that only ever carries control frames may never
             # land exactly on a frame boundary, and the buffer would grow without bound.
@@ -271,6 +358,8 @@ class Decoder:
         Raises:
             ProtocolError: more than the frame's remaining payload, or bytes are still buffered.
         """
+        if self._broken is not None:
+            raise self._broken
         if n > self._payload_left or (n and self.buffered):
             raise ProtocolError("payload accounting error")
         self._payload_left -= n
@@ -289,6 +378,7 @@ class Decoder:
 
     def _fail(self, message: str) -> ProtocolError:
         self._broken = ProtocolError(message)
+        self._unreserve()
         return self._broken
 
     def next_event(self) -> Message | PayloadBytes | _NeedData:
@@ -300,6 +390,15 @@ class Decoder:
         """
         if self._broken is not None:
             raise self._broken
+        if self._big is not None:
+            if self._big_fill < len(self._big):
+                return NEED_DATA
+            big, self._big = self._big, None
+            try:
+                _, _, mtype, req_id, meta_len, flags, payload_len = HEADER.unpack_from(big)
+                return self._take_frame(big, 0, MT(mtype), req_id, meta_len, flags, payload_len)
+            finally:
+                big.close()
         avail = len(self._buf) - self._pos
         if self._payload_left:
             if not avail:
@@ -330,17 +429,47 @@ class Decoder:
         if payload_len > MAX_PAYLOAD:
             raise self._fail(f"payload of {payload_len} bytes is absurd")
         if avail < HEADER.size + meta_len:
+            if meta_len > UNCHARGED_META and not self._reserved and self._budget is not None:
+                if not self._budget.reserve(meta_len):
+                    budget = self._budget
+                    raise self._fail(
+                        f"a frame with {meta_len} bytes of meta would take the partial frames "
+                        f"buffered across all links past {budget.name} ({budget.total} bytes; "
+                        f"{budget.used} in use)"
+                    )
+                self._reserved = meta_len
+            if meta_len > _MAPPED_META:
+                big = mmap.mmap(-1, HEADER.size + meta_len)
+                big[:avail] = memoryview(self._buf)[self._pos :]
+                self._big, self._big_fill = big, avail
+                self._buf = bytearray()
+                self._pos = 0
             return NEED_DATA
-        start = self._pos + HEADER.size
-        with memoryview(self._buf) as view:
+        pos = self._pos
+        self._pos += HEADER.size + meta_len
+        return self._take_frame(self._buf, pos, mt, req_id, meta_len, flags, payload_len)
+
+    def _take_frame(
+        self,
+        src: bytearray | mmap.mmap,
+        pos: int,
+        mt: MT,
+        req_id: int,
+        meta_len: int,
+        flags: int,
+        payload_len: int,
+    ) -> Message:
+        """The frame whose checked header is at ``src[pos:]`` and whose meta follows it."""
+        start = pos + HEADER.size
+        with memoryview(src) as view:
             meta = bytes(view[start : start + meta_len])
             if self._auth is not None:
                 if meta_len < _TAG or not hmac.compare_digest(
-                    self._auth.tag(view[self._pos : start], meta[:-_TAG]), meta[-_TAG:]
+                    self._auth.tag(view[pos:start], meta[:-_TAG]), meta[-_TAG:]
                 ):
                     raise self._fail("frame authentication failed")
                 meta = meta[:-_TAG]
-        self._pos = start + meta_len
+        self._unreserve()
         try:
             msg = _decode_meta(mt, req_id, flags, payload_len, meta)
         except ProtocolError as exc:

@@ -90,6 +90,11 @@ class Registry:
         self._blocks_keys: dict[int, int] = {}
         self._regions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._reachable: tuple[np.ndarray, np.ndarray] | None = None
+        #: the published table as of the last change (a peer's table request reads it)
+        self._table: dict[str, Any] | None = None
+        #: how often the table was built (once per change of caches or keys, never per peer
+        #: request; tests count on it)
+        self.table_builds = 0
         #: told of every entry added (may raise: the add is undone) and of every entry whose
         #: memory goes, before it goes (a transfer engine registers / deregisters it)
         self.on_add: Callable[[CacheEntry], None] | None = None
@@ -149,6 +154,7 @@ class Registry:
     def _changed(self) -> None:
         self._regions = None
         self._reachable = None
+        self._table = None
 
     def reachable_regions(self) -> tuple[np.ndarray, np.ndarray]:
         """Sorted ``(starts, ends)`` of the tensors of live remote-accessible caches: all a
@@ -183,14 +189,19 @@ class Registry:
         return self._regions
 
     def published_table(self) -> dict[str, Any]:
-        """The cache table a peer snapshots in remote-accessible mode (JSON-able)."""
-        return {
-            "caches": [e.describe() for e in self.iter_live()],
-            "blocks_keys": {str(m): cid for m, cid in self._blocks_keys.items()},
-            "slot_keys": [
-                [k[0], k[1], k[2], cid, slot] for k, (cid, slot) in self._slot_keys.items()
-            ],
-        }
+        """The cache table a peer snapshots in remote-accessible mode (JSON-able). Built once
+        per change of caches or keys: peers asking for it again get the same object, which
+        callers must not modify."""
+        if self._table is None:
+            self.table_builds += 1
+            self._table = {
+                "caches": [e.describe() for e in self.iter_live()],
+                "blocks_keys": {str(m): cid for m, cid in self._blocks_keys.items()},
+                "slot_keys": [
+                    [k[0], k[1], k[2], cid, slot] for k, (cid, slot) in self._slot_keys.items()
+                ],
+            }
+        return self._table
 
     def iter_live(self) -> Iterator[CacheEntry]:
         return (e for e in self.entries.values() if not e.id_released and not e.freed)
@@ -214,6 +225,7 @@ class Registry:
             LLMException: as :meth:`check_slot_keys`.
         """
         self.check_slot_keys(entry.count, keys)
+        self._table = None
         for slot, k in enumerate(keys):
             if k is not None:
                 self._slot_keys[k] = (entry.cache_id, slot)
@@ -222,6 +234,7 @@ class Registry:
     def bind_blocks_key(self, entry: CacheEntry, model_id: int) -> None:
         """The latest registration of a model_id wins (upstream behaviour)."""
         self._blocks_keys[model_id] = entry.cache_id
+        self._table = None
 
     def lookup_slot_key(self, key: SlotKey) -> tuple[CacheEntry, int]:
         """Raises LLMException(LLM_KV_CACHE_NOT_EXIST) for an unbound key."""
@@ -252,6 +265,7 @@ class Registry:
         if not entry.allocated:
             return
         del self._slot_keys[key]
+        self._table = None
         entry.slot_keys.pop(hit[1], None)
         entry.pulled.pop(hit[1], None)
         self._maybe_free(entry)
@@ -286,6 +300,7 @@ class Registry:
         if self.on_release is not None:
             self.on_release()
         entry.id_released = True
+        self._table = None
         if entry.is_blocks:
             for model_id, cid in list(self._blocks_keys.items()):
                 if cid == entry.cache_id:
@@ -319,3 +334,4 @@ class Registry:
             self._maybe_free(entry)
         self._slot_keys.clear()
         self._blocks_keys.clear()
+        self._changed()

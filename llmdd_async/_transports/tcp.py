@@ -5,12 +5,17 @@ The link's socket stays in blocking mode. The event loop only uses it with ``MSG
 ``sendmsg`` / ``recvmsg_into`` over many buffers at once. ``SO_SNDTIMEO``/``SO_RCVTIMEO`` make
 those calls return every few tens of milliseconds, so a worker notices cancellation and
 deadlines even when the peer stalls.
+
+With ``llm.PayloadAuth`` a :class:`PayloadMac` hashes a DATA frame's payload as each
+syscall takes it (then the MAC goes out as the frame's trailer, see ``_protocol``) or as it
+lands, in the same thread, while the kernel already moves the next bytes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import hmac
 import socket
 import threading
 import time
@@ -23,6 +28,8 @@ from .._memory import CancelToken
 
 __all__ = [
     "INLINE_BYTES",
+    "PayloadMac",
+    "mac_update",
     "recv_nowait",
     "recv_views_inline",
     "send_nowait",
@@ -240,6 +247,70 @@ def _advance(bufs: list[memoryview], idx: int, n: int) -> int:
     return idx
 
 
+class PayloadMac:
+    """The MAC of one DATA frame's payload, fed what each syscall moved: the first ``skip``
+    bytes (the frame's header) are not hashed, nor anything after ``payload`` bytes (the
+    trailer). Sending, it hashes the payload exactly as it went out, the zeros that finish a
+    frame cut short by a cancel included (so the peer never mistakes a cancel for tampering),
+    and once every payload byte is out appends the trailer to the buffers; source memory is
+    hashed right after the kernel copied it, before the sender looks at the cancel token
+    again. Receiving, it hashes each batch right where it landed."""
+
+    __slots__ = ("_left", "_mac", "_skip", "done")
+
+    def __init__(self, mac: hmac.HMAC, skip: int, payload: int) -> None:
+        self._mac = mac
+        self._skip = skip
+        self._left = payload
+        #: the trailer is among the buffers (nothing of the payload is left to send)
+        self.done = False
+
+    def passed(self, bufs: list[memoryview], idx: int, n: int) -> None:
+        """``n`` bytes starting at ``bufs[idx]`` went out or landed (call before trimming
+        ``bufs``)."""
+        while n > 0 and self._left > 0 and idx < len(bufs):  # no slice: plans of many views
+            b = bufs[idx]
+            idx += 1
+            k = min(n, b.nbytes)
+            n -= k
+            if self._skip >= k:
+                self._skip -= k
+                continue
+            piece = b[self._skip : self._skip + min(k - self._skip, self._left)]
+            self._skip = 0
+            self._mac.update(piece)
+            self._left -= piece.nbytes
+
+    def finish(self, bufs: list[memoryview]) -> None:
+        """Append the trailer once every payload byte is out."""
+        if not self.done and self._left <= 0:
+            bufs.append(memoryview(self._mac.digest()))
+            self.done = True
+
+    def digest(self) -> bytes:
+        """The MAC of what passed (call once every payload byte did)."""
+        return self._mac.digest()
+
+
+def mac_update(mac: hmac.HMAC, views: list[memoryview]) -> None:
+    """Feed ``views`` to ``mac`` (small payloads, on the loop: large ones are fed by the
+    worker that sends or receives them)."""
+    for v in views:
+        mac.update(v)
+
+
+def _step(bufs: list[memoryview], idx: int, n: int, tagger: PayloadMac | None) -> int:
+    """:func:`_advance` past ``n`` sent bytes, hashing them first; with every payload byte out
+    the trailer joins ``bufs`` (so a loop over ``bufs`` sends it next)."""
+    if tagger is None:
+        return _advance(bufs, idx, n)
+    tagger.passed(bufs, idx, n)
+    idx = _advance(bufs, idx, n)
+    if idx == len(bufs):
+        tagger.finish(bufs)
+    return idx
+
+
 def scratch_views(n: int, scratch: memoryview) -> list[memoryview]:
     """Slices of ``scratch`` that together are ``n`` bytes long (to discard or pad with)."""
     out = []
@@ -273,24 +344,32 @@ def _check_deadline(fence: Fence, what: str) -> None:
 INLINE_BYTES = 1 << 20
 
 
-def send_nowait(sock: socket.socket, bufs: list[memoryview]) -> int:
+def send_nowait(
+    sock: socket.socket, bufs: list[memoryview], tagger: PayloadMac | None = None
+) -> int:
     """One non-blocking ``sendmsg`` of ``bufs`` (small frames): returns the index of the first
     buffer not fully sent (``len(bufs)`` when all went out; ``bufs`` is trimmed in place).
-    Most small frames go out whole, and then need no cancel scope or loop turn.
+    Most small frames go out whole, and then need no cancel scope or loop turn. With a
+    ``tagger`` (``bufs`` is one DATA frame) a second ``sendmsg`` sends the trailer.
 
     Raises:
         OSError: the connection failed.
     """
-    try:
-        n = sock.sendmsg(_batch(bufs, 0), [], socket.MSG_DONTWAIT)
-    except (BlockingIOError, InterruptedError):
-        return 0
-    return _advance(bufs, 0, n)
+    idx = 0
+    for _ in range(1 if tagger is None else 2):
+        try:
+            n = sock.sendmsg(_batch(bufs, idx), [], socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            break
+        idx = _step(bufs, idx, n, tagger)
+        if idx == len(bufs):
+            break
+    return idx
 
 
-def recv_nowait(sock: socket.socket, bufs: list[memoryview]) -> int:
+def recv_nowait(sock: socket.socket, bufs: list[memoryview], mac: PayloadMac | None = None) -> int:
     """One non-blocking ``recvmsg_into`` into ``bufs``: returns the index of the first buffer
-    not yet full (``bufs`` is trimmed in place).
+    not yet full (``bufs`` is trimmed in place). ``mac`` is fed what landed.
 
     Raises:
         EOFError: the peer closed the connection. OSError: the connection failed.
@@ -301,14 +380,20 @@ def recv_nowait(sock: socket.socket, bufs: list[memoryview]) -> int:
         return 0
     if n == 0:
         raise EOFError("peer closed the connection in the middle of a frame")
+    if mac is not None:
+        mac.passed(bufs, 0, n)
     return _advance(bufs, 0, n)
 
 
 async def send_views_inline(
-    sock: socket.socket, bufs: list[memoryview], idx: int, token: CancelToken
+    sock: socket.socket,
+    bufs: list[memoryview],
+    idx: int,
+    token: CancelToken,
+    tagger: PayloadMac | None = None,
 ) -> None:
     """Send ``bufs[idx:]`` (a frame's header and views, ``bufs[:idx]`` already sent) from the
-    event loop (small frames; no worker thread).
+    event loop (small frames; no worker thread), then the ``tagger``'s trailer if any.
 
     The caller shields it and bounds it with a stall timeout: a frame, once started, must be
     finished. If ``token`` trips meanwhile, the rest goes out as zeros and source memory is
@@ -318,8 +403,10 @@ async def send_views_inline(
         OSError: the connection failed.
     """
     padded = False
+    if tagger is not None and idx == len(bufs):
+        tagger.finish(bufs)
     while idx < len(bufs):
-        if not padded and token.cancelled:
+        if not padded and token.cancelled and not (tagger is not None and tagger.done):
             keep = max(idx, 1)
             bufs = bufs[:keep] + _scratch_like(bufs, keep, _zeros())
             padded = True
@@ -328,7 +415,7 @@ async def send_views_inline(
         except (BlockingIOError, InterruptedError):
             await anyio.wait_writable(sock)
             continue
-        idx = _advance(bufs, idx, n)
+        idx = _step(bufs, idx, n, tagger)
 
 
 async def recv_views_inline(
@@ -337,11 +424,12 @@ async def recv_views_inline(
     idx: int,
     token: CancelToken,
     scratch: memoryview,
+    mac: PayloadMac | None = None,
 ) -> bool:
     """Receive exactly the bytes of ``bufs[idx:]`` into them from the event loop (small
-    frames; ``bufs[:idx]`` are full already). If ``token`` trips meanwhile, the rest goes to
-    ``scratch``. Returns True when every byte landed in ``bufs``; the caller bounds it with a
-    stall timeout.
+    frames; ``bufs[:idx]`` are full already), feeding ``mac`` what landed. If ``token`` trips
+    meanwhile, the rest goes to ``scratch``. Returns True when every byte landed in ``bufs``;
+    the caller bounds it with a stall timeout.
 
     Raises:
         EOFError: the peer closed the connection mid-frame. OSError: the connection failed.
@@ -358,12 +446,21 @@ async def recv_views_inline(
             continue
         if n == 0:
             raise EOFError("peer closed the connection in the middle of a frame")
+        if mac is not None and not diverted:
+            mac.passed(bufs, idx, n)
         idx = _advance(bufs, idx, n)
     return not diverted
 
 
-def send_views(sock: socket.socket, header: bytes, views: list[memoryview], fence: Fence) -> None:
-    """Send ``header`` then every view, blocking. Runs in a worker thread.
+def send_views(
+    sock: socket.socket,
+    header: bytes,
+    views: list[memoryview],
+    fence: Fence,
+    tagger: PayloadMac | None = None,
+) -> None:
+    """Send ``header`` then every view, then the ``tagger``'s trailer if any, blocking. Runs
+    in a worker thread.
 
     If the fence's token trips mid-frame, the rest of the frame is sent as zeros (so the
     stream stays in step) and the source memory is not read again; ``released`` is set.
@@ -377,7 +474,7 @@ def send_views(sock: socket.socket, header: bytes, views: list[memoryview], fenc
     padded = False
     try:
         while idx < len(bufs):
-            if not padded and fence.token.cancelled:
+            if not padded and fence.token.cancelled and not (tagger is not None and tagger.done):
                 keep = max(idx, 1)  # the header always goes out as it is
                 bufs = bufs[:keep] + _scratch_like(bufs, keep, _zeros())
                 padded = True
@@ -387,15 +484,20 @@ def send_views(sock: socket.socket, header: bytes, views: list[memoryview], fenc
             except (BlockingIOError, InterruptedError):
                 _check_deadline(fence, "a send")
                 continue
-            idx = _advance(bufs, idx, n)
+            idx = _step(bufs, idx, n, tagger)
     finally:
         fence.released.set()
 
 
 def recv_views(
-    sock: socket.socket, views: list[memoryview], fence: Fence, scratch: memoryview
+    sock: socket.socket,
+    views: list[memoryview],
+    fence: Fence,
+    scratch: memoryview,
+    mac: PayloadMac | None = None,
 ) -> bool:
-    """Receive exactly the views' bytes into them, blocking. Runs in a worker thread.
+    """Receive exactly the views' bytes into them, blocking, feeding ``mac`` each batch where
+    it landed (cache-hot, while the kernel receives the next). Runs in a worker thread.
 
     If the fence's token trips, the rest goes to ``scratch`` instead (the stream stays in step)
     and ``released`` is set at once. Returns True when every byte landed in ``views``.
@@ -421,6 +523,8 @@ def recv_views(
                 continue
             if n == 0:
                 raise EOFError("peer closed the connection in the middle of a frame")
+            if mac is not None and not diverted:
+                mac.passed(bufs, idx, n)
             idx = _advance(bufs, idx, n)
     finally:
         fence.released.set()

@@ -13,6 +13,7 @@ so tests can compute the expected bytes without moving them through the test har
 
 :func:`linked_pair` runs two linked endpoints in this process. The pytest plugin (entry point
 ``llmdd_async``, in ``_pytest_plugin``) offers both as fixtures: ``llmdd_peer``, ``llmdd_pair``.
+:class:`LoopLagProbe` measures how long the event loop was held away from a sleeping task.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import numpy as np
 import llmdd_async as dd
 from llmdd_async._childproc import ChildError, ChildProcess
 
+from ._loop_lag import LoopLagProbe
 from ._pair import DEFAULT_OPTIONS, linked_pair
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "LoopLagProbe",
     "PeerError",
     "PeerProcess",
     "decode_key",

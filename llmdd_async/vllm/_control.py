@@ -7,9 +7,13 @@ worker (server), one connection per remote engine rank, made on first use and ke
   (llmdd_async cluster id, host, port) and its KV layout, checked by the client before linking;
 - ``done`` (client -> server): the decode finished pulling a request; the prefill frees its
   blocks (else the lease frees them);
-- ``ids`` (client -> server, layer-wise mode): the decode's block ids for a request, matched by
-  request id on the prefill, which then pushes each layer into them;
+- ``ids`` (client -> server, layer-wise mode): the decode's block ids for a request; the
+  prefill then pushes each layer into them;
+- ``cancel`` (client -> server): stop (or never start) that push; answered by ``pushed``;
 - ``pushed`` (server -> client, layer-wise mode): every layer of a request landed (or failed).
+
+``done``, ``ids`` and ``cancel`` name their request by its capability (``cap``, the
+``llmdd_capability`` the prefill issued in ``kv_transfer_params``): a request id names nothing.
 
 Why not a message over the llmdd_async link itself: the library's links move cache bytes only
 (requests resolved against registered caches); a mailbox cache would need slot allocation
@@ -20,6 +24,12 @@ Authentication (when an auth key is set, on both sides): challenge/response with
 from both sides (HMAC-SHA256 of the key), then every frame carries an HMAC of a per-connection
 session key over its direction, sequence number and body, so frames cannot be forged, replayed
 or reordered. A peer that fails any check is disconnected and learns nothing.
+
+Limits (server): frames before the handshake is done are at most :data:`HANDSHAKE_FRAME`
+bytes and must come within :data:`HANDSHAKE_S`; frames nest at most :data:`MAX_NESTING`
+brackets; a malformed frame closes that connection (logged ``vllm.side_channel_closed``),
+nothing else. When the server is full, the oldest connection that has proven nothing is
+closed for a newcomer, so silent connections never lock a decode out.
 """
 
 from __future__ import annotations
@@ -34,12 +44,25 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .._log import get_logger
+
 __all__ = ["MAX_FRAME", "ControlClient", "ControlError", "ControlServer"]
 
 MAX_FRAME = 1 << 20
+#: largest frame before the peer proved anything (hello / auth are a few hundred bytes)
+HANDSHAKE_FRAME = 4096
 MAX_CONNECTIONS = 256
+#: connections of one source address that have not proven anything yet
+MAX_UNPROVEN_PER_SOURCE = 64
+#: seconds a connection has to prove itself (finish the handshake; keyless: present a valid
+#: capability) before it is closed
+HANDSHAKE_S = 2.0
+#: most ``[`` / ``{`` in one frame: ours nest two deep; json's recursion is never reached
+MAX_NESTING = 256
 _MAC = 32
 _VERSION = 1
+
+log = get_logger("vllm")
 
 
 class ControlError(Exception):
@@ -61,6 +84,9 @@ class _Conn:
         self._out_dir, self._in_dir = (b"c", b"s") if client else (b"s", b"c")
         self._out_seq = self._in_seq = 0
         self._lock = asyncio.Lock()
+        self.limit = HANDSHAKE_FRAME  # raised once the handshake is done
+        self.proven = False
+        self.source = ""
 
     async def send(self, obj: dict[str, Any]) -> None:
         body = json.dumps(obj, separators=(",", ":")).encode()
@@ -74,10 +100,15 @@ class _Conn:
             await self.writer.drain()
 
     async def recv(self) -> dict[str, Any]:
+        """The next frame's object.
+
+        Raises:
+            ControlError: closed, over the size limit, bad MAC, malformed or too deep JSON.
+        """
         try:
             (n,) = struct.unpack(">I", await self.reader.readexactly(4))
-            if n > MAX_FRAME:
-                raise ControlError(f"peer sent a frame of {n} bytes (limit {MAX_FRAME})")
+            if n > self.limit:
+                raise ControlError(f"peer sent a frame of {n} bytes (limit {self.limit})")
             body = await self.reader.readexactly(n)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise ControlError("side channel closed by the peer") from e
@@ -89,9 +120,13 @@ class _Conn:
             if not hmac.compare_digest(mac, want):
                 raise ControlError("frame authentication failed")
             self._in_seq += 1
+        # counted before parsing: json recurses per level (a deep frame would raise
+        # RecursionError, and costs time before it does)
+        if body.count(b"[") + body.count(b"{") > MAX_NESTING:
+            raise ControlError("malformed frame (nested too deep)")
         try:
             obj = json.loads(body)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ControlError("malformed frame") from e
         if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
             raise ControlError("malformed frame")
@@ -115,13 +150,25 @@ class ServerPeer:
     async def send(self, obj: dict[str, Any]) -> None:
         await self._conn.send(obj)
 
+    def proved(self) -> None:
+        """The peer showed it is a decode (a valid capability): never evicted for a newcomer,
+        no deadline. A keyed peer has proven itself with the handshake already."""
+        self._conn.proven = True
+
     @property
     def closed(self) -> bool:
         return self._conn.writer.is_closing()
 
 
 class ControlServer:
-    """Accepts decode workers; ``handler`` gets every message after the welcome."""
+    """Accepts decode workers; ``handler`` gets every message after the welcome.
+
+    Connections that have not proven anything (keyed: the handshake; keyless: a capability
+    the handler accepted, see :meth:`ServerPeer.proved`) get :data:`HANDSHAKE_S` seconds and
+    handshake-sized frames; when :data:`MAX_CONNECTIONS` are open, or
+    :data:`MAX_UNPROVEN_PER_SOURCE` unproven ones of one address, the oldest unproven one is
+    closed for the newcomer (so silent connections never lock a decode out).
+    """
 
     def __init__(
         self,
@@ -129,17 +176,22 @@ class ControlServer:
         meta: Callable[[], dict[str, Any]],
         handler: Handler,
         timeout_s: float = 10.0,
+        handshake_s: float = HANDSHAKE_S,
     ) -> None:
         self._key = key.encode() if key else None
         self._meta = meta
         self._handler = handler
         self._timeout = timeout_s
+        self._handshake_s = min(handshake_s, timeout_s)
         self._server: asyncio.AbstractServer | None = None
-        self._conns: set[_Conn] = set()
+        #: open connections, oldest first
+        self._conns: dict[_Conn, None] = {}
         self.port = 0
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_FRAME)
+        self._server = await asyncio.start_server(
+            self._serve, host, port, limit=MAX_FRAME, backlog=1024
+        )
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
@@ -149,39 +201,77 @@ class ControlServer:
             c.close()
         self._conns.clear()
 
+    def _admit(self, conn: _Conn) -> bool:
+        """Make room for ``conn``: evict the oldest unproven connection of its source when it
+        has too many, then the oldest unproven one when the server is full. False: full of
+        proven connections."""
+        same = [c for c in self._conns if not c.proven and c.source == conn.source]
+        if len(same) >= MAX_UNPROVEN_PER_SOURCE:
+            self._evict(same[0])
+        if len(self._conns) >= MAX_CONNECTIONS:
+            old = next((c for c in self._conns if not c.proven), None)
+            if old is None:
+                return False
+            self._evict(old)
+        self._conns[conn] = None
+        return True
+
+    def _evict(self, conn: _Conn) -> None:
+        self._conns.pop(conn, None)
+        conn.close()
+        log.info("vllm.side_channel_evicted", peer=conn.source)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn(reader, writer, client=False)
-        if len(self._conns) >= MAX_CONNECTIONS:
+        peername = writer.get_extra_info("peername")
+        conn.source = str(peername[0]) if isinstance(peername, tuple) else str(peername)
+        if not self._admit(conn):
             conn.close()
+            log.info("vllm.side_channel_full", peer=conn.source)
             return
-        self._conns.add(conn)
-        peer = ServerPeer(conn, str(writer.get_extra_info("peername")))
+        peer = ServerPeer(conn, str(peername))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._handshake_s
         try:
             sn = os.urandom(16)
             await conn.send(
                 {"op": "hello", "v": _VERSION, "nonce": sn.hex(), "auth": self._key is not None}
             )
-            auth = await asyncio.wait_for(conn.recv(), self._timeout)
+            auth = await asyncio.wait_for(conn.recv(), max(0.0, deadline - loop.time()))
             cn = bytes.fromhex(str(auth.get("nonce", "")))
             if auth["op"] != "auth" or len(cn) != 16:
-                return
+                raise ControlError("not an auth frame")
             reply: dict[str, Any] = {"op": "welcome"}
             if self._key is not None:
                 mac = bytes.fromhex(str(auth.get("mac") or ""))
                 if not hmac.compare_digest(mac, _mac(self._key, b"C", sn, cn)):
-                    return  # learns nothing
+                    raise ControlError("authentication failed")  # the peer learns nothing
                 reply["mac"] = _mac(self._key, b"S", sn, cn).hex()
+                conn.proven = True
             reply["meta"] = self._meta()
             await conn.send(reply)
             if self._key is not None:
                 conn.session = _mac(self._key, b"K", sn, cn)
+            conn.limit = MAX_FRAME
             while True:
-                msg = await conn.recv()
+                if conn.proven:
+                    msg = await conn.recv()
+                else:  # keyless, nothing valid yet: the handshake's deadline still runs
+                    msg = await asyncio.wait_for(conn.recv(), max(0.0, deadline - loop.time()))
                 await self._handler(peer, msg)
-        except (ControlError, ValueError, KeyError, TypeError, OSError, asyncio.TimeoutError):
+        except (
+            ControlError,
+            ValueError,
+            KeyError,
+            TypeError,
+            OSError,
+            RecursionError,
+            asyncio.TimeoutError,
+        ) as e:
+            log.info("vllm.side_channel_closed", peer=conn.source, reason=repr(e))
             return
         finally:
-            self._conns.discard(conn)
+            self._conns.pop(conn, None)
             conn.close()
 
 
@@ -206,6 +296,7 @@ class ControlClient:
         except (OSError, asyncio.TimeoutError) as e:
             raise ControlError(f"cannot reach side channel {host}:{port}: {e!r}") from e
         conn = _Conn(reader, writer, client=True)
+        conn.limit = 1 << 16  # the welcome carries the prefill's layout
         try:
             hello = await asyncio.wait_for(conn.recv(), timeout_s)
             sn = bytes.fromhex(str(hello.get("nonce", "")))
@@ -229,10 +320,11 @@ class ControlClient:
                 if not hmac.compare_digest(mac, _mac(self._key, b"S", sn, cn)):
                     raise ControlError(f"{host}:{port}: the prefill failed authentication")
                 conn.session = _mac(self._key, b"K", sn, cn)
+            conn.limit = MAX_FRAME
         except ControlError:
             conn.close()
             raise
-        except (asyncio.TimeoutError, KeyError, ValueError, TypeError) as e:
+        except (asyncio.TimeoutError, KeyError, ValueError, TypeError, RecursionError) as e:
             conn.close()
             raise ControlError(
                 f"side channel {host}:{port} closed the handshake (wrong auth_key?): {e!r}"

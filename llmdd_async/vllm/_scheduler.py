@@ -7,13 +7,26 @@ from typing import Any
 
 from .._log import get_logger
 from ._config import ConnectorConfig
-from ._meta import LlmddHandshake, LlmddMetadata, RecvSpec
+from ._meta import (
+    CAPABILITY_KEY,
+    LlmddHandshake,
+    LlmddMetadata,
+    RecvSpec,
+    new_capability,
+    valid_capability,
+)
 
 __all__ = ["SchedulerSide"]
 
 log = get_logger("vllm")
 
-_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+_REMOTE_KEYS = (
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    CAPABILITY_KEY,
+)
 
 
 def _first_group(block_ids: Any) -> list[int]:
@@ -25,13 +38,13 @@ def _first_group(block_ids: Any) -> list[int]:
 def _release_of(params: dict[str, Any]) -> tuple[str, int, str] | None:
     """Where to tell a prefill that a decode request is done with its blocks, or None when
     the params cannot say (missing or malformed keys: that prefill's lease frees them)."""
-    if not all(k in params for k in _REMOTE_KEYS):
+    if not all(k in params for k in _REMOTE_KEYS) or not valid_capability(params[CAPABILITY_KEY]):
         return None
     try:
         port = int(params["remote_port"])
     except (TypeError, ValueError):
         return None
-    return str(params["remote_host"]), port, str(params["remote_request_id"])
+    return str(params["remote_host"]), port, str(params[CAPABILITY_KEY])
 
 
 class SchedulerSide:
@@ -49,6 +62,10 @@ class SchedulerSide:
         self._aborted: set[str] = set()
         self._lw_candidates: dict[str, int] = {}  # layer-wise prefill: id -> prompt tokens
         self._saved: set[str] = set()
+        #: prefill: each remote-decode request's capability, from its first allocation on
+        self._caps: dict[str, str] = {}
+        #: prefill: capabilities of requests that finished since the last step's metadata
+        self._step_caps: dict[str, str] = {}
 
     def set_handshake(self, metadata: dict[int, Any]) -> None:
         for rank, m in metadata.items():
@@ -70,6 +87,8 @@ class SchedulerSide:
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         missing = [k for k in _REMOTE_KEYS if k not in params]
+        if CAPABILITY_KEY in params and not valid_capability(params[CAPABILITY_KEY]):
+            missing.append(f"{CAPABILITY_KEY} (malformed)")
         if self.cfg.mode == "pull" and not params.get("remote_block_ids"):
             missing.append("remote_block_ids")
         if missing:
@@ -87,6 +106,13 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not params:
             return
+        if params.get("do_remote_decode") and request.request_id not in self._caps:
+            # The prefill issues the capability; a proxy that must give it to the decode
+            # before the prefill answers (concurrent flow) may choose it. One per request.
+            cap = params.get(CAPABILITY_KEY)
+            if not valid_capability(cap) or cap in self._caps.values():
+                cap = new_capability()
+            self._caps[request.request_id] = str(cap)
         if params.get("do_remote_decode") and self.cfg.mode == "layerwise":
             self._lw_candidates[request.request_id] = len(request.prompt_token_ids or [])
         if not params.get("do_remote_prefill"):
@@ -124,15 +150,21 @@ class SchedulerSide:
                     self._saved.add(nr.req_id)
             # requests still chunking are pushed when they finish
             self._lw_candidates.clear()
+        caps = self._step_caps
+        for req_id in save:
+            if req_id in self._caps:
+                caps[req_id] = self._caps[req_id]
         meta = LlmddMetadata(
             recv=self._recv,
             release=self._release,
             send=self._send,
             aborted=self._aborted,
             save=save,
+            caps=caps,
             idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1),
         )
         self._recv, self._release, self._send, self._aborted = {}, [], {}, set()
+        self._step_caps = {}
         return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -141,6 +173,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         saved = request.request_id in self._saved
         self._saved.discard(request.request_id)
+        cap = self._caps.pop(request.request_id, None) or new_capability()
         self._lw_candidates.pop(request.request_id, None)
         if not params:
             return False, None
@@ -160,6 +193,7 @@ class SchedulerSide:
             if saved and ids:  # a layer-wise push may be reading the blocks: fence it first
                 self._aborted.add(request.request_id)
                 self._send[request.request_id] = (self.cfg.lease_s, ids)
+                self._step_caps[request.request_id] = cap
                 return True, None
             return False, None
         n = math.ceil(len(request.prompt_token_ids or []) / self.block_size)
@@ -167,6 +201,7 @@ class SchedulerSide:
         delay = len(ids) > 0
         if delay:
             self._send[request.request_id] = (self.cfg.lease_s, ids)
+            self._step_caps[request.request_id] = cap
         out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -179,6 +214,8 @@ class SchedulerSide:
             "pp_size": self.pp_size,
             "remote_num_tokens": len(request.prompt_token_ids or []),
             "transfer_mode": self.cfg.mode,
+            # the only thing that lets a decode take (or free) these blocks
+            CAPABILITY_KEY: cap,
         }
         if len(self._ranks) > 1:
             out["llmdd_ports"] = [self._ranks[r].port for r in sorted(self._ranks)]

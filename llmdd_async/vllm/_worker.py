@@ -8,9 +8,12 @@ touches CPU affinity or thread counts.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
+import hashlib
 import secrets
 import threading
 import time
@@ -24,19 +27,30 @@ from .._errors import LLMException
 from .._log import get_logger
 from .._synchronizer import LayerEvents
 from .._types import BlocksCacheKey, CacheDesc, LLMClusterInfo, TransferWithCacheKeyConfig
-from ._config import ConnectorConfig
+from ._config import ConnectorConfig, host_key
 from ._control import ControlClient, ControlError, ControlServer, ServerPeer
 from ._layout import KVLayout, derive_layout, incompatibility
-from ._meta import LlmddMetadata, RecvSpec, base_request_id
+from ._meta import CAPABILITY_KEY, LlmddMetadata, RecvSpec, valid_capability
 
 __all__ = ["WorkerEngine"]
 
 log = get_logger("vllm")
 
 _MODEL_ID = 0  # every engine registers its KV as BlocksCacheKey(own cluster id, 0)
-_PENDING_IDS_MAX = 4096
+#: ``ids`` for requests the prefill does not hold (yet), kept at most: count, and blocks of
+#: all of them together (8 bytes each)
+_PENDING_IDS_MAX = 1024
+_PENDING_BLOCKS_MAX = 1 << 20
+#: ``done`` messages for capabilities not held yet (a decode faster than this step)
+_EARLY_DONE_MAX = 4096
 #: how long an idle step (nothing scheduled, loads in flight) waits for a load to finish
 _IDLE_WAIT_S = 0.002
+
+
+def _cap_key(cap: str) -> str:
+    """What the prefill files a capability under: its hash (dict lookups on the secret itself
+    would time-leak its prefix)."""
+    return hashlib.sha256(cap.encode()).hexdigest()
 
 
 class _Loop:
@@ -52,7 +66,13 @@ class _Loop:
         self.loop.run_forever()
 
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        # a fresh context: the caller's (its sniffio library, say) must not leak into the
+        # loop's tasks, which anyio inspects
+        return contextvars.Context().run(asyncio.run_coroutine_threadsafe, coro, self.loop)
+
+    def call(self, fn: Any, *args: Any) -> None:
+        """``fn(*args)`` on the loop, soon, in a fresh context (as :meth:`submit`)."""
+        self.loop.call_soon_threadsafe(fn, *args, context=contextvars.Context())
 
     def run(self, coro: Any, timeout: float | None = None) -> Any:
         return self.submit(coro).result(timeout)
@@ -80,7 +100,7 @@ class _Remote:
 class _Push:
     """A layer-wise push of one prefill request (prefill side)."""
 
-    key: str  # external request id
+    key: str  # the capability's key (:func:`_cap_key`)
     events: LayerEvents
     req_id: str | None = None  # internal id, once the scheduler named it
     local_blocks: list[int] | None = None
@@ -103,6 +123,13 @@ class WorkerEngine:
         self.tp_size = tp_size
         # vLLM seeds `random` alike in every engine: draw from the OS instead
         self.cluster_id = secrets.randbits(62) + 1
+        #: side channel and data endpoint key: the configured one, else this user's host key
+        #: (so a keyless engine still refuses every other process that reaches 127.0.0.1)
+        self._key_file = None
+        if cfg.auth_key:
+            self._key = cfg.auth_key
+        else:
+            self._key, self._key_file = host_key()
         self._loop = _Loop()
         self._lock = threading.Lock()
         self.layout: KVLayout | None = None
@@ -117,9 +144,15 @@ class WorkerEngine:
         self._loads: dict[str, asyncio.Task[None]] = {}
         # prefill side (loop thread)
         self._pushes: dict[str, _Push] = {}
+        #: decodes' ids for capabilities not held yet: cap key -> (message, peer)
         self._pending_ids: OrderedDict[str, tuple[dict[str, Any], ServerPeer]] = OrderedDict()
-        #: finished prefill requests whose blocks are held: external id -> (id, blocks)
+        self._pending_blocks = 0
+        #: request id -> its capability's key (prefill requests with a remote decode)
+        self._cap_of: dict[str, str] = {}
+        #: finished prefill requests whose blocks are held: cap key -> (request id, blocks)
         self._held: dict[str, tuple[str, list[int]]] = {}
+        #: ``done`` for caps not held yet: cap key -> when
+        self._early_done: OrderedDict[str, float] = OrderedDict()
         self._bg: set[asyncio.Future[Any]] = set()
         # shared with vLLM's thread, under _lock
         self._recv_done: set[str] = set()
@@ -179,8 +212,7 @@ class WorkerEngine:
             "llm.Transport": self.cfg.transport,
             "llm.SyncKvCacheWaitTime": str(int(self.cfg.transfer_timeout_s * 1000)),
         }
-        if self.cfg.auth_key:
-            options["llm.AuthKey"] = self.cfg.auth_key
+        options["llm.AuthKey"] = self._key
         on_device = not layout.device.startswith("cpu")
         if on_device:
             options["llm.DeviceAdapter"] = "torch"
@@ -198,7 +230,9 @@ class WorkerEngine:
         self._cache = dd.cache_manager.register_blocks_cache(
             desc, addrs, BlocksCacheKey(self.cluster_id, _MODEL_ID), remote_accessible=True
         )
-        server = ControlServer(self.cfg.auth_key, self._welcome_meta, self._on_message)
+        server = ControlServer(
+            self._key, self._welcome_meta, self._on_message, self.cfg.transfer_timeout_s
+        )
         port = self.cfg.side_channel_port
         await server.start(host, port + self.tp_rank if port else 0)
         self._server = server
@@ -252,7 +286,7 @@ class WorkerEngine:
         self._step_saves = list(events.items())
         self._idle_step = meta.idle
         if meta.recv or meta.release or meta.save or meta.send or meta.aborted:
-            self._loop.loop.call_soon_threadsafe(self._dispatch, meta, events)
+            self._loop.call(self._dispatch, meta, events)
 
     def save_layer(self, layer_name: str) -> None:
         """The forward pass launched ``layer_name``'s KV writes. On CPU they are done; on a
@@ -280,7 +314,7 @@ class WorkerEngine:
         ids = [req_id for req_id, _ in self._step_saves]
         self._step_saves = []
         # perf_counter: the clock of TaskStatistics.started
-        self._loop.loop.call_soon_threadsafe(self._forward_ended, ids, time.perf_counter())
+        self._loop.call(self._forward_ended, ids, time.perf_counter())
 
     def _forward_ended(self, req_ids: list[str], when: float) -> None:
         for req_id in req_ids:
@@ -324,9 +358,9 @@ class WorkerEngine:
         for req_id in sending:
             del self._send[req_id]
         if sending or expired:
-            self._loop.loop.call_soon_threadsafe(self._forget_pushes, sending | expired)
+            self._loop.call(self._forget_pushes, sending | expired)
         if finished_req_ids:  # aborted loads (checked on the loop, which owns them)
-            self._loop.loop.call_soon_threadsafe(self._cancel_loads, set(finished_req_ids))
+            self._loop.call(self._cancel_loads, set(finished_req_ids))
         return sending, recv
 
     def load_errors(self) -> set[int]:
@@ -347,20 +381,32 @@ class WorkerEngine:
         for req_id, spec in meta.recv.items():
             if req_id not in self._loads:
                 self._loads[req_id] = asyncio.ensure_future(self._load(req_id, spec))
-        for host, port, remote_req in meta.release:
-            self._spawn(self._release_remote(host, port, remote_req))
+        for host, port, cap in meta.release:
+            self._spawn(self._release_remote(host, port, cap))
+        for req_id, cap in getattr(meta, "caps", {}).items():
+            if valid_capability(cap):
+                self._cap_of.setdefault(req_id, _cap_key(cap))
         for req_id, blocks in meta.save.items():
-            saving = self._push_for(req_id)
+            ck = self._cap_of.get(req_id)
+            if ck is None:  # no capability: nobody may take it (the decode recomputes)
+                continue
+            saving = self._push_for(req_id, ck)
             saving.events = events[req_id]
             saving.local_blocks = list(blocks)
         for req_id, (_, blocks) in meta.send.items():
-            if req_id in meta.aborted:
+            ck = self._cap_of.get(req_id)
+            if req_id in meta.aborted or ck is None:
                 continue
-            self._held[base_request_id(req_id)] = (req_id, list(blocks))
-            p = self._find_push(req_id)
-            pending = req_id in self._pending_ids or base_request_id(req_id) in self._pending_ids
-            if p is None and (self.cfg.mode == "layerwise" or pending):
-                p = self._ready_push(req_id)
+            held = self._held.get(ck)
+            if held is not None and held[0] != req_id:
+                continue  # a capability used twice: the first request keeps it
+            self._held[ck] = (req_id, list(blocks))
+            if self._early_done.pop(ck, None) is not None:
+                self._release(req_id)
+                continue
+            p = self._pushes.get(ck)
+            if p is None and (self.cfg.mode == "layerwise" or ck in self._pending_ids):
+                p = self._ready_push(req_id, ck)
             if p is not None and p.local_blocks is None:
                 p.local_blocks = list(blocks)
         for req_id in meta.aborted:
@@ -379,95 +425,154 @@ class WorkerEngine:
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
-    def _push_for(self, req_id: str) -> _Push:
-        key = base_request_id(req_id)
-        p = self._pushes.get(key)
+    def _push_for(self, req_id: str, ck: str) -> _Push:
+        p = self._pushes.get(ck)
         if p is None:
-            p = _Push(key, LayerEvents())
-            self._pushes[key] = p
+            p = _Push(ck, LayerEvents())
+            self._pushes[ck] = p
         p.req_id = req_id
         # ids older than a decode waits for them belong to a decode that gave up
         stale = time.monotonic() - self.cfg.lease_s - self.cfg.transfer_timeout_s
-        for k in (req_id, key):
-            pending = self._pending_ids.pop(k, None)
-            if pending is not None and float(pending[0].get("_at", 0.0)) >= stale:
-                p.dst, p.peer = pending
+        pending = self._pop_pending(ck)
+        if pending is not None and float(pending[0].get("_at", 0.0)) >= stale:
+            p.dst, p.peer = pending
         return p
 
-    def _ready_push(self, req_id: str) -> _Push:
+    def _pop_pending(self, ck: str) -> tuple[dict[str, Any], ServerPeer] | None:
+        pending = self._pending_ids.pop(ck, None)
+        if pending is not None:
+            self._pending_blocks -= len(pending[0]["blocks"])
+        return pending
+
+    def _ready_push(self, req_id: str, ck: str) -> _Push:
         """A push whose layers are all computed already (push after the prefill)."""
-        p = self._push_for(req_id)
+        p = self._push_for(req_id, ck)
         for i in range(self.layout.num_layers if self.layout else 0):
             p.events.layer_ready(i)
         return p
 
     def _find_push(self, req_id: str) -> _Push | None:
-        return self._pushes.get(base_request_id(req_id))
+        ck = self._cap_of.get(req_id)
+        return self._pushes.get(ck) if ck is not None else None
 
     def _forget_pushes(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
-            self._held.pop(base_request_id(req_id), None)
-            p = self._pushes.get(base_request_id(req_id))
-            if p is None:
+            ck = self._cap_of.get(req_id)
+            if ck is None:
                 continue
-            if p.task is not None and not p.task.done():
-                p.task.cancel()
-            elif not p.done and p.peer is not None and p.dst is not None:
-                self._finish_push(p, False, "lease expired before the push")
-            self._pushes.pop(p.key, None)
+            held = self._held.get(ck)
+            if held is not None and held[0] == req_id:
+                del self._held[ck]
+            p = self._pushes.get(ck)
+            if p is not None and p.req_id == req_id:
+                if p.task is not None and not p.task.done():
+                    p.task.cancel()
+                    continue  # its end releases it again, then it is forgotten
+                if not p.done and p.peer is not None and p.dst is not None:
+                    self._finish_push(p, False, "lease expired before the push")
+                self._pushes.pop(ck, None)
+            self._cap_of.pop(req_id, None)
         now = time.monotonic()
         while self._pending_ids:
             k, (msg, _) = next(iter(self._pending_ids.items()))
             if now - float(msg.get("_at", now)) < self.cfg.lease_s:
                 break
-            self._pending_ids.pop(k)
+            self._pop_pending(k)
+        while self._early_done and next(iter(self._early_done.values())) < now - self.cfg.lease_s:
+            self._early_done.popitem(last=False)
 
     # -------- side channel, prefill side
 
     async def _on_message(self, peer: ServerPeer, msg: dict[str, Any]) -> None:
+        """A decode's message. Each acts on the request whose capability it presents, and
+        only on that one: a request id alone names nothing here."""
         op = msg["op"]
-        req = str(msg.get("req", ""))[:512]
+        req = str(msg.get("req", ""))[:512]  # the decode's label, for its logs and ours
+        cap = msg.get("cap")
+        if not valid_capability(cap):
+            log.info("vllm.no_capability", op=op, request_id=req, by=peer.address)
+            if op in ("ids", "cancel"):
+                await peer.send(
+                    {"op": "pushed", "req": req, "cap": None, "ok": False, "why": "no capability"}
+                )
+            return
+        ck = _cap_key(cap)
+        reply: dict[str, Any] = {"op": "pushed", "req": req, "cap": cap, "ok": False}
         if op == "done":
-            p = self._pushes.get(base_request_id(req))
+            held = self._held.get(ck)
+            if held is None:  # not finished here yet, or unknown: remembered for one lease
+                self._early_done[ck] = time.monotonic()
+                while len(self._early_done) > _EARLY_DONE_MAX:
+                    self._early_done.popitem(last=False)
+                return
+            peer.proved()
+            p = self._pushes.get(ck)
             if p is not None and p.task is not None and not p.task.done():
                 return  # the push finishes it
-            self._release(req)
-            log.debug("vllm.released", request_id=req, by=peer.address)
+            self._release(held[0])
+            log.debug("vllm.released", request_id=held[0], by=peer.address)
         elif op == "cancel":
-            p = self._pushes.get(req) or self._pushes.get(base_request_id(req))
-            self._pending_ids.pop(req, None)
+            p = self._pushes.get(ck)
+            self._pop_pending(ck)
             if p is not None and p.task is not None and not p.task.done():
                 p.task.cancel()  # fenced; its end answers "pushed"
                 return
             if p is not None and not p.done:
                 p.dst, p.peer = None, None  # never push into the cancelled blocks
-            await peer.send({"op": "pushed", "req": req, "ok": False, "why": "cancelled"})
+            await peer.send({**reply, "why": "cancelled"})
         elif op == "ids":
             blocks = msg.get("blocks")
             cid = msg.get("cluster")
+            skip = msg.get("skip", 0)
+            most = self.layout.num_blocks if self.layout is not None else 0
             if (
                 not isinstance(blocks, list)
-                or not all(isinstance(b, int) and b >= 0 for b in blocks)
-                or not isinstance(cid, int)
+                or not 0 < len(blocks) <= most
+                or not all(type(b) is int and 0 <= b < 2**31 for b in blocks)
+                or type(cid) is not int
+                or type(skip) is not int
+                or not 0 <= skip <= most
             ):
-                await peer.send({"op": "pushed", "req": req, "ok": False, "why": "bad ids"})
+                await peer.send({**reply, "why": "bad ids"})
                 return
-            msg["_at"] = time.monotonic()
-            p = self._pushes.get(req) or self._pushes.get(base_request_id(req))
-            held = self._held.get(req) or self._held.get(base_request_id(req))
+            layout = msg.get("layout")
+            if layout is not None and (not isinstance(layout, dict) or len(repr(layout)) > 4096):
+                await peer.send({**reply, "why": "bad ids"})
+                return
+            # what is kept, and nothing else of the frame: 8 bytes a block while it waits
+            msg = {
+                "req": req,
+                "cap": cap,
+                "cluster": cid,
+                "skip": skip,
+                "layout": layout,
+                "blocks": array.array("q", blocks),
+                "_at": time.monotonic(),
+            }
+            p = self._pushes.get(ck)
+            held = self._held.get(ck)
             if p is None and held is not None:  # finished already: push after the prefill
-                p = self._ready_push(held[0])
+                p = self._ready_push(held[0], ck)
                 p.local_blocks = held[1]
-            if p is None:
-                self._pending_ids[req] = (msg, peer)
-                while len(self._pending_ids) > _PENDING_IDS_MAX:
-                    _, (old, old_peer) = self._pending_ids.popitem(last=False)
-                    self._spawn(
-                        old_peer.send(
-                            {"op": "pushed", "req": old.get("req"), "ok": False, "why": "evicted"}
-                        )
-                    )
+            if p is not None and (p.dst is not None or p.done):
+                await peer.send({**reply, "why": "capability already used"})
                 return
+            if p is None:  # the prefill request is not here yet (concurrent flow)
+                old_pending = self._pop_pending(ck)
+                if old_pending is not None:
+                    self._spawn(_quiet(old_pending[1].send({**reply, "why": "replaced"})))
+                self._pending_ids[ck] = (msg, peer)
+                self._pending_blocks += len(blocks)
+                while (
+                    len(self._pending_ids) > _PENDING_IDS_MAX
+                    or self._pending_blocks > _PENDING_BLOCKS_MAX
+                ):
+                    k = next(iter(self._pending_ids))
+                    old, old_peer = self._pop_pending(k) or ({}, peer)
+                    gone = {**reply, "req": old.get("req"), "cap": old.get("cap")}
+                    self._spawn(_quiet(old_peer.send({**gone, "why": "evicted"})))
+                return
+            peer.proved()
             p.dst, p.peer = msg, peer
             self._maybe_start_push(p)
 
@@ -553,7 +658,14 @@ class WorkerEngine:
             with self._lock:
                 self._pushing.discard(p.req_id)
         if p.peer is not None and p.dst is not None and not p.peer.closed:
-            msg = {"op": "pushed", "req": p.dst.get("req"), "ok": ok, "why": why, **p.result}
+            msg = {
+                "op": "pushed",
+                "req": p.dst.get("req"),
+                "cap": p.dst.get("cap"),
+                "ok": ok,
+                "why": why,
+                **p.result,
+            }
             self._spawn(_quiet(p.peer.send(msg)))
         if p.req_id is not None:
             self._release(p.req_id)
@@ -581,8 +693,17 @@ class WorkerEngine:
                 return r
             if r is not None:
                 await self._drop_remote(r)
-            client = ControlClient(self.cfg.auth_key)
-            meta = await client.connect(host, port, self.cfg.transfer_timeout_s)
+            client = ControlClient(self._key)
+            try:
+                meta = await client.connect(host, port, self.cfg.transfer_timeout_s)
+            except ControlError as e:
+                if self._key_file is None:
+                    raise
+                raise ControlError(
+                    f"{e} (no auth_key is set: this engine uses its user's host key "
+                    f"{self._key_file}, which only engines of this user on this host share; "
+                    "set the same auth_key on both engines otherwise)"
+                ) from e
             try:
                 assert self.layout is not None
                 assert self._dd is not None
@@ -624,7 +745,7 @@ class WorkerEngine:
             while True:
                 msg = await r.client.recv()
                 if msg["op"] == "pushed":
-                    fut = r.waiters.pop(str(msg.get("req")), None)
+                    fut = r.waiters.pop(str(msg.get("cap")), None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
         except ControlError as e:
@@ -661,6 +782,7 @@ class WorkerEngine:
     async def _load(self, req_id: str, spec: RecvSpec) -> None:
         params = spec.params
         remote_req = str(params.get("remote_request_id", ""))
+        cap = str(params.get(CAPABILITY_KEY, ""))
         mode = "layerwise" if self.cfg.mode == "layerwise" else "pull"
         r: _Remote | None = None
         t0 = time.monotonic()
@@ -668,6 +790,8 @@ class WorkerEngine:
         try:
             if int(params.get("tp_size", 1)) != self.tp_size:
                 raise ValueError(f"prefill TP {params.get('tp_size')} != decode TP {self.tp_size}")
+            if not valid_capability(cap):
+                raise ValueError(f"kv_transfer_params without a valid {CAPABILITY_KEY}")
             host, port = self._address(params)
             r = await self._remote(host, port)
             assert self.layout is not None
@@ -694,11 +818,12 @@ class WorkerEngine:
                 rec = _record(req_id, "recv", "pull", st.bytes, st.seconds)
             else:
                 fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-                r.waiters[remote_req] = fut
+                r.waiters[cap] = fut
                 await r.client.send(
                     {
                         "op": "ids",
                         "req": remote_req,
+                        "cap": cap,
                         "cluster": self.cluster_id,
                         "blocks": dst,
                         "skip": spec.skip_blocks,
@@ -730,7 +855,7 @@ class WorkerEngine:
                 await self._drop_remote(r)
         finally:
             if r is not None:
-                r.waiters.pop(remote_req, None)
+                r.waiters.pop(cap, None)
         # vLLM frees (and reuses) these blocks once this load is reported: first the prefill
         # must have stopped pushing into them, or the link to it must go
         if (
@@ -738,33 +863,33 @@ class WorkerEngine:
             and mode == "layerwise"
             and r is not None
             and r.dead is None
-            and not await self._stop_remote_push(r, remote_req)
+            and not await self._stop_remote_push(r, remote_req, cap)
         ):
             await self._drop_remote(r)
         if not ok and not cancelled:
             with self._lock:
                 self._load_errors.update(spec.local_blocks)
         if mode == "pull" and r is not None and r.dead is None:
-            await _quiet(r.client.send({"op": "done", "req": remote_req}))
+            await _quiet(r.client.send({"op": "done", "req": remote_req, "cap": cap}))
         self._loads.pop(req_id, None)
         with self._lock:
             self._recv_done.add(req_id)
         self._progress.set()
 
-    async def _stop_remote_push(self, r: _Remote, remote_req: str) -> bool:
+    async def _stop_remote_push(self, r: _Remote, remote_req: str, cap: str) -> bool:
         """Ask the prefill to stop (or never start) pushing ``remote_req``; True once it
         confirmed that no more bytes come."""
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        r.waiters[remote_req] = fut
+        r.waiters[cap] = fut
         try:
-            await r.client.send({"op": "cancel", "req": remote_req})
+            await r.client.send({"op": "cancel", "req": remote_req, "cap": cap})
             await asyncio.wait_for(fut, self.cfg.transfer_timeout_s)
             return True
         except Exception as e:
             log.warning("vllm.cancel_unconfirmed", request_id=remote_req, reason=repr(e))
             return False
         finally:
-            r.waiters.pop(remote_req, None)
+            r.waiters.pop(cap, None)
 
     def _cancel_loads(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
@@ -772,13 +897,13 @@ class WorkerEngine:
             if t is not None:
                 t.cancel()
 
-    async def _release_remote(self, host: str, port: int, remote_req: str) -> None:
+    async def _release_remote(self, host: str, port: int, cap: str) -> None:
         """A decode request aborted before loading: free the prefill's blocks now."""
         try:
             r = await self._remote(*self._address({"remote_host": host, "remote_port": port}))
-            await r.client.send({"op": "done", "req": remote_req})
+            await r.client.send({"op": "done", "cap": cap})
         except Exception as e:
-            log.info("vllm.release_failed", request_id=remote_req, reason=repr(e))
+            log.info("vllm.release_failed", host=host, port=port, reason=repr(e))
 
 
 def _record(req: str, role: str, mode: str, nbytes: int, seconds: float) -> dict[str, Any]:
