@@ -235,6 +235,9 @@ class Link:
         self.engine = engine
         self.sock = sock
         self.decoder = decoder
+        # The endpoint's meta budget may evict this link's stalled partial frame: then the
+        # link breaks at once (its reader would otherwise wait for bytes that never count).
+        decoder.on_evict = lambda reason: self.fail(ProtocolError(reason))
         self.peer = peer
         self.peer_cluster_id: int = int(peer["cluster_id"])
         self.access = access  # PeerAccess or None (stream only)

@@ -29,6 +29,8 @@ import hmac
 import json
 import mmap
 import struct
+import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -245,15 +247,35 @@ _MAPPED_META = 1 << 20
 
 class MetaBudget:
     """Bytes of partial frames that the decoders sharing it may buffer at once (one endpoint's
-    links). ``name`` says which setting sets ``total`` (in error messages)."""
+    links). ``name`` says which setting sets ``total`` (in error messages).
 
-    def __init__(self, total: int, name: str = "the meta budget") -> None:
+    Bytes are charged as they arrive, not as a header claims them, so holding the budget costs
+    a peer the bytes themselves. When it is full, the partial frames that have been in progress
+    for longer than ``stale_s`` (a legit peer sends a frame's meta without pausing) are evicted,
+    oldest first, to make room: a peer that stops half-way cannot keep the others out.
+    """
+
+    def __init__(self, total: int, name: str = "the meta budget", stale_s: float = 1.0) -> None:
         self.total = total
         self.name = name
         self.used = 0
+        self.stale_s = stale_s
+        #: decoders holding part of the budget -> when their partial frame started
+        self.holders: dict[Decoder, float] = {}
 
-    def reserve(self, n: int) -> bool:
-        """Take ``n`` bytes; False (nothing taken) if that would exceed ``total``."""
+    def reserve(self, n: int, asking: Decoder | None = None) -> bool:
+        """Take ``n`` bytes for ``asking``, evicting stale partial frames of other decoders if
+        that is what it takes; False (nothing taken) if it still would exceed ``total``."""
+        if self.used + n > self.total:
+            now = time.monotonic()
+            for dec, since in sorted(self.holders.items(), key=lambda kv: kv[1]):
+                if self.used + n <= self.total or now - since < self.stale_s:
+                    break
+                if dec is not asking:
+                    dec.evict(
+                        f"its partial frame held part of {self.name} for {now - since:.1f} s "
+                        "while another link needed it"
+                    )
         if self.used + n > self.total:
             return False
         self.used += n
@@ -286,8 +308,14 @@ class Decoder:
         self._broken: ProtocolError | None = None
         self._auth: FrameAuth | None = None
         self._budget = budget
-        #: bytes of ``_budget`` the partial frame in the buffer holds
+        #: bytes of ``_budget`` the partial frame in the buffer holds (charged as they arrive),
+        #: and how many of its bytes are still to come while it is charged
         self._reserved = 0
+        self._charging = False
+        self._frame_left = 0
+        #: called when the budget evicts this decoder's partial frame (the owner breaks its
+        #: connection, so that its reader stops waiting for the rest)
+        self.on_evict: Callable[[str], None] | None = None
         #: a frame over _MAPPED_META being collected (header and meta), and how much of it
         #: is here: an anonymous mapping of its exact size, touched only as bytes arrive and
         #: returned to the kernel when it is done (heap memory would linger in malloc's arenas)
@@ -316,9 +344,40 @@ class Decoder:
             self._broken = ProtocolError(reason)
 
     def _unreserve(self) -> None:
-        if self._reserved and self._budget is not None:
-            self._budget.release(self._reserved)
+        if self._budget is not None:
+            if self._reserved:
+                self._budget.release(self._reserved)
+            self._budget.holders.pop(self, None)
         self._reserved = 0
+        self._charging = False
+        self._frame_left = 0
+
+    def _charge(self, n: int) -> None:
+        """Charge ``n`` more bytes of the partial frame to the budget.
+
+        Raises:
+            ProtocolError: the budget is full (even after evicting stale partial frames).
+        """
+        budget = self._budget
+        if budget is None or n <= 0:
+            return
+        if not budget.reserve(n, self):
+            raise self._fail(
+                f"a frame's meta would take the partial frames buffered across all links past "
+                f"{budget.name} ({budget.total} bytes; {budget.used} in use)"
+            )
+        self._reserved += n
+
+    def evict(self, reason: str) -> None:
+        """Drop the partial frame (the budget needs its bytes): the decoder is broken."""
+        self._fail(f"evicted: {reason}")
+        self._buf = bytearray()
+        self._pos = 0
+        if self._big is not None:
+            self._big.close()
+            self._big = None
+        if self.on_evict is not None:
+            self.on_evict(str(self._broken))
 
     def set_auth(self, auth: FrameAuth | None) -> None:
         """Require every later frame to carry a valid tag (a keyed link, after the handshake)."""
@@ -337,6 +396,10 @@ class Decoder:
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         if self._broken is not None:
             raise self._broken
+        if self._charging:
+            k = min(len(data), self._frame_left)
+            self._charge(k)
+            self._frame_left -= k
         if self._big is not None:
             n = min(len(data), len(self._big) - self._big_fill)
             self._big[self._big_fill : self._big_fill + n] = data[:n]
@@ -429,15 +492,11 @@ class Decoder:
         if payload_len > MAX_PAYLOAD:
             raise self._fail(f"payload of {payload_len} bytes is absurd")
         if avail < HEADER.size + meta_len:
-            if meta_len > UNCHARGED_META and not self._reserved and self._budget is not None:
-                if not self._budget.reserve(meta_len):
-                    budget = self._budget
-                    raise self._fail(
-                        f"a frame with {meta_len} bytes of meta would take the partial frames "
-                        f"buffered across all links past {budget.name} ({budget.total} bytes; "
-                        f"{budget.used} in use)"
-                    )
-                self._reserved = meta_len
+            if meta_len > UNCHARGED_META and not self._charging and self._budget is not None:
+                self._charging = True
+                self._frame_left = HEADER.size + meta_len - avail
+                self._budget.holders[self] = time.monotonic()
+                self._charge(avail)
             if meta_len > _MAPPED_META:
                 big = mmap.mmap(-1, HEADER.size + meta_len)
                 big[:avail] = memoryview(self._buf)[self._pos :]

@@ -505,20 +505,21 @@ async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> 
     Never raises: failures go back to the initiator (in the GRANT, or as an ABORT later).
     """
     async with link.serving_limiter:
-        if _pieces_bound(msg) <= _INLINE_PIECES:
-            await _serve(engine, link, req, msg)
-            return
-        # One large request of a link at a time: its plan, views and grant are what cost
-        # memory and CPU (the GIL included), and a peer's flood of them must cost no more
-        # than one of them (the others wait, counted against llm.LinkQueue).
-        limiter = _LARGE.get(link)
-        if limiter is None:
-            limiter = _LARGE[link] = anyio.CapacityLimiter(1)
-        async with limiter:
-            await _serve(engine, link, req, msg)
+        await _serve(engine, link, req, msg)
 
 
-#: per link: its large requests served at once (see serve_request)
+def _large_limiter(link: Link) -> anyio.CapacityLimiter:
+    """One large request of a link is planned at a time: planning is what costs CPU (the GIL
+    included) and temporaries, and a peer's flood of large requests must cost no more than one
+    of them (the others wait, counted against llm.LinkQueue). The bytes then move
+    concurrently, as for any request."""
+    limiter = _LARGE.get(link)
+    if limiter is None:
+        limiter = _LARGE[link] = anyio.CapacityLimiter(1)
+    return limiter
+
+
+#: per link: its large requests planned at once (see _large_limiter)
 _LARGE: weakref.WeakKeyDictionary[Link, anyio.CapacityLimiter] = weakref.WeakKeyDictionary()
 
 
@@ -532,9 +533,10 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
             if _pieces_bound(msg) <= _INLINE_PIECES:
                 entries, plan, slot_info, mode, ntensors = _resolve_and_plan(engine, link, msg)
             else:
-                entries, plan, slot_info, mode, ntensors = await _resolve_and_plan_async(
-                    engine, link, msg
-                )
+                async with _large_limiter(link):
+                    entries, plan, slot_info, mode, ntensors = await _resolve_and_plan_async(
+                        engine, link, msg
+                    )
         except Exception as exc:  # any malformed or unfulfillable request gets an answer
             code = (
                 exc.status_code
@@ -1000,6 +1002,23 @@ def _finish(
             f"cache {entry.cache_id} was released",
             LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
         )
+        # A key may have been removed, consumed or bound elsewhere while the request was
+        # planned: it must still name the very cache and slot that were planned.
+        target = msg.fields["target"]
+        if by in ("req_key", "prefix_key"):
+            kind = "req" if by == "req_key" else "prefix"
+            now = registry.lookup_slot_key((kind, int(target["id"]), int(target["model_id"])))
+            raise_if_false(
+                now[0] is entry and now[1] == r.slot,
+                "the key was rebound while the request was planned",
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+            )
+        elif by == "blocks_key":
+            raise_if_false(
+                registry.lookup_blocks_key(int(target["model_id"])) is entry,
+                "the key was rebound while the request was planned",
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+            )
         entries = [entry]
     else:
         assert ids is not None
