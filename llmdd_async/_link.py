@@ -32,6 +32,7 @@ from ._protocol import (
     MT,
     NEED_DATA,
     PAYLOAD_TAG,
+    UNCHARGED_META,
     Decoder,
     FrameAuth,
     Message,
@@ -204,8 +205,10 @@ class Serving(_Request):
     def __init__(self, req_id: int, deadline: float | None) -> None:
         super().__init__(req_id, deadline)
         self.done_event = Signal()
-        #: bytes of the request's arrays, held while it is queued or served
+        #: bytes of the request's arrays, held while it is queued or served, and how many of
+        #: them are charged to the endpoint's meta budget (``llm.MetaBudget``)
         self.meta_bytes = 0
+        self.charged = 0
         #: run by the reader when DONE arrives, so its effect (consuming a key) happens before
         #: any later request on the link is looked at
         self.on_done: Callable[[Message], None] | None = None
@@ -381,7 +384,14 @@ class Link:
         if self._reader_scope is not None:
             self._reader_scope.cancel()
         # What the peer sent and nobody will read (a partial frame: up to llm.LinkMaxMeta)
-        # goes now, not when the application unlinks (it may never learn of the cluster id).
+        # goes now, not when the application unlinks (it may never learn of the cluster id);
+        # so do the budget charges of its queued requests (a request that never started
+        # serving would keep them otherwise).
+        budget = self.decoder.budget
+        for s in self.serving.values():
+            if s.charged and budget is not None:
+                budget.release(s.charged)
+            s.charged = 0
         self.decoder.close(str(exc))
         with contextlib.suppress(RuntimeError):  # the engine has stopped: release now
             self.engine.spawn(self._release_when_idle)
@@ -1036,9 +1046,14 @@ class Link:
                 raise ProtocolError(f"request id {msg.req_id} reused")
             meta_bytes = sum(memoryview(a).nbytes for a in msg.arrays.values())
             limits = self.engine.options.limits
+            # What a queued request keeps of its frame counts against the endpoint's budget
+            # too: many links' queues must not add up past it.
+            budget = self.decoder.budget
+            charged = meta_bytes if meta_bytes > UNCHARGED_META and budget is not None else 0
             if (
                 len(self.serving) + len(self._outbox) >= limits.queued
                 or self.queued_bytes + meta_bytes > 4 * limits.meta_bytes
+                or (charged and budget is not None and not budget.reserve(charged))
             ):
                 await self._owe_reply(
                     Message(
@@ -1056,13 +1071,22 @@ class Link:
             # The peer's deadline, but never more than this side would give itself: one
             # stalled peer must not hold our workers for longer (upstream: 1800 s).
             deadline_ms = msg.fields.get("timeout_ms")
-            budget = self.engine.serve_budget_s(1024)
+            deadline_s = self.engine.serve_budget_s(1024)
             if isinstance(deadline_ms, int) and deadline_ms > 0:
-                budget = min(budget, deadline_ms / 1000)
-            if self.engine.serve_now(self, msg):
+                deadline_s = min(deadline_s, deadline_ms / 1000)
+            try:
+                served = self.engine.serve_now(self, msg)
+            except BaseException:
+                if charged and self.decoder.budget is not None:
+                    self.decoder.budget.release(charged)
+                raise
+            if served:
+                if charged and self.decoder.budget is not None:
+                    self.decoder.budget.release(charged)
                 return
-            req = Serving(msg.req_id, time.monotonic() + budget)
+            req = Serving(msg.req_id, time.monotonic() + deadline_s)
             req.meta_bytes = meta_bytes
+            req.charged = charged
             self.queued_bytes += meta_bytes
             self.serving[msg.req_id] = req
             self.engine.spawn(self.engine.serve_request, self, req, msg)

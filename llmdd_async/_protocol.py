@@ -326,6 +326,12 @@ class Decoder:
         """Change the meta size limit (small during a handshake, larger afterwards)."""
         self._max_meta = max_meta
 
+    @property
+    def budget(self) -> MetaBudget | None:
+        """The budget this decoder's partial frames are charged to (its owner may charge
+        what it keeps of decoded frames there too)."""
+        return self._budget
+
     def set_budget(self, budget: MetaBudget | None) -> None:
         """Charge later partial frames to ``budget`` (a link's decoder, once it is set up)."""
         self._unreserve()

@@ -624,6 +624,9 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
             await link.release(req)
         link.serving.pop(req.req_id, None)
         link.queued_bytes -= req.meta_bytes
+        if req.charged and link.decoder.budget is not None:
+            link.decoder.budget.release(req.charged)
+            req.charged = 0
         if req.stream is not None:
             req.stream.close()
         for e in pinned:

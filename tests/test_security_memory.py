@@ -249,6 +249,7 @@ async def test_the_meta_budget_holds_across_many_connections(anyio_backend: Any)
             while any(lnk.alive for lnk in links.values()):
                 await anyio.sleep(0.02)
         assert all(lnk.decoder.buffered == 0 for lnk in links.values())
+        assert p._engine.links.meta_budget.used == 0  # every charge given back
         legit = await raw_link(p.listen_address, 7)
         try:
             await legit.send(Message(MT.PING, 0, {}, {"a": np.zeros(112_000, "<u8")}))
