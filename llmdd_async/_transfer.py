@@ -505,22 +505,39 @@ async def serve_request(engine: Any, link: Link, req: Serving, msg: Message) -> 
     Never raises: failures go back to the initiator (in the GRANT, or as an ABORT later).
     """
     async with link.serving_limiter:
-        await _serve(engine, link, req, msg)
+        if _pieces_bound(msg) <= _INLINE_PIECES:
+            await _serve(engine, link, req, msg)
+            return
+        async with _large_limiters(link)[1]:
+            await _serve(engine, link, req, msg)
 
 
-def _large_limiter(link: Link) -> anyio.CapacityLimiter:
-    """One large request of a link is planned at a time: planning is what costs CPU (the GIL
-    included) and temporaries, and a peer's flood of large requests must cost no more than one
-    of them (the others wait, counted against llm.LinkQueue). The bytes then move
-    concurrently, as for any request."""
-    limiter = _LARGE.get(link)
-    if limiter is None:
-        limiter = _LARGE[link] = anyio.CapacityLimiter(1)
-    return limiter
+#: large requests of one link in flight at once (each holds its plan and, streamed over many
+#: ranges, a staging buffer of up to 32 MiB): one can be planned while another moves its
+#: bytes; more wait, counted against llm.LinkQueue. Their bytes share one socket anyway, so
+#: more at once would not move them faster, and a peer's flood of them holds two plans'
+#: memory, not llm.LinkServing of them.
+_LARGE_IN_FLIGHT = 2
 
 
-#: per link: its large requests planned at once (see _large_limiter)
-_LARGE: weakref.WeakKeyDictionary[Link, anyio.CapacityLimiter] = weakref.WeakKeyDictionary()
+def _large_limiters(link: Link) -> tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]:
+    """``(planning, in flight)`` limiters of a link's large requests: one is planned at a
+    time (planning is what costs CPU, the GIL included, and temporaries: a peer's flood of
+    large requests costs no more than one plan at a time), and at most ``_LARGE_IN_FLIGHT``
+    hold their plans and staging buffers at once."""
+    limiters = _LARGE.get(link)
+    if limiters is None:
+        limiters = _LARGE[link] = (
+            anyio.CapacityLimiter(1),
+            anyio.CapacityLimiter(_LARGE_IN_FLIGHT),
+        )
+    return limiters
+
+
+#: per link: see _large_limiters
+_LARGE: weakref.WeakKeyDictionary[
+    Link, tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]
+] = weakref.WeakKeyDictionary()
 
 
 async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
@@ -533,7 +550,7 @@ async def _serve(engine: Any, link: Link, req: Serving, msg: Message) -> None:
             if _pieces_bound(msg) <= _INLINE_PIECES:
                 entries, plan, slot_info, mode, ntensors = _resolve_and_plan(engine, link, msg)
             else:
-                async with _large_limiter(link):
+                async with _large_limiters(link)[0]:
                     entries, plan, slot_info, mode, ntensors = await _resolve_and_plan_async(
                         engine, link, msg
                     )
