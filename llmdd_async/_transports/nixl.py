@@ -765,12 +765,26 @@ class NixlEndpoint:
             pending = self._removing.pop(name, None)
             if pending is not None:
                 await anyio.to_thread.run_sync(pending.join)
+        if acquire:
+            # The reference is taken before the load, not after it: an old link that gives
+            # back its own reference meanwhile must not drop the agent this load brings back
+            # (it would be the last one otherwise, and remove what we just added).
+            self._peer_refs[name] = self._peer_refs.get(name, 0) + 1
         try:
             got = await anyio.to_thread.run_sync(self.agent.add_remote_agent, md)
-        except Exception as exc:
-            raise OSError(f"NIXL refused the peer's metadata: {exc}") from exc
+        except BaseException as exc:
+            if acquire:
+                self.forget_peer(name)
+            if isinstance(exc, Exception):
+                raise OSError(f"NIXL refused the peer's metadata: {exc}") from exc
+            raise
         agent = got.decode() if isinstance(got, bytes) else str(got)
-        if acquire:
+        if acquire and agent != name:  # NIXL knows it by another name: move the reference
+            left = self._peer_refs.get(name, 0) - 1
+            if left > 0:
+                self._peer_refs[name] = left
+            else:
+                self._peer_refs.pop(name, None)
             self._peer_refs[agent] = self._peer_refs.get(agent, 0) + 1
         return agent
 
