@@ -26,11 +26,11 @@ from ._engine import Engine
 from ._enums import LLMStatusCode, Memtype, Placement
 from ._errors import LLMException, raise_if_false
 from ._memory import check_memory_dtype, host_view, resolve_host_memory
+from ._net.transfer import XferSpec, initiate
 from ._planner import Layout, Plan, mapping_arrays, plan_block_copies, plan_slots
 from ._registry import CacheEntry, SlotKey
 from ._scheduler import Destination, run_layerwise
 from ._task import CacheTask, TaskControl
-from ._transfer import XferSpec, initiate
 from ._types import (
     BlocksCacheKey,
     Cache,

@@ -66,7 +66,7 @@ class Engine:
         self.scratch = ScratchPool()
         #: set by ``link()`` (comm-domain links): later registrations default to not accessible.
         self.comm_linked = False
-        from ._links import LinkManager
+        from ._net.link_manager import LinkManager
 
         self.links = LinkManager(self)
         #: the NIXL agent (``llm.Transport=nixl``), made when the engine starts
@@ -244,7 +244,7 @@ class Engine:
     def make_stream(self, addrs: Any, nbytes: Any, limiter: Any = None) -> Any:
         """The stream view of local ranges: direct for host memory, staged for device memory.
         Over many ranges, its frames' views are built in threads of ``limiter`` (a link's)."""
-        from ._transfer import VIEWS_INLINE, ManyRangesStream
+        from ._net.transfer import VIEWS_INLINE, ManyRangesStream
         from ._transports.tcp import StagedStream, StreamPlan
 
         if self.host_reachable(addrs):
@@ -256,7 +256,7 @@ class Engine:
     async def open_stream(self, addrs: Any, nbytes: Any, limiter: Any = None) -> Any:
         """:meth:`make_stream` for async callers: a staging buffer (pinned memory, slow to
         allocate) or a stream over many ranges is made in a worker thread (of ``limiter``)."""
-        from ._transfer import VIEWS_INLINE
+        from ._net.transfer import VIEWS_INLINE
 
         if self.host_reachable(addrs) and len(nbytes) <= VIEWS_INLINE:
             return self.make_stream(addrs, nbytes, limiter)
@@ -265,12 +265,12 @@ class Engine:
         )
 
     async def serve_request(self, link: Any, req: Any, msg: Any) -> None:
-        from ._transfer import serve_request
+        from ._net.transfer import serve_request
 
         await serve_request(self, link, req, msg)
 
     def serve_now(self, link: Any, msg: Any) -> bool:
-        from ._transfer import serve_now
+        from ._net.transfer import serve_now
 
         return serve_now(self, link, msg)
 

@@ -27,7 +27,6 @@ import numpy as np
 
 from ._enums import LLMStatusCode
 from ._errors import LLMException, raise_if_false
-from ._options import PoolConfig
 
 __all__ = [
     "CancelToken",
@@ -181,6 +180,18 @@ def check_memory_dtype(obj: Any, data_type: Any, name: str) -> None:
         f"({want.name} in numpy); pass {want.name} memory, raw bytes (uint8) or an address",
         status_code=LLMStatusCode.LLM_PARAM_INVALID,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """A memory pool: ``memory_size`` bytes in pages of ``2**page_shift`` bytes."""
+
+    memory_size: int
+    page_shift: int = 16
+
+    @property
+    def page_size(self) -> int:
+        return 1 << self.page_shift
 
 
 @dataclasses.dataclass(frozen=True)

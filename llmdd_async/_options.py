@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._errors import raise_if_false, raise_param
+from ._memory import PoolConfig
 
 __all__ = [
     "EngineOptions",
@@ -80,18 +81,6 @@ TRANSPORTS = ("auto", "tcp", "same-host", "nixl")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 #: legacy mode without ge.flowGraphMemMaxSize: a lazily touched 1 GiB mapping
 LEGACY_DEFAULT_KV_BYTES = 1 << 30
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolConfig:
-    """A memory pool: ``memory_size`` bytes in pages of ``2**page_shift`` bytes."""
-
-    memory_size: int
-    page_shift: int = 16
-
-    @property
-    def page_size(self) -> int:
-        return 1 << self.page_shift
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,11 +283,9 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         transport in TRANSPORTS, f"llm.Transport must be one of {TRANSPORTS}, got {transport!r}"
     )
     if transport == "nixl":
-        from ._transports.nixl import INSTALL_HINT, available
+        from ._transports import require_installed
 
-        raise_if_false(
-            available(), f"llm.Transport=nixl needs NIXL, which is not installed: {INSTALL_HINT}"
-        )
+        require_installed("nixl")
     device_s = opts.get("ge.exec.deviceId", "0").split(";")[0]
     raise_if_false(device_s.isdigit(), f"ge.exec.deviceId must be a number, got {device_s!r}")
     auth = opts.get("llm.AuthKey")

@@ -20,10 +20,10 @@ import anyio
 
 from ._enums import LLMStatusCode
 from ._errors import LLMException, status_from_exception
-from ._link import Link
+from ._net.link import Link
+from ._net.transfer import XferSpec, initiate
 from ._synchronizer import AsyncLayerSynchronizer, LayerEvents
 from ._task import LayerTiming, TaskControl
-from ._transfer import XferSpec, initiate
 
 __all__ = ["Destination", "run_layerwise", "wait_for_layer"]
 

@@ -19,11 +19,11 @@ codes) is here too, for clients ported from the C++ API.
 
 from __future__ import annotations
 
+from ._compat.cpp_style import CacheIndex, KvCacheExtParam, LlmDataDist
+from ._compat.facade import CacheManager, CacheTask, KvCacheManager, LLMDataDist
 from ._config import LLMConfig, LlmConfig
-from ._cpp_style import CacheIndex, KvCacheExtParam, LlmDataDist
 from ._enums import DataType, LLMRole, LLMStatusCode, Memtype, Placement, RegisterMemStatus
 from ._errors import LLMException, Status
-from ._facade import CacheManager, CacheTask, KvCacheManager, LLMDataDist
 from ._kv_cache_manager import KvCache, Tensor, TensorDesc
 from ._synchronizer import LayerSynchronizer
 from ._types import (

@@ -199,7 +199,7 @@ async def raw_link(
 
     import anyio
 
-    from llmdd_async._handshake import new_nonce
+    from llmdd_async._net.handshake import new_nonce
     from llmdd_async._protocol import MT, Message
 
     s = socket.socket()

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmdd_async._enums import Placement
+from llmdd_async._net.transfer import XferSpec, _grant_within_selection
 from llmdd_async._registry import CacheEntry
-from llmdd_async._transfer import XferSpec, _grant_within_selection
 
 BLOCK = 64
 COUNT = 8

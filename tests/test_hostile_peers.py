@@ -15,9 +15,9 @@ import pytest
 from helpers import cluster, endpoint_options, link
 
 import llmdd_async as dd
+from llmdd_async._net.transfer import XferSpec, initiate
 from llmdd_async._protocol import MT, Message, encode
 from llmdd_async._task import CacheTask
-from llmdd_async._transfer import XferSpec, initiate
 from llmdd_async.testing import PeerProcess, encode_key
 
 pytestmark = pytest.mark.anyio

@@ -18,11 +18,11 @@ from llmdd_async._memory import (
     CancelToken,
     CopyCancelled,
     MemoryPool,
+    PoolConfig,
     copy_ranges,
     host_view,
     resolve_host_memory,
 )
-from llmdd_async._options import PoolConfig
 
 
 @settings(max_examples=60, deadline=None)

@@ -18,7 +18,7 @@ import pytest
 from helpers import RawPeer, cluster, endpoint_options, link, peer_identity, raw_link
 
 import llmdd_async as dd
-from llmdd_async._handshake import new_nonce, recv_message, send_message
+from llmdd_async._net.handshake import new_nonce, recv_message, send_message
 from llmdd_async._protocol import MT, Decoder, Message, encode
 from llmdd_async.testing import PeerProcess, encode_key
 
@@ -469,7 +469,7 @@ async def test_repeated_block_indices_cannot_amplify_a_request() -> None:
             )
             from test_hostile_peers import run_spec
 
-            from llmdd_async._transfer import XferSpec
+            from llmdd_async._net.transfer import XferSpec
 
             engine = d._engine
             spec = XferSpec(
@@ -533,7 +533,7 @@ async def test_pushes_by_key_outside_remote_accessible_mode_are_refused() -> Non
     id into a cache that is not remote accessible)."""
     from test_hostile_peers import run_spec
 
-    from llmdd_async._transfer import XferSpec
+    from llmdd_async._net.transfer import XferSpec
 
     async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(endpoint_options(listen=True)) as p:
         private = p.cache_manager.allocate_cache(

@@ -26,7 +26,7 @@ import pytest
 from helpers import RawPeer, cluster, endpoint_options, link
 
 import llmdd_async as dd
-from llmdd_async._link import wire_status
+from llmdd_async._net.link import wire_status
 from llmdd_async._protocol import MT, Message, encode
 from llmdd_async.testing import PeerProcess
 

@@ -29,7 +29,7 @@ from helpers import RawPeer, endpoint_options, link, raw_link
 
 import llmdd_async as dd
 from llmdd_async import _planner
-from llmdd_async._link import wire_status
+from llmdd_async._net.link import wire_status
 from llmdd_async._protocol import MT, Message, encode
 from llmdd_async._registry import CacheEntry, Registry
 from llmdd_async.testing import LoopLagProbe

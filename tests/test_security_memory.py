@@ -26,7 +26,7 @@ import pytest
 from helpers import RawPeer, cluster, endpoint_options, link, peer_identity, raw_link
 
 import llmdd_async as dd
-from llmdd_async._handshake import new_nonce
+from llmdd_async._net.handshake import new_nonce
 from llmdd_async._protocol import HEADER, MAGIC, MT, PROTOCOL_VERSION, Message, encode
 from llmdd_async.testing import PeerProcess
 
@@ -159,7 +159,7 @@ async def test_pre_auth_frames_over_the_small_cap_close_the_connection(
             ident["mac"] = "0" * 64
             ident["transport"] = "nixl"
             biggest = len(encode(Message(MT.LINK_REQ, 0, ident)))
-            from llmdd_async._handshake import _HANDSHAKE_META
+            from llmdd_async._net.handshake import _HANDSHAKE_META
 
             assert _HANDSHAKE_META <= 64 << 10 and biggest * 8 < _HANDSHAKE_META, biggest
             async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(

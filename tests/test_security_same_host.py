@@ -171,7 +171,7 @@ class Hostile(Peer):
         return list(lsock.getsockname()[:2])
 
     async def _relay_one(self, client: socket.socket, ip: str, port: int) -> None:
-        from llmdd_async._handshake import connect_socket
+        from llmdd_async._net.handshake import connect_socket
         from llmdd_async._protocol import MT, NEED_DATA, Decoder, Message
 
         server = await connect_socket(ip, port)
@@ -236,7 +236,7 @@ class Hostile(Peer):
         self, client: socket.socket, seen: dict[str, Any], record: dict[str, Any]
     ) -> None:
         """What a relay on this host can try: be the "server" on the client's side channel."""
-        from llmdd_async._handshake import send_message
+        from llmdd_async._net.handshake import send_message
         from llmdd_async._protocol import MT, Decoder, Message
         from llmdd_async._transports.same_host import tcp_binding
 
@@ -588,8 +588,7 @@ async def test_descriptors_of_failed_links_are_closed(loop: str) -> None:
 def test_our_pools_and_epoch_page_are_sealed_against_shrinking() -> None:
     import fcntl
 
-    from llmdd_async._memory import EpochPage, MemoryPool
-    from llmdd_async._options import PoolConfig
+    from llmdd_async._memory import EpochPage, MemoryPool, PoolConfig
 
     pool = MemoryPool(PoolConfig(1 << 20, 16), "test")
     epoch = EpochPage()

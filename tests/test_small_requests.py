@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import llmdd_async as dd
-from llmdd_async._link import Link
+from llmdd_async._net.link import Link
 from llmdd_async.testing import DEFAULT_OPTIONS, linked_pair
 
 pytestmark = pytest.mark.anyio

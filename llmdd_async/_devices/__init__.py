@@ -11,8 +11,7 @@ from typing import Any, Protocol
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException
-from .._memory import CancelToken
-from .._options import PoolConfig
+from .._memory import CancelToken, PoolConfig
 from .._planner import Plan
 
 __all__ = ["DeviceAdapter", "DevicePool", "load_adapter", "ADAPTERS"]

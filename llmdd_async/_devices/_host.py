@@ -9,8 +9,14 @@ import anyio
 import numpy as np
 
 from .._errors import raise_if_false
-from .._memory import CancelToken, MemoryPool, copy_ranges, resolve_host_memory, run_parts
-from .._options import PoolConfig
+from .._memory import (
+    CancelToken,
+    MemoryPool,
+    PoolConfig,
+    copy_ranges,
+    resolve_host_memory,
+    run_parts,
+)
 from .._planner import Plan, split_plan
 
 __all__ = ["HostAdapter", "create"]

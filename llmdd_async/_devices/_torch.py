@@ -27,8 +27,7 @@ import numpy as np
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException, raise_if_false
-from .._memory import CancelToken, CopyCancelled, PagedPool, PoolAllocation, host_view
-from .._options import PoolConfig
+from .._memory import CancelToken, CopyCancelled, PagedPool, PoolAllocation, PoolConfig, host_view
 from .._planner import Plan
 from .._synchronizer import LayerEvents
 

@@ -19,13 +19,48 @@ remote-accessible pulls run one-sidedly; only the same-host access does.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 from typing import Protocol
 
 import numpy as np
 
+from .._enums import LLMStatusCode
+from .._errors import LLMException
 from .._memory import CancelToken
 
-__all__ = ["PeerAccess"]
+__all__ = ["INSTALL_HINTS", "PeerAccess", "installed", "require_installed"]
+
+#: the optional transports: the packages that provide each (any one of them) and how to install
+_PACKAGES: dict[str, tuple[str, ...]] = {"nixl": ("nixl", "nixl_cu12", "nixl_cu13")}
+INSTALL_HINTS: dict[str, str] = {
+    "nixl": (
+        "pip install --no-deps nixl-cu12  (NIXL with UCX bundled, about 68 MB, enough on CPU); "
+        "'pip install llmdd-async[nixl]' pulls NIXL's CUDA dependencies too"
+    ),
+}
+
+
+def installed(name: str) -> bool:
+    """True if transport ``name`` needs no optional package or one of its packages is installed
+    (found, not imported: cheap, and no transport module is loaded)."""
+    for pkg in _PACKAGES.get(name, ()):
+        with contextlib.suppress(ImportError, ValueError):
+            if importlib.util.find_spec(pkg) is not None:
+                return True
+    return name not in _PACKAGES
+
+
+def require_installed(name: str) -> None:
+    """Raises:
+    LLMException: LLM_PARAM_INVALID naming the install line when transport ``name``'s optional
+        package is missing."""
+    if not installed(name):
+        raise LLMException(
+            f"llm.Transport={name} needs {name.upper()}, which is not installed: "
+            f"{INSTALL_HINTS[name]}",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
 
 
 class PeerAccess(Protocol):

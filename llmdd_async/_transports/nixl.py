@@ -61,13 +61,11 @@ from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._memory import CancelToken, CopyCancelled
 from .._planner import check_within
+from . import INSTALL_HINTS, installed
 
 __all__ = ["INSTALL_HINT", "NixlAccess", "NixlEndpoint", "available", "load_api"]
 
-INSTALL_HINT = (
-    "pip install --no-deps nixl-cu12  (NIXL with UCX bundled, about 68 MB, enough on CPU); "
-    "'pip install llmdd-async[nixl]' pulls NIXL's CUDA dependencies too"
-)
+INSTALL_HINT = INSTALL_HINTS["nixl"]
 #: NIXL's Python API: the meta package (``nixl``, picks the build for the CUDA it finds) or a
 #: build installed on its own
 _MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
@@ -95,11 +93,7 @@ _api_lock = threading.Lock()
 
 def available() -> bool:
     """True if some NIXL Python package is installed (not imported; cheap)."""
-    for name in ("nixl", "nixl_cu12", "nixl_cu13"):
-        with contextlib.suppress(ImportError, ValueError):
-            if importlib.util.find_spec(name) is not None:
-                return True
-    return False
+    return installed("nixl")
 
 
 def load_api() -> Any:
@@ -915,7 +909,7 @@ class NixlAccess:
             OSError: no answer, or a table without usable NIXL metadata.
             LLMException: the link failed meanwhile.
         """
-        from .._link import regions_of_table
+        from .._messages import regions_of_table
         from .._protocol import MT, Message
 
         async with self._refresh_lock:

@@ -11,11 +11,11 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._checks import check_int64, check_uint32, check_uint64
-from ._enums import LLMRole, LLMStatusCode
-from ._errors import LLMException
-from ._facade import LLMDataDist
-from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKeyByIdAndIndex, LLMClusterInfo
+from .._checks import check_int64, check_uint32, check_uint64
+from .._enums import LLMRole, LLMStatusCode
+from .._errors import LLMException
+from .._types import BlocksCacheKey, Cache, CacheDesc, CacheKeyByIdAndIndex, LLMClusterInfo
+from .facade import LLMDataDist
 
 __all__ = ["CacheIndex", "KvCacheExtParam", "LlmDataDist"]
 

@@ -22,13 +22,14 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from ._enums import LLMStatusCode
-from ._errors import LLMException, status_from_exception
-from ._log import get_logger
-from ._memory import CancelToken, CopyCancelled
-from ._phase_lock import PhaseLock
-from ._planner import Layout, check_within
-from ._protocol import (
+from .._enums import LLMStatusCode
+from .._errors import LLMException, status_from_exception
+from .._log import get_logger
+from .._memory import CancelToken, CopyCancelled
+from .._messages import regions_of_table, wire_status
+from .._phase_lock import PhaseLock
+from .._planner import Layout, check_within
+from .._protocol import (
     MT,
     NEED_DATA,
     PAYLOAD_TAG,
@@ -39,7 +40,7 @@ from ._protocol import (
     ProtocolError,
     encode,
 )
-from ._transports.tcp import (
+from .._transports.tcp import (
     CHUNK_BYTES,
     INLINE_BYTES,
     Fence,
@@ -61,7 +62,6 @@ __all__ = [
     "LinkBroken",
     "Pending",
     "Serving",
-    "wire_status",
 ]
 
 #: DATA/ABORT flag: the frame concerns a request that the *receiver* of the frame started.
@@ -74,12 +74,6 @@ _YIELD_BYTES = 2 << 20
 _MAX_REPLIES = 64
 #: how often a cancelled request checks that its worker let go
 _FENCE_POLL_S = 0.002
-
-
-def wire_status(msg: Message) -> LLMStatusCode:
-    """The ``status`` field of a peer's frame; missing, malformed or unknown is LLM_FAILED."""
-    raw = msg.fields.get("status")
-    return LLMStatusCode.from_wire(raw) if type(raw) is int else LLMStatusCode.LLM_FAILED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +282,7 @@ class Link:
         self._writing = False
         #: (starts, ends) of the peer's memory that it let us reach directly, refreshed from
         #: its table when a grant names memory outside it
-        self.peer_regions: tuple[np.ndarray, np.ndarray] = _no_regions()
+        self.peer_regions: tuple[np.ndarray, np.ndarray] = regions_of_table(None)
         self._released = False
         #: bytes of the peer's requests held here (``llm.LinkQueue`` caps them too)
         self.queued_bytes = 0
@@ -1211,35 +1205,6 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, ProtocolError):
         return f"protocol error: {exc}"
     return str(exc) or repr(exc)
-
-
-def _no_regions() -> tuple[np.ndarray, np.ndarray]:
-    return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
-
-
-def regions_of_table(table: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted ``(starts, ends)`` of the tensors of the remote-accessible caches a peer's table
-    (or proof message) lists; malformed entries count as nothing."""
-    starts: list[int] = []
-    ends: list[int] = []
-    caches = table.get("caches") if isinstance(table, dict) else None
-    for c in caches if isinstance(caches, list) else []:
-        if not isinstance(c, dict) or c.get("remote_accessible") is not True:
-            continue
-        size, addrs = c.get("tensor_bytes"), c.get("addrs")
-        if not isinstance(size, int) or not isinstance(addrs, list):
-            continue
-        for a in addrs:
-            if isinstance(a, int) and a > 0 and size > 0 and a + size < 2**64:
-                starts.append(a)
-                ends.append(a + size)
-    if not starts:
-        return _no_regions()
-    order = np.argsort(np.array(starts, dtype=np.uint64), kind="stable")
-    return (
-        np.array(starts, dtype=np.uint64)[order],
-        np.array(ends, dtype=np.uint64)[order],
-    )
 
 
 def _copy_into(views: list[memoryview], pos: int, data: memoryview) -> None:

@@ -24,19 +24,11 @@ from typing import Any
 import anyio
 import numpy as np
 
-from ._enums import LLMStatusCode
-from ._errors import LLMException, raise_if_false
-from ._link import (
-    FLAG_TO_INITIATOR,
-    Link,
-    LinkBroken,
-    Pending,
-    Serving,
-    TransferRecord,
-    wire_status,
-)
-from ._memory import CancelToken, CopyCancelled
-from ._planner import (
+from .._enums import LLMStatusCode
+from .._errors import LLMException, raise_if_false
+from .._memory import CancelToken, CopyCancelled
+from .._messages import wire_status
+from .._planner import (
     MAX_DESCRIPTORS,
     MAX_PIECES,
     MAX_TENSORS,
@@ -48,9 +40,17 @@ from ._planner import (
     plan_slots,
     tensor_windows,
 )
-from ._protocol import MT, Message, ProtocolError
-from ._registry import CacheEntry
-from ._transports.tcp import CHUNK_BYTES, INLINE_BYTES, StreamPlan
+from .._protocol import MT, Message, ProtocolError
+from .._registry import CacheEntry
+from .._transports.tcp import CHUNK_BYTES, INLINE_BYTES, StreamPlan
+from .link import (
+    FLAG_TO_INITIATOR,
+    Link,
+    LinkBroken,
+    Pending,
+    Serving,
+    TransferRecord,
+)
 
 __all__ = ["ManyRangesStream", "XferSpec", "initiate", "serve_request"]
 

@@ -15,25 +15,15 @@ from typing import Any
 import anyio
 import numpy as np
 
-from ._checks import check_isinstance, check_uint32, check_uint64
-from ._enums import LLMStatusCode, RegisterMemStatus
-from ._errors import LLMException, raise_if_false, raise_param
-from ._handshake import (
-    Binding,
-    HandshakeFailed,
-    LinkAuth,
-    client_handshake,
-    connect_socket,
-    new_nonce,
-    send_message,
-    server_handshake,
-)
-from ._link import Link, probe_token, regions_of_table
-from ._log import get_logger
-from ._planner import check_within
-from ._protocol import MT, Decoder, Message, MetaBudget, ProtocolError
-from ._transports.in_process import InProcessAccess
-from ._transports.same_host import (
+from .._checks import check_isinstance, check_uint32, check_uint64
+from .._enums import LLMStatusCode, RegisterMemStatus
+from .._errors import LLMException, raise_if_false, raise_param
+from .._log import get_logger
+from .._messages import regions_of_table
+from .._planner import check_within
+from .._protocol import MT, Decoder, Message, MetaBudget, ProtocolError
+from .._transports.in_process import InProcessAccess
+from .._transports.same_host import (
     SameHostAccess,
     close_fds,
     forget_side_channel,
@@ -52,8 +42,19 @@ from ._transports.same_host import (
     tcp_binding,
     valid_side_channel_name,
 )
-from ._transports.tcp import configure_socket
-from ._types import LLMClusterInfo, int_to_ip
+from .._transports.tcp import configure_socket
+from .._types import LLMClusterInfo, int_to_ip
+from .handshake import (
+    Binding,
+    HandshakeFailed,
+    LinkAuth,
+    client_handshake,
+    connect_socket,
+    new_nonce,
+    send_message,
+    server_handshake,
+)
+from .link import Link, probe_token
 
 __all__ = ["LinkManager"]
 

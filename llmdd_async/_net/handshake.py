@@ -29,9 +29,9 @@ from typing import Any
 
 import anyio
 
-from ._enums import LLMStatusCode
-from ._link import new_nonce, wire_status
-from ._protocol import (
+from .._enums import LLMStatusCode
+from .._messages import wire_status
+from .._protocol import (
     MT,
     NEED_DATA,
     PROTOCOL_VERSION,
@@ -41,6 +41,7 @@ from ._protocol import (
     ProtocolError,
     encode,
 )
+from .link import new_nonce
 
 __all__ = [
     "Binding",

@@ -14,12 +14,19 @@ import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from ._checks import check_isinstance
-from ._enums import LLMStatusCode
-from ._errors import LLMException, raise_param
-from ._kv_cache_manager import KvCache, Tensor
-from ._sync_loop import LoopThread
-from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo
+from .._checks import check_isinstance
+from .._enums import LLMStatusCode
+from .._errors import LLMException, raise_param
+from .._kv_cache_manager import KvCache, Tensor
+from .._sync_loop import LoopThread
+from .._types import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    LLMClusterInfo,
+)
 
 __all__ = ["MultiDeviceKvCacheManager", "check_link_devices", "link_devices"]
 

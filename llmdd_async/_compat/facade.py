@@ -13,16 +13,16 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import _datadist
-from ._config import legacy_device_options
-from ._enums import LLMRole, LLMStatusCode, RegisterMemStatus
-from ._errors import LLMException, raise_param
-from ._multi_device import MultiDeviceKvCacheManager, check_link_devices, link_devices
-from ._sync_loop import LoopThread
-from ._synchronizer import LayerSynchronizer
-from ._task import CacheTask as _AsyncCacheTask
-from ._task import TaskStatistics
-from ._types import Cache, LLMClusterInfo, TransferConfig, TransferWithCacheKeyConfig
+from .. import _datadist
+from .._config import legacy_device_options
+from .._enums import LLMRole, LLMStatusCode, RegisterMemStatus
+from .._errors import LLMException, raise_param
+from .._sync_loop import LoopThread
+from .._synchronizer import LayerSynchronizer
+from .._task import CacheTask as _AsyncCacheTask
+from .._task import TaskStatistics
+from .._types import Cache, LLMClusterInfo, TransferConfig, TransferWithCacheKeyConfig
+from .multi_device import MultiDeviceKvCacheManager, check_link_devices, link_devices
 
 __all__ = ["CacheManager", "CacheTask", "KvCacheManager", "LLMDataDist"]
 
