@@ -83,7 +83,7 @@ def _request(
 async def _attack(name: str, port: int, info: dict[str, Any]) -> dict[str, Any]:
     import helpers
 
-    from llmdd_async._net.link import wire_status
+    from llmdd_async._messages import wire_status
     from llmdd_async._protocol import MT, Message, encode
 
     peer = await helpers.raw_link(("127.0.0.1", port), 66, remote_accessible=True)

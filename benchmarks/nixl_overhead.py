@@ -46,7 +46,7 @@ NATIVE = {"cma": "same-host", "tcp": "tcp"}
 
 # ---------------------------------------------------------------------- NIXL's own API
 def _raw_peer(conn: Any, prog: bool) -> None:
-    from llmdd_async._transports.nixl import load_api
+    from llmdd_async._transports._nixl_agent import load_api
 
     api = load_api()
     cfg = api.nixl_agent_config(backends=["UCX"], enable_prog_thread=prog)
@@ -70,7 +70,7 @@ class RawNixl:
     """NIXL's Python API between this process and a child, prepared lists, busy polling."""
 
     def __init__(self, prog: bool) -> None:
-        from llmdd_async._transports.nixl import load_api
+        from llmdd_async._transports._nixl_agent import load_api
 
         api = load_api()
         ctx = mp.get_context("spawn")
@@ -284,9 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     if args.mode:  # a child run: UCX reads its environment once per process
-        from llmdd_async._transports.nixl import _skip_unusable_ib
+        from llmdd_async._transports._nixl_agent import skip_unusable_ib
 
-        _skip_unusable_ib()  # before any agent, ours or NIXL's own (see README, NIXL)
+        skip_unusable_ib()  # before any agent, ours or NIXL's own (see README, NIXL)
         print(json.dumps(one_mode(args.mode, args.repeat)))
         return
     rows: list[dict[str, Any]] = []

@@ -5,6 +5,7 @@ with upstream's exact names and semantics.
 """
 
 from ._cache_manager import CacheManager
+from ._cluster import LLMClusterInfo
 from ._config import LLMConfig, LlmConfig
 from ._datadist import LLMDataDist
 from ._enums import (
@@ -16,7 +17,7 @@ from ._enums import (
     PushType,
     RegisterMemStatus,
 )
-from ._errors import LLMException, Status, TransferCancelled
+from ._errors import LLMException, Status, SynchronizerAborted, TransferCancelled
 from ._synchronizer import AsyncLayerSynchronizer, LayerEvents, LayerSynchronizer
 from ._task import CacheTask, LayerTiming, TaskStatistics
 from ._types import (
@@ -25,7 +26,6 @@ from ._types import (
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
-    LLMClusterInfo,
     MemInfo,
     TransferConfig,
     TransferWithCacheKeyConfig,
@@ -59,6 +59,7 @@ __all__ = [
     "PushType",
     "RegisterMemStatus",
     "Status",
+    "SynchronizerAborted",
     "TaskStatistics",
     "TransferCancelled",
     "TransferConfig",

@@ -1,36 +1,44 @@
 """``CacheManager``: local bookkeeping as plain calls, every data movement as a ``CacheTask``.
 
-Reference §8. Every argument check runs synchronously at the call, before a task exists.
+Reference §8. A thin surface: each method runs its argument checks (pure, in
+:mod:`._api_checks`) synchronously at the call, before a task exists, then hands the work on:
+memory to :mod:`._cache_memory` and the registry, movements to :mod:`._movements` (which
+starts them under the scheduler, owner of every per-link turn and deadline).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from ._checks import (
-    UINT64_MAX,
-    check_index_list,
-    check_int64,
-    check_isinstance,
-    check_list_of,
-    check_range,
-    check_uint32,
-    check_uint64,
+from ._api_checks import (
+    check_mem_infos,
+    check_pull_blocks,
+    check_pull_cache,
+    check_pull_key,
+    check_push_blocks,
+    check_push_cache,
+    check_transfer,
+    pull_kwargs,
+    push_ranges,
+    slot_keys,
 )
+from ._cache_memory import Views, allocate_memory, register_memory
+from ._checks import check_int64, check_isinstance
 from ._engine import Engine
-from ._enums import LLMStatusCode, Memtype, Placement
+from ._enums import LLMStatusCode
 from ._errors import LLMException, raise_if_false
-from ._memory import check_memory_dtype, host_view, resolve_host_memory
-from ._net.transfer import XferSpec, initiate
-from ._planner import Layout, Plan, mapping_arrays, plan_block_copies, plan_slots
-from ._registry import CacheEntry, SlotKey
-from ._scheduler import Destination, run_layerwise
-from ._task import CacheTask, TaskControl
+from ._local_copy import plan_copy_blocks, plan_copy_cache, plan_swap_blocks
+from ._messages import Op, Shape
+from ._movements import (
+    release_allocated,
+    require_remote_accessible_mode,
+    start_copy,
+    start_request,
+    start_transfer,
+)
+from ._registry import CacheEntry
+from ._task import CacheTask
 from ._types import (
     BlocksCacheKey,
     Cache,
@@ -40,40 +48,10 @@ from ._types import (
     MemInfo,
     TransferConfig,
     TransferWithCacheKeyConfig,
+    slot_key_of,
 )
 
 __all__ = ["CacheManager"]
-
-_POOL_OPTION = {Placement.DEVICE: "llm.MemPoolConfig", Placement.HOST: "llm.HostMemPoolConfig"}
-
-
-def slot_key_of(key: CacheKey) -> SlotKey | None:
-    """The engine identity of a key; None for a placeholder (neither id valid)."""
-    if key.req_id != UINT64_MAX:
-        return ("req", key.req_id, key.model_id)
-    if key.prefix_id != UINT64_MAX:
-        return ("prefix", key.prefix_id, key.model_id)
-    return None
-
-
-def _check_desc_for_memory(desc: CacheDesc) -> None:
-    shape = desc.shape
-    raise_if_false(1 <= len(shape) <= 32, f"shape must have 1 to 32 dims, got {len(shape)}")
-    raise_if_false(all(d > 0 for d in shape), f"shape dims must be > 0, got {shape}")
-    try:
-        desc.data_type.itemsize  # noqa: B018 - raises for DT_STRING
-    except ValueError as exc:
-        raise LLMException(str(exc), status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
-    raise_if_false(desc.num_tensors > 0, "num_tensors must be > 0")
-
-
-def _block_lists(src_blocks: Any, dst_blocks: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Both block index lists as arrays. Raises TypeError / ValueError as check_index_list."""
-    src_b = check_index_list("src_blocks", src_blocks)
-    dst_b = check_index_list("dst_blocks", dst_blocks)
-    assert src_b is not None  # not optional
-    assert dst_b is not None
-    return src_b, dst_b
 
 
 class CacheManager:
@@ -94,6 +72,7 @@ class CacheManager:
 
     @property
     def engine(self) -> Engine:
+        """The live engine. Raises RuntimeError once finalized or off the loop's thread."""
         engine = self._engine
         if engine.closed:
             raise RuntimeError("llm datadist is not initialized")
@@ -104,133 +83,41 @@ class CacheManager:
         check_isinstance(name, cache, Cache)
         raise_if_false(cache.valid, f"{name} ({cache}) is no longer valid")
         entry = self.engine.registry.entries.get(cache.cache_id)
-        if entry is None or entry.id_released or cache._owner is not self:
+        if entry is None or entry.id_released or not cache.issued_by(self):
             raise LLMException(
                 f"{name}: cache {cache.cache_id} is not a cache of this endpoint",
                 status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
             )
         return entry
 
-    def _make_cache(
-        self, entry: CacheEntry, desc: CacheDesc, views: Callable[[], list[np.ndarray]]
-    ) -> Cache:
+    def _make_cache(self, entry: CacheEntry, desc: CacheDesc, views: Views) -> Cache:
         cache = self._cache_cls(
             entry.cache_id,
             desc,
             [int(a) for a in entry.addrs],
             entry.is_blocks,
             is_registered=not entry.allocated,
-            _views=views,
+            views=views,
         )
-        cache._owner = self
+        cache.issuer = self
         return cache
 
-    def _typed_views(
-        self, desc: CacheDesc, raw: Callable[[int], np.ndarray]
-    ) -> Callable[[], list[np.ndarray]]:
-        dtype, shape, n = desc.data_type.numpy_dtype, tuple(desc.shape), desc.num_tensors
-        placement = desc.placement
-        adapter = self._engine.adapter
-
-        def views() -> list[np.ndarray]:
-            raise_if_false(
-                placement == Placement.HOST or adapter.host_addressable,
-                f"DEVICE memory of the {adapter.name} adapter is not host-addressable; "
-                "use your framework's tensors",
-            )
-            return [raw(i).view(dtype).reshape(shape) for i in range(n)]
-
-        return views
+    def _blocks_cache(
+        self, entry: CacheEntry, desc: CacheDesc, views: Views, key: BlocksCacheKey | None
+    ) -> Cache:
+        desc.mark_blocks()  # upstream sets its hidden flag on the caller's description
+        if key is not None:
+            self._engine.registry.bind_blocks_key(entry, key.model_id)
+        return self._make_cache(entry, desc, views)
 
     def _slot_keys(
         self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey], registered: bool
-    ) -> list[SlotKey | None]:
-        check_isinstance("cache_desc", cache_desc, CacheDesc)
-        check_list_of("cache_keys", cache_keys, CacheKey)
-        # Registered caches skip keys whose req_id is unset (upstream); allocated caches treat
-        # them as prefix keys or empty-slot placeholders.
-        keys = [
-            None if registered and k.req_id == UINT64_MAX else slot_key_of(k) for k in cache_keys
-        ]
-        count = cache_desc.shape[0] if cache_desc.shape else 0
+    ) -> list[tuple[str, int, int] | None]:
+        count, keys = slot_keys(cache_desc, cache_keys, registered)
         self.engine.registry.check_slot_keys(count, keys)
         return keys
 
     # ------------------------------------------------------------------ registration
-    def _new_entry(
-        self,
-        desc: CacheDesc,
-        is_blocks: bool,
-        addrs: np.ndarray,
-        remote_accessible: bool,
-        **extra: Any,
-    ) -> CacheEntry:
-        """A registry entry with a fresh id for ``desc`` (not added to the registry yet)."""
-        return CacheEntry(
-            cache_id=self.engine.registry.new_id(),
-            num_tensors=desc.num_tensors,
-            tensor_bytes=desc.size,
-            count=desc.shape[0],
-            is_blocks=is_blocks,
-            placement=desc.placement,
-            dtype=desc.data_type.value,
-            shape=tuple(desc.shape),
-            addrs=addrs,
-            remote_accessible=remote_accessible,
-            **extra,
-        )
-
-    def _register(
-        self,
-        cache_desc: CacheDesc,
-        addrs: Sequence[Any],
-        is_blocks: bool,
-        remote_accessible: bool | None,
-    ) -> tuple[CacheEntry, Callable[[], list[np.ndarray]]]:
-        engine = self.engine
-        check_isinstance("cache_desc", cache_desc, CacheDesc)
-        check_isinstance("addrs", addrs, (list, tuple))
-        check_isinstance("remote_accessible", remote_accessible, bool, optional=True)
-        raise_if_false(len(addrs) > 0, "addrs must not be empty")
-        raise_if_false(
-            len(addrs) == cache_desc.num_tensors,
-            f"{len(addrs)} addresses for {cache_desc.num_tensors} tensors",
-        )
-        _check_desc_for_memory(cache_desc)
-        if remote_accessible is None:
-            remote_accessible = cache_desc.placement == Placement.DEVICE and not engine.comm_linked
-        raise_if_false(
-            not (remote_accessible and engine.comm_linked),
-            "remote_accessible=True is not allowed after link()",
-        )
-        nbytes = cache_desc.size
-        for i, a in enumerate(addrs):
-            check_memory_dtype(a, cache_desc.data_type, f"addrs[{i}]")
-        resolved = []
-        for i, a in enumerate(addrs):
-            if cache_desc.placement == Placement.DEVICE:
-                resolved.append(engine.adapter.resolve(a, nbytes, f"addrs[{i}]"))
-            else:
-                resolved.append(resolve_host_memory(a, nbytes, f"addrs[{i}]"))
-        entry = self._new_entry(
-            cache_desc,
-            is_blocks,
-            np.array([r[0] for r in resolved], dtype=np.uint64),
-            remote_accessible,
-            allocated=False,
-            keepalive=[r[1] for r in resolved],
-        )
-        engine.registry.add(entry)
-        engine.prefault(entry.addrs, nbytes)
-
-        def raw(i: int) -> np.ndarray:
-            keep = resolved[i][1]
-            if keep is not None:
-                return keep[1].reshape(-1).view(np.uint8)[:nbytes]
-            return host_view(int(entry.addrs[i]), nbytes)
-
-        return entry, self._typed_views(cache_desc, raw)
-
     def register_cache(
         self,
         cache_desc: CacheDesc,
@@ -257,7 +144,7 @@ class CacheManager:
                 memory, bad shape, too many or already-bound keys.
         """
         keys = self._slot_keys(cache_desc, cache_keys, registered=True)
-        entry, views = self._register(cache_desc, addrs, False, remote_accessible)
+        entry, views = register_memory(self.engine, cache_desc, addrs, False, remote_accessible)
         self._engine.registry.bind_slot_keys(entry, keys)
         return self._make_cache(entry, cache_desc, views)
 
@@ -279,11 +166,8 @@ class CacheManager:
                 element type, or smaller than the description, included).
         """
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, optional=True)
-        entry, views = self._register(cache_desc, addrs, True, remote_accessible)
-        cache_desc._is_blocks = True
-        if blocks_cache_key is not None:
-            self._engine.registry.bind_blocks_key(entry, blocks_cache_key.model_id)
-        return self._make_cache(entry, cache_desc, views)
+        entry, views = register_memory(self.engine, cache_desc, addrs, True, remote_accessible)
+        return self._blocks_cache(entry, cache_desc, views, blocks_cache_key)
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a registered cache; an unknown id is a no-op.
@@ -301,56 +185,6 @@ class CacheManager:
         registry.release_id(entry)
 
     # ------------------------------------------------------------------ allocation
-    def _pool(self, placement: Placement) -> Any:
-        pools = self.engine.pools
-        if not pools:
-            raise LLMException(
-                "no memory pool is configured (llm.MemPoolConfig / llm.HostMemPoolConfig)",
-                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-            )
-        pool = pools.get(placement)
-        raise_if_false(
-            pool is not None,
-            f"no {placement.name} memory pool is configured ({_POOL_OPTION[placement]})",
-        )
-        return pool
-
-    def _allocate(
-        self, cache_desc: CacheDesc, is_blocks: bool
-    ) -> tuple[CacheEntry, Callable[[], list[np.ndarray]]]:
-        engine = self.engine
-        check_isinstance("cache_desc", cache_desc, CacheDesc)
-        _check_desc_for_memory(cache_desc)
-        pool = self._pool(cache_desc.placement)
-        nbytes = cache_desc.size
-        page = pool.page_size
-        per_tensor = math.ceil(nbytes / page) * page
-        # One run for all tensors (one mapping, one allocation); plans still keep each
-        # descriptor inside one tensor, as every range check is per tensor.
-        alloc = pool.allocate(per_tensor * cache_desc.num_tensors)
-        addrs = alloc.addr + np.arange(cache_desc.num_tensors, dtype=np.uint64) * np.uint64(
-            per_tensor
-        )
-        entry = self._new_entry(
-            cache_desc,
-            is_blocks,
-            addrs.astype(np.uint64),
-            cache_desc.placement == Placement.DEVICE and not engine.comm_linked,
-            allocated=True,
-            release=lambda: pool.free(alloc),
-        )
-        try:
-            engine.registry.add(entry)
-        except BaseException:
-            pool.free(alloc)
-            raise
-        engine.prefault(entry.addrs, nbytes)
-
-        def raw(i: int) -> np.ndarray:
-            return pool.view(alloc, i * per_tensor, nbytes)
-
-        return entry, self._typed_views(cache_desc, raw)
-
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> Cache:
         """Allocate a contiguous cache from the pool of its placement; ``cache_keys[i]`` binds
         slot ``i`` (a key with neither id valid leaves that slot empty).
@@ -364,7 +198,7 @@ class CacheManager:
                 pool of this placement or for bad keys, LLM_OUT_OF_MEMORY when the pool is full.
         """
         keys = self._slot_keys(cache_desc, cache_keys, registered=False)
-        entry, views = self._allocate(cache_desc, False)
+        entry, views = allocate_memory(self.engine, cache_desc, False)
         self._engine.registry.bind_slot_keys(entry, keys)
         return self._make_cache(entry, cache_desc, views)
 
@@ -378,11 +212,8 @@ class CacheManager:
             LLMException: as for :meth:`allocate_cache`.
         """
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, optional=True)
-        entry, views = self._allocate(cache_desc, True)
-        cache_desc._is_blocks = True
-        if blocks_cache_key is not None:
-            self._engine.registry.bind_blocks_key(entry, blocks_cache_key.model_id)
-        return self._make_cache(entry, cache_desc, views)
+        entry, views = allocate_memory(self.engine, cache_desc, True)
+        return self._blocks_cache(entry, cache_desc, views, blocks_cache_key)
 
     def deallocate_cache(self, cache: Cache) -> None:
         """Drop an allocated contiguous cache's id; memory goes when its keys are gone too.
@@ -408,10 +239,18 @@ class CacheManager:
 
     def _deallocate(self, cache: Cache) -> None:
         entry = self.engine.registry.entries.get(cache.cache_id)
-        if entry is None or not entry.allocated or cache._owner is not self:
+        if entry is None or not entry.allocated or not cache.issued_by(self):
             return
-        cache._invalidate()
+        cache.invalidate()
         self._engine.registry.release_id(entry)
+
+    def release_dropped(self, cache_id: int) -> None:
+        """Free an allocated cache whose last reference went (legacy ``KvCache``), from any
+        thread; a no-op once the engine is finalized."""
+        engine = self._engine
+        if engine.closed:
+            return
+        engine.call_soon(lambda: release_allocated(engine, cache_id))
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Unbind a key of an allocated cache; unknown keys and registered caches: no-op.
@@ -432,12 +271,7 @@ class CacheManager:
             LLMException: LLM_PARAM_INVALID for a non-device item, address 0 or size 0;
                 LLM_FEATURE_NOT_ENABLED otherwise: host and socket memory never needs remapping.
         """
-        items = [mem_infos] if isinstance(mem_infos, MemInfo) else mem_infos
-        check_isinstance("mem_infos", items, (list, tuple))
-        for i, m in enumerate(items):
-            check_isinstance(f"mem_infos[{i}]", m, MemInfo)
-            raise_if_false(m.mem_type == Memtype.MEM_TYPE_DEVICE, "mem_type must be DEVICE")
-            raise_if_false(m.addr != 0 and m.size > 0, "addr must be != 0 and size > 0")
+        check_mem_infos(mem_infos)
         raise LLMException(
             "remap_registered_memory is reserved upstream and not needed by this library's "
             "transports",
@@ -445,22 +279,6 @@ class CacheManager:
         )
 
     # ------------------------------------------------------------------ local movement
-    def _local_task(self, kind: str, plan: Plan, entries: list[CacheEntry]) -> CacheTask:
-        engine = self.engine
-        registry = engine.registry
-        for e in entries:
-            registry.pin(e)
-
-        async def body(ctl: TaskControl) -> None:
-            try:
-                n = await engine.adapter.copy(plan, ctl.token)
-                ctl.add(n, len(plan))
-            finally:
-                for e in entries:
-                    registry.unpin(e)
-
-        return engine.start_task(engine.new_task(kind), body)
-
     def copy_cache(
         self,
         dst: Cache,
@@ -481,28 +299,9 @@ class CacheManager:
                 indices, offset or size outside the slots; LLM_KV_CACHE_NOT_EXIST for a cache
                 that is not this endpoint's.
         """
-        check_uint32("dst_batch_index", dst_batch_index)
-        check_uint32("src_batch_index", src_batch_index)
-        check_uint64("offset", offset)
-        check_int64("size", size)
-        check_uint64("req_id", req_id, optional=True)
         d, s = self._entry(dst, "dst"), self._entry(src, "src")
-        raise_if_false(not d.is_blocks and not s.is_blocks, "copy_cache needs contiguous caches")
-        raise_if_false(
-            d.num_tensors == s.num_tensors,
-            f"tensor counts differ ({d.num_tensors} vs {s.num_tensors})",
-        )
-        raise_if_false(src_batch_index < s.count, f"src_batch_index >= batch size {s.count}")
-        raise_if_false(dst_batch_index < d.count, f"dst_batch_index >= batch size {d.count}")
-        raise_if_false(offset < s.stride and offset < d.stride, "offset is outside the slot")
-        raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
-        if size == -1:
-            size = min(s.stride, d.stride) - offset
-        idx = np.arange(s.num_tensors, dtype=np.int64)
-        plan = plan_slots(
-            s.layout, d.layout, idx, idx, src_batch_index, dst_batch_index, size, offset, offset
-        )
-        return self._local_task("copy_cache", plan, [s, d])
+        plan = plan_copy_cache(d, s, dst_batch_index, src_batch_index, offset, size, req_id)
+        return start_copy(self.engine, "copy_cache", plan, [s, d])
 
     def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> CacheTask:
         """Inside one blocks cache, copy block ``src`` to every block in its list.
@@ -513,14 +312,8 @@ class CacheManager:
                 destination given twice, or a block that is both source and destination.
         """
         entry = self._entry(cache, "cache")
-        raise_if_false(entry.is_blocks, "copy_blocks needs a blocks cache")
-        src_b, dst_b = mapping_arrays("copy_block_info", copy_block_info)
-        raise_if_false(len(np.unique(dst_b)) == len(dst_b), "a destination block appears twice")
-        raise_if_false(
-            not np.isin(dst_b, src_b).any(), "a block cannot be both a source and a destination"
-        )
-        plan = plan_block_copies(entry.layout, entry.layout, src_b, dst_b)
-        return self._local_task("copy_blocks", plan, [entry])
+        plan = plan_copy_blocks(entry, copy_block_info)
+        return start_copy(self.engine, "copy_blocks", plan, [entry])
 
     def swap_blocks(
         self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]
@@ -534,148 +327,10 @@ class CacheManager:
             LLMException: LLM_PARAM_INVALID unless both are blocks caches of equal block size
                 and tensor count, one HOST and one DEVICE, with indices in range.
         """
-        check_isinstance("src_cache", src_cache, Cache)
-        check_isinstance("dst_cache", dst_cache, Cache)
-        raise_if_false(
-            src_cache.is_blocks_cache and dst_cache.is_blocks_cache,
-            "swap_blocks needs blocks caches",
-        )
-        placements = {src_cache.cache_desc.placement, dst_cache.cache_desc.placement}
-        raise_if_false(
-            placements == {Placement.HOST, Placement.DEVICE},
-            "swap_blocks needs one HOST and one DEVICE cache",
-        )
-        sides = []
-        entries = []
-        for name, cache in (("src_cache", src_cache), ("dst_cache", dst_cache)):
-            if cache.cache_id == -1:
-                desc = cache.cache_desc
-                _check_desc_for_memory(desc)
-                sides.append(Layout.of(cache.tensor_addrs, desc.size, desc.shape[0], True))
-            else:
-                e = self._entry(cache, name)
-                entries.append(e)
-                sides.append(e.layout)
-        raise_if_false(sides[0].stride == sides[1].stride, "block sizes differ")
-        src_b, dst_b = mapping_arrays("src_to_dst", src_to_dst)
-        plan = plan_block_copies(sides[0], sides[1], src_b, dst_b)
-        return self._local_task("swap_blocks", plan, entries)
+        plan, entries = plan_swap_blocks(src_cache, dst_cache, src_to_dst, self._entry)
+        return start_copy(self.engine, "swap_blocks", plan, entries)
 
     # ------------------------------------------------------------------ remote movement
-    def _check_layer_args(
-        self,
-        entry: CacheEntry,
-        src_layer_range: Any,
-        dst_layer_range: Any,
-        tensor_num_per_layer: Any,
-        local_is_dst: bool,
-    ) -> tuple[range | None, range | None, int]:
-        """Checks that need only local knowledge (the peer checks its own side)."""
-        src_r = check_range("src_layer_range", src_layer_range)
-        dst_r = check_range("dst_layer_range", dst_layer_range)
-        check_uint32("tensor_num_per_layer", tensor_num_per_layer)
-        n = int(tensor_num_per_layer)
-        raise_if_false(n > 0, "tensor_num_per_layer must be > 0")
-        local_r, other_r = (dst_r, src_r) if local_is_dst else (src_r, dst_r)
-        if src_r is not None or dst_r is not None:
-            raise_if_false(
-                n <= entry.num_tensors,
-                f"tensor_num_per_layer {n} exceeds the cache's {entry.num_tensors} tensors",
-            )
-            raise_if_false(
-                entry.num_tensors % n == 0,
-                f"tensor_num_per_layer {n} must divide the local tensor count {entry.num_tensors}",
-            )
-        if local_r is not None:
-            raise_if_false(
-                local_r.stop * n <= entry.num_tensors,
-                f"layer range {local_r} exceeds the {entry.num_tensors // n} local layers",
-            )
-        if src_r is not None and dst_r is not None:
-            raise_if_false(
-                len(src_r) == len(dst_r),
-                f"src_layer_range {src_r} and dst_layer_range {dst_r} differ in length",
-            )
-        elif other_r is not None:
-            raise_if_false(
-                len(other_r) * n == entry.num_tensors,
-                f"the peer's layer range {other_r} selects {len(other_r) * n} tensors but the "
-                f"local cache has {entry.num_tensors}",
-            )
-        return src_r, dst_r, n
-
-    def _peer_check(self, cluster_id: int) -> Any:
-        raise_if_false(
-            cluster_id != self.engine.cluster_id or not self.engine.options.cache_manager,
-            f"cannot transfer with own cluster id {cluster_id}",
-        )
-        return self.engine.links.get(cluster_id)
-
-    def _target_of(self, key: Any) -> dict[str, Any]:
-        if isinstance(key, BlocksCacheKey):
-            return {"by": "blocks_key", "model_id": key.model_id}
-        if isinstance(key, CacheKeyByIdAndIndex):
-            return {"by": "cache_id", "cache_id": key.cache_id, "index": key.batch_index}
-        sk = slot_key_of(key)
-        assert sk is not None  # check_pullable ran
-        return {"by": f"{sk[0]}_key", "id": sk[1], "model_id": sk[2]}
-
-    def _start_remote(
-        self,
-        kind: str,
-        op: str,
-        key: Any,
-        shape: str,
-        entry: CacheEntry,
-        steps: int = 1,
-        **spec_fields: Any,
-    ) -> CacheTask:
-        """Start a transfer with the peer ``key`` names; ``steps`` layers of deadline budget.
-
-        Raises:
-            LLMException: LLM_PARAM_INVALID for a local cache the peer may not reach, or the
-                own cluster id; LLM_NOT_YET_LINK without a link.
-        """
-        self._check_remote_accessible(entry)
-        link = self._peer_check(key.cluster_id)
-        spec = XferSpec(op, self._target_of(key), shape, entry, **spec_fields)
-        engine = self.engine
-        registry = engine.registry
-        entry = spec.local
-        registry.pin(entry)
-        timeout = engine.sync_kv_timeout_s
-
-        async def body(ctl: TaskControl) -> None:
-            try:
-                if engine.options.remote_accessible:
-                    table = link.table
-                    if table is None:  # the first transfer of the link fetches it
-                        ctl.set_deadline(timeout)
-                        table = await link.fetch_table(timeout)
-                        ctl.set_deadline(None)
-                    spec.target = _resolve_in_table(table, spec.target, link.peer_cluster_id)
-                async with link.transfer_lock.hold(exclusive=False):
-                    # The deadline runs from when the link is ours, not while queueing.
-                    ctl.set_deadline(timeout * steps)
-                    link.check_alive()
-                    ctl.add(*await initiate(engine, link, spec, ctl.token, ctl.deadline))
-            finally:
-                registry.unpin(entry)
-
-        return engine.start_task(engine.new_task(kind), body)
-
-    def _pull_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(kwargs) - _PULL_KWARGS
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
-        out = dict(_PULL_DEFAULTS)
-        out.update(kwargs)
-        for name in ("src_cache_offset", "dst_cache_offset"):
-            check_int64(name, out[name])
-            raise_if_false(out[name] >= -1, f"{name} must be >= 0 (or -1 for none)")
-            out[name] = max(0, int(out[name]))
-        return out
-
     def pull_cache(
         self,
         cache_key: CacheKey | CacheKeyByIdAndIndex,
@@ -699,45 +354,22 @@ class CacheManager:
                 key/cache/slot, LLM_TIMEOUT after ``sync_kv_timeout``, LLM_LINK_FAILED when the
                 peer dies.
         """
-        engine = self.engine
-        kw = self._pull_kwargs(kwargs)
-        allowed = (
-            (CacheKeyByIdAndIndex,)
-            if engine.options.remote_accessible
-            else (CacheKey, CacheKeyByIdAndIndex)
-        )
-        check_isinstance("cache_key", cache_key, allowed)
+        kw = pull_kwargs(kwargs)
+        check_pull_key("cache_key", cache_key, self.engine.options.remote_accessible, False)
         entry = self._entry(cache, "cache")
-        check_uint32("batch_index", batch_index)
-        check_int64("size", size)
-        raise_if_false(not entry.is_blocks, "pull_cache needs a contiguous (non-blocks) cache")
-        raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
-        raise_if_false(batch_index < entry.count, f"batch_index {batch_index} >= {entry.count}")
-        raise_if_false(
-            kw["dst_cache_offset"] < entry.stride, "dst_cache_offset is outside the slot"
-        )
-        raise_if_false(
-            size <= entry.stride - kw["dst_cache_offset"],
-            f"size {size} exceeds the local slot of {entry.stride} bytes",
-        )
-        if isinstance(cache_key, CacheKey):
-            cache_key.check_pullable()
-        src_r, dst_r, n = self._check_layer_args(
-            entry, kw["src_layer_range"], kw["dst_layer_range"], kw["tensor_num_per_layer"], True
-        )
-        return self._start_remote(
+        ranges = check_pull_cache(entry, cache_key, batch_index, size, kw)
+        return start_request(
+            self.engine,
             "pull_cache",
-            "pull",
+            Op.PULL,
             cache_key,
-            "slot",
+            Shape.SLOT,
             entry,
+            ranges,
             local_slot=batch_index,
             size=size,
             src_offset=kw["src_cache_offset"],
             dst_offset=kw["dst_cache_offset"],
-            src_range=src_r,
-            dst_range=dst_r,
-            tensor_num_per_layer=n,
         )
 
     def pull_blocks(
@@ -763,17 +395,12 @@ class CacheManager:
                 LLM_NOT_YET_LINK without a link. The task fails as for :meth:`pull_cache`
                 (LLM_PARAM_INVALID for remote indices out of range).
         """
-        engine = self.engine
-        kw = self._pull_kwargs(kwargs)
-        allowed: tuple[type, ...] = (
-            (BlocksCacheKey, CacheKeyByIdAndIndex)
-            if engine.options.remote_accessible
-            else (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex)
-        )
-        check_isinstance("src_cache_key", src_cache_key, allowed)
-        return self._pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kw, False)
+        kw = pull_kwargs(kwargs)
+        check_pull_key("src_cache_key", src_cache_key, self.engine.options.remote_accessible, True)
+        to_blocks = isinstance(src_cache_key, BlocksCacheKey)
+        return self._pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kw, to_blocks)
 
-    def _pull_blocks_by_id(
+    def pull_blocks_by_id(
         self,
         key: CacheKeyByIdAndIndex,
         dst_cache: Cache,
@@ -783,97 +410,35 @@ class CacheManager:
         dst_r: range | None,
         n: int,
     ) -> CacheTask:
-        """Blocks -> blocks addressed by the peer's cache id (the C++ API's PullKvBlocks)."""
+        """Blocks -> blocks by the peer's cache id (C++ PullKvBlocks); raises as pull_blocks."""
         kw = {"src_layer_range": src_r, "dst_layer_range": dst_r, "tensor_num_per_layer": n}
         return self._pull_blocks(key, dst_cache, src_blocks, dst_blocks, kw, True)
 
     def _pull_blocks(
         self,
-        src_cache_key: Any,
+        key: Any,
         dst_cache: Cache,
-        src_blocks: Sequence[int],
-        dst_blocks: Sequence[int],
+        src_blocks: Any,
+        dst_blocks: Any,
         kw: dict[str, Any],
-        blocks_by_id: bool,
+        to_blocks: bool,
     ) -> CacheTask:
+        """``kw`` as :func:`._api_checks.pull_kwargs`; ``to_blocks``: blocks -> blocks."""
         entry = self._entry(dst_cache, "dst_cache")
-        src_b, dst_b = _block_lists(src_blocks, dst_blocks)
-        raise_if_false(entry.is_blocks, "pull_blocks needs a blocks destination cache")
-        raise_if_false(len(dst_b) > 0, "dst_blocks must not be empty")
-        top = max(dst_b.tolist()) if 0 < len(dst_b) <= 64 else int(dst_b.max(initial=0))
-        raise_if_false(top < entry.count, f"dst block {top} >= the local {entry.count} blocks")
-        if isinstance(src_cache_key, BlocksCacheKey) or blocks_by_id:
-            raise_if_false(len(src_b) > 0, "src_blocks must not be empty with a BlocksCacheKey")
-            raise_if_false(
-                len(src_b) == len(dst_b),
-                f"src_blocks ({len(src_b)}) and dst_blocks ({len(dst_b)}) differ in length",
-            )
-            shape = "blocks"
-        else:
-            raise_if_false(
-                len(src_b) == 0, "src_blocks must be empty when pulling a contiguous slot"
-            )
-            if isinstance(src_cache_key, CacheKey):
-                src_cache_key.check_pullable()
-            shape = "slot_to_blocks"
-        src_r, dst_r, n = self._check_layer_args(
-            entry, kw["src_layer_range"], kw["dst_layer_range"], kw["tensor_num_per_layer"], True
+        shape, src_b, dst_b, ranges = check_pull_blocks(
+            entry, key, src_blocks, dst_blocks, kw, to_blocks
         )
-        return self._start_remote(
+        return start_request(
+            self.engine,
             "pull_blocks",
-            "pull",
-            src_cache_key,
+            Op.PULL,
+            key,
             shape,
             entry,
-            src_range=src_r,
-            dst_range=dst_r,
-            tensor_num_per_layer=n,
-            src_blocks=src_b if shape == "blocks" else None,
+            ranges,
+            src_blocks=src_b,
             dst_blocks=dst_b,
         )
-
-    def _require_remote_accessible_mode(self, kind: str) -> None:
-        """Raises LLMException(LLM_PARAM_INVALID) outside remote-accessible mode."""
-        raise_if_false(
-            self.engine.options.remote_accessible,
-            f"{kind} needs llm.EnableRemoteCacheAccessible=1",
-        )
-
-    def _check_remote_accessible(self, entry: CacheEntry) -> None:
-        if self.engine.options.remote_accessible:
-            raise_if_false(
-                entry.remote_accessible,
-                f"cache {entry.cache_id} is not remote accessible (register it with "
-                "remote_accessible=True)",
-            )
-
-    def _push_ranges(
-        self, entry: CacheEntry, src_layer_range: Any, dst_layer_range: Any, tnpl: Any
-    ) -> tuple[range | None, range | None, int, int]:
-        """Ranges of a push and its number of layers (the deadline budget).
-
-        Both None means every tensor, as for pulls (so a one-tensor cache with the default
-        ``tensor_num_per_layer=2`` still moves its tensor).
-        """
-        check_uint32("tensor_num_per_layer", tnpl)
-        n = int(tnpl)
-        raise_if_false(n > 0, "tensor_num_per_layer must be > 0")
-        src_r = check_range("src_layer_range", src_layer_range)
-        dst_r = check_range("dst_layer_range", dst_layer_range)
-        layers = entry.num_tensors // n
-        if src_r is None and dst_r is None:
-            return None, None, n, max(1, layers)
-        src_r = src_r or range(0, layers)
-        dst_r = dst_r or range(0, layers)
-        raise_if_false(
-            len(src_r) == len(dst_r),
-            f"src_layer_range {src_r} and dst_layer_range {dst_r} differ in length",
-        )
-        raise_if_false(
-            entry.num_tensors % n == 0 and src_r.stop <= layers,
-            f"src_layer_range {src_r} exceeds the {layers} local layers",
-        )
-        return src_r, dst_r, n, len(src_r)
 
     def push_cache(
         self,
@@ -895,28 +460,22 @@ class CacheManager:
             LLMException: LLM_PARAM_INVALID outside remote-accessible mode, for a blocks
                 cache, ``size != -1``, bad or unequal ranges; LLM_NOT_YET_LINK without a link.
         """
-        self._require_remote_accessible_mode("push_cache")
+        require_remote_accessible_mode(self.engine, "push_cache")
         check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
         entry = self._entry(src_cache, "src_cache")
-        check_uint32("src_batch_index", src_batch_index)
-        check_int64("size", size)
-        raise_if_false(not entry.is_blocks, "push_cache needs a contiguous (non-blocks) cache")
-        raise_if_false(size == -1, f"push_cache only supports size=-1, got {size}")
-        raise_if_false(src_batch_index < entry.count, "src_batch_index is outside the cache")
-        src_r, dst_r, n, steps = self._push_ranges(
-            entry, src_layer_range, dst_layer_range, tensor_num_per_layer
+        ranges, steps = check_push_cache(
+            entry, src_batch_index, size, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
-        return self._start_remote(
+        return start_request(
+            self.engine,
             "push_cache",
-            "push",
+            Op.PUSH,
             dst_cache_key,
-            "slot",
+            Shape.SLOT,
             entry,
+            ranges,
             steps,
             local_slot=src_batch_index,
-            src_range=src_r,
-            dst_range=dst_r,
-            tensor_num_per_layer=n,
         )
 
     def push_blocks(
@@ -938,19 +497,12 @@ class CacheManager:
                 LLM_NOT_YET_LINK without a link. The task fails with LLM_PARAM_INVALID for
                 remote indices out of range.
         """
-        self._require_remote_accessible_mode("push_blocks")
+        require_remote_accessible_mode(self.engine, "push_blocks")
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey)
-        return self._push_blocks(
-            dst_cache_key,
-            src_cache,
-            src_blocks,
-            dst_blocks,
-            src_layer_range,
-            dst_layer_range,
-            tensor_num_per_layer,
-        )
+        layers = (src_layer_range, dst_layer_range, tensor_num_per_layer)
+        return self._push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, layers)
 
-    def _push_blocks_by_id(
+    def push_blocks_by_id(
         self,
         key: CacheKeyByIdAndIndex,
         src_cache: Cache,
@@ -960,46 +512,26 @@ class CacheManager:
         dst_r: range | None,
         n: int,
     ) -> CacheTask:
-        """Blocks -> blocks addressed by the peer's cache id (the C++ API's PushKvBlocks)."""
-        self._require_remote_accessible_mode("push_blocks")
-        return self._push_blocks(key, src_cache, src_blocks, dst_blocks, src_r, dst_r, n)
+        """Blocks -> blocks by the peer's cache id (C++ PushKvBlocks); raises as push_blocks."""
+        require_remote_accessible_mode(self.engine, "push_blocks")
+        return self._push_blocks(key, src_cache, src_blocks, dst_blocks, (src_r, dst_r, n))
 
     def _push_blocks(
-        self,
-        dst_cache_key: Any,
-        src_cache: Cache,
-        src_blocks: Sequence[int],
-        dst_blocks: Sequence[int],
-        src_layer_range: Any,
-        dst_layer_range: Any,
-        tensor_num_per_layer: Any,
+        self, key: Any, src_cache: Cache, src_blocks: Any, dst_blocks: Any, layers: tuple[Any, ...]
     ) -> CacheTask:
+        """``layers``: the unchecked ``(src_layer_range, dst_layer_range, tensors per layer)``."""
         entry = self._entry(src_cache, "src_cache")
-        src_b, dst_b = _block_lists(src_blocks, dst_blocks)
-        raise_if_false(entry.is_blocks, "push_blocks needs a blocks source cache")
-        raise_if_false(len(dst_b) > 0, "dst_blocks must not be empty")
-        raise_if_false(len(src_b) > 0, "src_blocks must not be empty")
-        raise_if_false(
-            len(src_b) == len(dst_b),
-            f"src_blocks ({len(src_b)}) and dst_blocks ({len(dst_b)}) differ in length",
-        )
-        raise_if_false(
-            int(src_b.max()) < entry.count,
-            f"src block {int(src_b.max())} >= the local {entry.count} blocks",
-        )
-        src_r, dst_r, n, steps = self._push_ranges(
-            entry, src_layer_range, dst_layer_range, tensor_num_per_layer
-        )
-        return self._start_remote(
+        src_b, dst_b = check_push_blocks(entry, src_blocks, dst_blocks)
+        ranges, steps = push_ranges(entry, *layers)
+        return start_request(
+            self.engine,
             "push_blocks",
-            "push",
-            dst_cache_key,
-            "blocks",
+            Op.PUSH,
+            key,
+            Shape.BLOCKS,
             entry,
+            ranges,
             steps,
-            src_range=src_r,
-            dst_range=dst_r,
-            tensor_num_per_layer=n,
             src_blocks=src_b,
             dst_blocks=dst_b,
         )
@@ -1047,257 +579,15 @@ class CacheManager:
         """
         engine = self.engine
         entry = self._entry(src_cache, "src_cache")
-        _check_synchronizer(layer_synchronizer)
-        check_isinstance("transfer_configs", transfer_configs, (list, tuple))
         ra = engine.options.remote_accessible
-        cfg_type = TransferWithCacheKeyConfig if ra else TransferConfig
-        for i, c in enumerate(transfer_configs):
-            if not isinstance(c, cfg_type):
-                raise TypeError(
-                    f"transfer_configs[{i}] must be {cfg_type.__name__} when remote-accessible "
-                    f"mode is {'on' if ra else 'off'}, got {type(c).__name__}"
-                )
-        src_b = check_index_list("src_block_indices", src_block_indices, optional=True)
-        dst_b = check_index_list("dst_block_indices", dst_block_indices, optional=True)
-        check_uint64("dst_block_memory_size", dst_block_memory_size, optional=True)
-        dbm = int(dst_block_memory_size) if dst_block_memory_size else None
-        raise_if_false(len(transfer_configs) > 0, "transfer_configs must not be empty")
-        raise_if_false(
-            entry.placement != Placement.HOST, "transfer_cache_async does not take a HOST source"
+        ts = check_transfer(
+            entry,
+            layer_synchronizer,
+            transfer_configs,
+            src_block_indices,
+            dst_block_indices,
+            dst_block_memory_size,
+            tensor_num_per_layer,
+            ra,
         )
-        check_uint32("tensor_num_per_layer", tensor_num_per_layer)
-        tnpl = int(tensor_num_per_layer)
-        raise_if_false(tnpl >= 1, "tensor_num_per_layer must be >= 1")
-        raise_if_false(
-            tnpl == 2 or cfg_type is TransferWithCacheKeyConfig,
-            "TransferConfig destinations need tensor_num_per_layer=2 (K and V addresses)",
-        )
-        raise_if_false(
-            entry.num_tensors % tnpl == 0,
-            f"the source needs {tnpl} tensors per layer: {entry.num_tensors} is not a multiple",
-        )
-        layers = entry.num_tensors // tnpl
-        #: what the requests describe as the source: a contiguous cache with block indices
-        #: is read as blocks of its dim-0 slices, as upstream's engine does (§7, §9.1)
-        source = entry
-        if src_b is not None:
-            if not entry.is_blocks:
-                source = dataclasses.replace(entry, is_blocks=True)
-            raise_if_false(
-                dst_b is not None, "dst_block_indices are required with src_block_indices"
-            )
-            assert dst_b is not None
-            raise_if_false(
-                len(src_b) == len(dst_b) and len(src_b) > 0,
-                "src_block_indices and dst_block_indices must be non-empty and of equal length",
-            )
-            raise_if_false(
-                int(src_b.max()) < entry.count,
-                f"src block {int(src_b.max())} >= the {entry.count} source blocks",
-            )
-        elif entry.is_blocks:
-            # A blocks source without indices (upstream's own sample does this): every block,
-            # to the same block positions of the destination.
-            raise_if_false(
-                dst_b is None, "dst_block_indices need src_block_indices with a blocks source"
-            )
-            src_b = dst_b = np.arange(entry.count, dtype=np.int64)
-        else:
-            if dst_b is not None:
-                raise_if_false(len(dst_b) > 0, "dst_block_indices must not be empty")
-                raise_if_false(
-                    dbm is not None,
-                    "dst_block_memory_size is required for a contiguous source sent to blocks",
-                )
-        if dst_b is None:
-            raise_if_false(
-                dbm is None, "dst_block_memory_size must be None or 0 for a contiguous target"
-            )
-        shape = (
-            "blocks" if src_b is not None else ("slot_to_blocks" if dst_b is not None else "slot")
-        )
-        dests: list[Destination] = []
-        slots: list[int] = []
-        #: cluster id -> (result slot, link): configs to one cluster share both
-        per_cluster: dict[int, tuple[int, Any]] = {}
-        for i, c in enumerate(transfer_configs):
-            src_r = c.src_layer_range or range(0, layers)
-            raise_if_false(
-                src_r.stop <= layers,
-                f"transfer_configs[{i}].src_layer_range {src_r} exceeds the {layers} layers",
-            )
-            raise_if_false(
-                src_b is None or c.src_batch_index == 0,
-                f"transfer_configs[{i}].src_batch_index must be 0 with a blocks source",
-            )
-            raise_if_false(
-                entry.is_blocks or c.src_batch_index < entry.count,
-                f"transfer_configs[{i}].src_batch_index is outside the source cache",
-            )
-            if isinstance(c, TransferConfig):
-                raise_if_false(
-                    len(c.dst_addrs) == 2 * len(src_r),
-                    f"transfer_configs[{i}] needs {2 * len(src_r)} dst_addrs (K and V for "
-                    f"each of {len(src_r)} layers), got {len(c.dst_addrs)}",
-                )
-            cid = c.dst_cluster_id
-            if cid not in per_cluster:
-                per_cluster[cid] = (len(per_cluster), self._peer_check(cid))
-            slot, link = per_cluster[cid]
-            slots.append(slot)
-            dests.append(
-                Destination(
-                    i,
-                    slot,
-                    link,
-                    list(src_r),
-                    self._layer_spec_factory(source, c, src_r, shape, src_b, dst_b, dbm, tnpl),
-                )
-            )
-        self._check_remote_accessible(entry)
-        registry = engine.registry
-        registry.pin(entry)
-        timeout = engine.sync_kv_timeout_s
-        sync_timeout = engine.options.layer_sync_timeout_ms
-        window = engine.options.layer_window
-
-        async def body(ctl: TaskControl) -> None:
-            try:
-                if ra:
-                    # A control round trip, not payload: it needs no turn on the link.
-                    for d in dests:
-                        table = await d.link.fetch_table(timeout)
-                        d.make_spec = _with_table(d.make_spec, table, d.link.peer_cluster_id)
-                await run_layerwise(
-                    engine, ctl, layer_synchronizer, dests, timeout, sync_timeout, window
-                )
-            finally:
-                registry.unpin(entry)
-
-        return engine.start_task(engine.new_task("transfer_cache_async", slots), body)
-
-    def _layer_spec_factory(
-        self,
-        entry: CacheEntry,
-        config: TransferConfig | TransferWithCacheKeyConfig,
-        src_r: range,
-        shape: str,
-        src_b: np.ndarray | None,
-        dst_b: np.ndarray | None,
-        dbm: int | None,
-        tnpl: int = 2,
-    ) -> Callable[[int], XferSpec]:
-        """Build the one-layer request of ``config`` for source layer ``layer``."""
-        src_slot = config.src_batch_index
-        if isinstance(config, TransferWithCacheKeyConfig):
-            dst_r = config.dst_layer_range
-            target = self._target_of(config.cache_key)
-
-            def keyed(layer: int) -> XferSpec:
-                dst_layer = dst_r.start + (layer - src_r.start)
-                return XferSpec(
-                    "push",
-                    dict(target),
-                    shape,
-                    entry,
-                    local_slot=src_slot,
-                    src_range=range(layer, layer + 1),
-                    dst_range=range(dst_layer, dst_layer + 1),
-                    tensor_num_per_layer=tnpl,
-                    src_blocks=src_b,
-                    dst_blocks=dst_b,
-                    dst_block_bytes=dbm,
-                )
-
-            return keyed
-        addrs = np.asarray(config.dst_addrs, dtype=np.uint64)
-        unit = dbm or entry.stride  # bytes of one destination block
-        if dst_b is not None:
-            count = int(dst_b.max()) + 1
-            raw_tb, raw_count, raw_blocks = unit * count, count, True
-        else:
-            raw_tb, raw_count, raw_blocks = entry.stride, 1, False
-
-        def raw(layer: int) -> XferSpec:
-            k = 2 * (layer - src_r.start)
-            return XferSpec(
-                "push",
-                {"by": "addrs"},
-                shape,
-                entry,
-                local_slot=src_slot,
-                src_range=range(layer, layer + 1),
-                dst_range=range(0, 1),
-                src_blocks=src_b,
-                dst_blocks=dst_b,
-                dst_block_bytes=unit if dst_b is not None else None,
-                raw_addrs=addrs[k : k + 2],
-                raw_tensor_bytes=raw_tb,
-                raw_count=raw_count,
-                raw_is_blocks=raw_blocks,
-            )
-
-        return raw
-
-
-_PULL_DEFAULTS: dict[str, Any] = {
-    "src_layer_range": None,
-    "dst_layer_range": None,
-    "tensor_num_per_layer": 2,
-    "src_cache_offset": -1,
-    "dst_cache_offset": -1,
-}
-_PULL_KWARGS = set(_PULL_DEFAULTS)
-
-
-def _resolve_in_table(table: dict[str, Any], target: dict[str, Any], peer: int) -> dict[str, Any]:
-    """Resolve a target against the peer's table snapshot (remote-accessible mode).
-
-    Raises:
-        LLMException: LLM_KV_CACHE_NOT_EXIST when the snapshot has no such cache or key;
-            LLM_PARAM_INVALID when that cache is not remote accessible.
-    """
-    by = target["by"]
-    if by == "blocks_key":
-        cid = table.get("blocks_keys", {}).get(str(target["model_id"]))
-        index = 0
-    elif by == "cache_id":
-        cid, index = target["cache_id"], target.get("index", 0)
-    else:
-        return target
-    entry = next((c for c in table.get("caches", []) if c.get("cache_id") == cid), None)
-    if cid is None or entry is None:
-        raise LLMException(
-            f"cluster {peer} published no cache for {target} (its table is snapshotted at the "
-            "first transfer of a link: register before that, or re-link)",
-            status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-        )
-    raise_if_false(
-        entry.get("remote_accessible"), f"cache {cid} of cluster {peer} is not remote accessible"
-    )
-    return {"by": "cache_id", "cache_id": cid, "index": index}
-
-
-def _check_synchronizer(sync: Any) -> None:
-    if not callable(getattr(sync, "synchronize_layer", None)):
-        raise TypeError(
-            "layer_synchronizer must be a LayerSynchronizer or AsyncLayerSynchronizer "
-            f"(something with synchronize_layer), got {type(sync).__name__}"
-        )
-
-
-def _with_table(
-    make: Callable[[int], XferSpec], table: dict[str, Any], peer: int
-) -> Callable[[int], XferSpec]:
-    """Resolve a keyed destination through the peer's table snapshot once, for every layer."""
-    resolved: dict[str, Any] = {}
-
-    def make_resolved(layer: int) -> XferSpec:
-        spec = make(layer)
-        if spec.target.get("by") != "addrs":
-            if not resolved:
-                resolved.update(_resolve_in_table(table, spec.target, peer))
-            spec.target = dict(resolved)
-        return spec
-
-    return make_resolved
+        return start_transfer(engine, entry, layer_synchronizer, transfer_configs, ts)

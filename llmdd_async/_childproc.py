@@ -22,23 +22,10 @@ import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from ._errors import LLMException
+from ._enums import LLMStatusCode
+from ._errors import ChildError, is_caller_facing
 
-__all__ = ["ChildError", "ChildProcess", "CommandServer", "run_server"]
-
-
-class ChildError(Exception):
-    """A command failed in the child; ``code`` holds the LLMStatusCode for LLMExceptions."""
-
-    def __init__(self, message: str, kind: str, code: int | None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        if code is None:
-            self.code = None
-        else:
-            from ._enums import LLMStatusCode
-
-            self.code = LLMStatusCode.from_wire(code)
+__all__ = ["ChildProcess", "CommandServer", "run_server"]
 
 
 class CommandServer:
@@ -91,16 +78,22 @@ class CommandServer:
         try:
             result = await getattr(self, req["op"])(**req.get("args", {}))
             reply = {"id": req["id"], "ok": True, "result": result}
-        except LLMException as exc:
-            reply = {
-                "id": req["id"],
-                "ok": False,
-                "error": str(exc),
-                "type": "LLMException",
-                "code": int(exc.status_code),
-            }
         except Exception as exc:
-            reply = {"id": req["id"], "ok": False, "error": repr(exc), "type": type(exc).__name__}
+            if is_caller_facing(exc):
+                reply = {
+                    "id": req["id"],
+                    "ok": False,
+                    "error": str(exc),
+                    "type": "LLMException",
+                    "code": int(exc.status_code),
+                }
+            else:  # below the API (a protocol error, a stopped copy): named as it is
+                reply = {
+                    "id": req["id"],
+                    "ok": False,
+                    "error": repr(exc),
+                    "type": type(exc).__name__,
+                }
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 
@@ -199,9 +192,14 @@ class ChildProcess:
         await ev.wait()
         reply = self._results.pop(rid, None)
         if reply is None:
-            raise ChildError("the child process exited", "EOF", None)
+            raise ChildError("the child process exited", kind="EOF")
         if not reply["ok"]:
-            raise ChildError(reply["error"], reply["type"], reply.get("code"))
+            code = reply.get("code")
+            raise ChildError(
+                reply["error"],
+                kind=reply["type"],
+                status_code=None if code is None else LLMStatusCode.from_wire(code),
+            )
         return reply["result"]
 
     def pause(self) -> None:

@@ -101,7 +101,7 @@ def _cluster_info(name: str, value: Any) -> None:
 
 def _cluster_info_with_int_ips(value: str) -> str:
     """Upstream turns ``listen_ip_info[].ip`` text into its little-endian integer form."""
-    from ._types import ip_to_int
+    from ._cluster import ip_to_int
 
     info = json.loads(value)
     if isinstance(info, dict):
@@ -277,7 +277,7 @@ def _cluster_info_lists(text: str) -> tuple[list[Any] | None, list[Any] | None]:
 
 
 def _listen_text(item: dict[str, Any]) -> str:
-    from ._types import int_to_ip
+    from ._cluster import int_to_ip
 
     ip, port = item["ip"], item["port"]
     raise_if_false(

@@ -7,12 +7,13 @@ import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from ._checks import check_int32, check_isinstance, check_list_of, check_uint64
+from ._api_checks import check_clusters
+from ._checks import check_int32, check_isinstance, check_uint64
+from ._cluster import LLMClusterInfo
 from ._config import LLMConfig
 from ._enums import LLMRole, LLMStatusCode, RegisterMemStatus
 from ._errors import LLMException, raise_if_false, raise_param
 from ._options import parse_listen, parse_options, warn_unknown_options
-from ._types import LLMClusterInfo
 
 __all__ = ["LLMDataDist"]
 
@@ -153,14 +154,6 @@ class LLMDataDist:
         engine = self._live_engine()
         return engine.links.listen_address
 
-    def _check_clusters(self, clusters: Any, timeout: Any) -> None:
-        for i, c in enumerate(check_list_of("clusters", clusters, LLMClusterInfo)):
-            if c.remote_cluster_id is None:
-                raise TypeError(f"clusters[{i}].remote_cluster_id must be set (uint64)")
-            check_uint64(f"clusters[{i}].remote_cluster_id", c.remote_cluster_id)
-        check_int32("timeout", timeout)
-        raise_if_false(timeout > 0, f"timeout must be > 0 ms, got {timeout}")
-
     def link_statistics(self, cluster_id: int) -> Any:
         """Bytes, transfers, transport and recent transfers of the link to ``cluster_id``.
 
@@ -208,7 +201,7 @@ class LLMDataDist:
                 ``timeout <= 0`` or a cluster without a local address (unless local_comm_res).
         """
         engine = self._live_engine()
-        self._check_clusters(clusters, timeout)
+        check_clusters(clusters, timeout)
         if not clusters:
             return LLMStatusCode.LLM_PARAM_INVALID, []
         if not engine.options.local_comm_res:
@@ -232,7 +225,7 @@ class LLMDataDist:
             RuntimeError / TypeError / ValueError / LLMException: as :meth:`link_clusters`.
         """
         engine = self._live_engine()
-        self._check_clusters(clusters, timeout)
+        check_clusters(clusters, timeout)
         check_isinstance("force", force, bool)
         if not clusters:
             return LLMStatusCode.LLM_PARAM_INVALID, []
@@ -347,7 +340,7 @@ class LLMDataDist:
         engine = self._live_engine()
         if not engine.options.cache_manager:
             raise_param("link() needs cache-manager mode")
-        return await engine.links.comm_link(comm_name, cluster_rank_info, rank_table)
+        return await engine.links.comms.link(comm_name, cluster_rank_info, rank_table)
 
     async def unlink(self, comm_id: int) -> None:
         """Leave a communication domain: its links are dropped.
@@ -358,7 +351,7 @@ class LLMDataDist:
         """
         engine = self._live_engine()
         check_uint64("comm_id", comm_id)
-        await engine.links.comm_unlink(int(comm_id))
+        await engine.links.comms.unlink(int(comm_id))
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
         """PREPARING while the domain's links are being set up, then OK or FAILED.
@@ -369,7 +362,7 @@ class LLMDataDist:
         """
         engine = self._live_engine()
         check_uint64("comm_id", comm_id)
-        return engine.links.comm_status(int(comm_id))
+        return engine.links.comms.status(int(comm_id))
 
     def __repr__(self) -> str:
         state = "running" if self.is_initialized() else "stopped"

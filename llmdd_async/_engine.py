@@ -13,38 +13,29 @@ from typing import Any
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import numpy as np
 from anyio.abc import TaskGroup
 
 from ._devices import DeviceAdapter, DevicePool, load_adapter
 from ._enums import LLMRole, LLMStatusCode, Placement
 from ._log import get_logger
+from ._memory import EpochPage, MemoryPool, populate
+from ._net.host import ScratchPool
+from ._net.link import Link
+from ._net.link_manager import LinkManager
+from ._net.streams import VIEWS_INLINE, ManyRangesStream
 from ._options import EngineOptions
-from ._registry import Registry
+from ._registry import CacheEntry, Registry
 from ._task import CacheTask, TaskControl
+from ._transports import TransportEndpoint, start_endpoint
+from ._transports.tcp import StagedStream, StreamPlan
 
 __all__ = ["Engine"]
 
 
-class ScratchPool:
-    """Scratch buffers lent for one frame at a time: memory scales with transfers in
-    progress, not with links."""
-
-    SIZE = 4 << 20
-
-    def __init__(self, keep: int = 2) -> None:
-        self._free: list[memoryview] = []
-        self._keep = keep
-
-    def acquire(self) -> memoryview:
-        return self._free.pop() if self._free else memoryview(bytearray(self.SIZE))
-
-    def release(self, buf: memoryview) -> None:
-        if len(self._free) < self._keep:
-            self._free.append(buf)
-
-
 class Engine:
-    """State and task group of one initialised endpoint."""
+    """State and task group of one initialised endpoint: the host of its links
+    (``_net.host.LinkHost``)."""
 
     def __init__(self, role: LLMRole, cluster_id: int, options: EngineOptions) -> None:
         self.role = role
@@ -66,21 +57,18 @@ class Engine:
         self.scratch = ScratchPool()
         #: set by ``link()`` (comm-domain links): later registrations default to not accessible.
         self.comm_linked = False
-        from ._net.link_manager import LinkManager
-
         self.links = LinkManager(self)
-        #: the NIXL agent (``llm.Transport=nixl``), made when the engine starts
-        self.nixl: Any = None
+        #: the endpoint-wide half of the chosen transport (NIXL's agent), if it has one: made
+        #: when the engine starts
+        self.transport_endpoint: TransportEndpoint | None = None
         #: bumped whenever a cache id is released; same-host peers map it (one-sided pulls)
-        self.epoch: Any = None
+        self.epoch: EpochPage | None = None
 
     @property
     def sync_kv_timeout_s(self) -> float:
         return self.options.sync_kv_timeout_ms / 1000
 
     def _create_pools(self) -> None:
-        from ._memory import MemoryPool
-
         device_pool = self.options.device_pool
         if device_pool is None and not self.options.cache_manager:
             device_pool = self.options.legacy_kv_pool
@@ -94,8 +82,6 @@ class Engine:
         """Open the engine's task group; on exit every task is cancelled and fenced."""
         self._thread = threading.get_ident()
         self._create_pools()
-        from ._memory import EpochPage
-
         self.epoch = EpochPage()
         self.registry.on_release = self.epoch.bump
         body_error: BaseException | None = None
@@ -123,9 +109,9 @@ class Engine:
             self._portal = None
             self.closed = True
             self.registry.close()
-            if self.nixl is not None:
-                self.nixl.close()
-                self.nixl = None
+            if self.transport_endpoint is not None:
+                self.transport_endpoint.close()
+                self.transport_endpoint = None
             for pool in self.pools.values():
                 pool.close()
             self.pools.clear()
@@ -139,19 +125,19 @@ class Engine:
             raise body_error
 
     async def start_services(self) -> None:
-        """Start the NIXL agent (``llm.Transport=nixl``), open the same-host side channel;
-        listen when ``llm.listenIpInfo`` was given.
+        """Start the transport's endpoint-wide half (NIXL's agent, ``llm.Transport=nixl``),
+        open the same-host side channel; listen when ``llm.listenIpInfo`` was given.
 
         Raises:
-            LLMException: LLM_PARAM_INVALID without NIXL, LLM_FAILED when its agent cannot
-                start; LLM_LINK_FAILED when the listen address cannot be bound.
+            LLMException: LLM_PARAM_INVALID without the transport's optional package,
+                LLM_FAILED when it cannot start; LLM_LINK_FAILED when the listen address
+                cannot be bound.
         """
-        if self.options.transport == "nixl":
-            from ._transports.nixl import NixlEndpoint
-
-            self.nixl = await NixlEndpoint.start(self)
-            self.registry.on_add = self.nixl.register
-            self.registry.on_free = self.nixl.deregister
+        endpoint = await start_endpoint(self.options.transport, self)
+        if endpoint is not None:
+            self.transport_endpoint = endpoint
+            self.registry.on_add = endpoint.register
+            self.registry.on_free = endpoint.deregister
         await self.links.start()
         if self.options.listen is not None:
             await self.links.listen(self.options.listen)
@@ -173,13 +159,11 @@ class Engine:
             return self.options.limits.serve_timeout_s
         return self.sync_kv_timeout_s * max(1, (tensors + 1) // 2)
 
-    def prefault(self, addrs: Any, nbytes: int) -> None:
+    def prefault(self, addrs: np.ndarray, nbytes: int) -> None:
         """Fault a newly registered or allocated cache's host pages in, in a worker thread, so
         that its first transfer does not pay page faults (device memory is left alone)."""
         if not self.host_reachable(addrs) or self._tg is None:
             return
-        from ._memory import populate
-
         ready = anyio.Event()
         key = int(addrs[0])
         self._populating[key] = ready
@@ -195,87 +179,70 @@ class Engine:
 
         self.spawn(job)
 
-    async def populated(self, addrs: Any) -> None:
+    async def populated(self, addrs: np.ndarray) -> None:
         """Wait until the pages of the cache at ``addrs`` are faulted in (a transfer started
         right after registration then does not fight the population for them)."""
         ready = self._populating.get(int(addrs[0])) if len(addrs) else None
         if ready is not None:
             await ready.wait()
 
-    def published_table(self, nixl: bool = True) -> dict[str, Any]:
-        """This endpoint's cache table, as a peer snapshots it (remote-accessible mode); with
-        NIXL (and ``nixl``: asked over a NIXL link) also the agent's metadata, so that a
-        linked peer can reach its registered (remote-accessible) caches."""
+    def published_table(self) -> dict[str, Any]:
+        """This endpoint's cache table, as a peer snapshots it (remote-accessible mode), a
+        fresh dict (a link adds what its access tells only its peer: NIXL's metadata)."""
         # The registry's table is built once per change; only what varies is added to a copy.
         table = dict(self.registry.published_table())
         if self.epoch is not None:
             # Where a peer reading our caches one-sidedly checks that its snapshot still holds.
             table["epoch"] = [self.epoch.base, self.epoch.value]
-        if self.nixl is not None and nixl:
-            table["nixl"] = self.nixl.table_entry()
         return table
 
     def identity_for_link(self) -> dict[str, Any]:
+        """What the handshake tells a peer about this endpoint."""
         return self.links.identity()
 
-    def reachable_by_peer(self, caps: Any, ranges: Any, nbytes: Any) -> bool:
-        if self.nixl is not None and isinstance(caps, dict) and caps.get("nixl") is True:
-            # Device memory too: NIXL reaches what is registered with it (remote-accessible
-            # caches only).
-            if not self.nixl.covers(ranges, nbytes):
-                return False
-            self.nixl.poller.busy()  # UCX tcp moves the peer's bytes only while we progress
-            return True
+    def reachable_by_peer(self, caps: Any, ranges: np.ndarray, nbytes: np.ndarray) -> bool:
+        """Whether the initiator that sent ``caps`` (a peer's claim, already limited to what
+        its link's kind allows) may copy these ranges of ours itself."""
+        endpoint = self.transport_endpoint
+        if endpoint is not None:
+            # Caps that ask for the endpoint's transport (NIXL) are its to judge: it may reach
+            # device memory too.
+            served = endpoint.serves(caps, ranges, nbytes)
+            if served is not None:
+                return served
         return self.host_reachable(ranges) and self.links.reachable_by_peer(caps, ranges, nbytes)
 
-    def request_caps(self, link: Any, entry: Any) -> dict[str, bool]:
+    def request_caps(self, link: Link, entry: CacheEntry) -> dict[str, bool]:
         """How the initiator of a request from/to ``entry`` can reach the peer's memory (sent
         with the request): the link's access, unless ``entry`` is memory that access cannot
         use (device memory; for NIXL, a cache not registered with the agent)."""
-        caps_for = getattr(link.access, "caps_for", None)
-        if caps_for is not None:
-            return caps_for(entry)
-        return link.caps() if self.host_reachable(entry.addrs) else link.no_caps()
+        return link.caps.for_entry(entry, self.host_reachable(entry.addrs))
 
-    def host_reachable(self, addrs: Any) -> bool:
+    def host_reachable(self, addrs: np.ndarray) -> bool:
         """False for device memory of an adapter the CPU cannot address directly."""
         return self.adapter.host_addressable or not self.adapter.owns(addrs)
 
-    def make_stream(self, addrs: Any, nbytes: Any, limiter: Any = None) -> Any:
+    def make_stream(
+        self, addrs: np.ndarray, nbytes: np.ndarray, limiter: anyio.CapacityLimiter | None = None
+    ) -> StreamPlan:
         """The stream view of local ranges: direct for host memory, staged for device memory.
         Over many ranges, its frames' views are built in threads of ``limiter`` (a link's)."""
-        from ._net.transfer import VIEWS_INLINE, ManyRangesStream
-        from ._transports.tcp import StagedStream, StreamPlan
-
         if self.host_reachable(addrs):
             if len(nbytes) > VIEWS_INLINE:
                 return ManyRangesStream(addrs, nbytes, limiter)
             return StreamPlan(addrs, nbytes)
         return StagedStream(addrs, nbytes, self.adapter)
 
-    async def open_stream(self, addrs: Any, nbytes: Any, limiter: Any = None) -> Any:
+    async def open_stream(
+        self, addrs: np.ndarray, nbytes: np.ndarray, limiter: anyio.CapacityLimiter | None = None
+    ) -> StreamPlan:
         """:meth:`make_stream` for async callers: a staging buffer (pinned memory, slow to
         allocate) or a stream over many ranges is made in a worker thread (of ``limiter``)."""
-        from ._net.transfer import VIEWS_INLINE
-
         if self.host_reachable(addrs) and len(nbytes) <= VIEWS_INLINE:
             return self.make_stream(addrs, nbytes, limiter)
         return await anyio.to_thread.run_sync(
             self.make_stream, addrs, nbytes, limiter, limiter=limiter
         )
-
-    async def serve_request(self, link: Any, req: Any, msg: Any) -> None:
-        from ._net.transfer import serve_request
-
-        await serve_request(self, link, req, msg)
-
-    def serve_now(self, link: Any, msg: Any) -> bool:
-        from ._net.transfer import serve_now
-
-        return serve_now(self, link, msg)
-
-    def drop_link(self, link: Any) -> None:
-        self.links.forget(link)
 
     def threadsafe_event(self) -> tuple[anyio.Event, Callable[[], None]]:
         """An event and a setter that may be called from any thread, without blocking it."""
@@ -380,5 +347,5 @@ class Engine:
         self.check_thread()
         if self._tg is None:
             raise RuntimeError("llm datadist is not initialized")
-        self._tg.start_soon(task._run, body, deadline_s)
+        self._tg.start_soon(task.run_body, body, deadline_s)
         return task

@@ -8,7 +8,7 @@ timeout code ``LLM_WAIT_PROCESS_TIMEOUT``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -17,6 +17,7 @@ from ._cache_manager import CacheManager
 from ._checks import check_isinstance, check_uint64
 from ._enums import DataType, LLMRole, Placement
 from ._errors import raise_if_false
+from ._faces import face_of
 from ._task import CacheTask
 from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex
 
@@ -93,21 +94,23 @@ class KvCache(Cache):
         return cls(-1, base.cache_desc, base.tensor_addrs, True)
 
     def __del__(self) -> None:
-        owner = getattr(self, "_owner", None)
+        owner = getattr(self, "issuer", None)
         if owner is None or not self.valid or self.cache_id < 0:
             return
-        engine = owner._engine
-        if engine.closed:
-            return
-        cache_id = self.cache_id
-        engine.call_soon(lambda: _release_allocated(engine, cache_id))
+        owner.release_dropped(self.cache_id)
 
 
-def _release_allocated(engine: Any, cache_id: int) -> None:
-    """What dropping the last reference of an allocated KvCache does (on the loop)."""
-    entry = engine.registry.entries.get(cache_id)
-    if entry is not None and entry.allocated:
-        engine.registry.release_id(entry)
+def _delegate(definition: Callable[..., Any], role: LLMRole | None = None) -> Callable[..., Any]:
+    """A legacy method that is the CacheManager's (same signature), after the legacy role
+    rule (§10) when ``role`` is given."""
+
+    def call(self: KvCacheManager, name: str, *args: Any, **kwargs: Any) -> Any:
+        if role is not None:
+            self._require(role, name)
+        return getattr(self._cm, name)(*args, **kwargs)
+
+    rule = f"Only on a {role.name} endpoint. " if role is not None else ""
+    return face_of(definition, call, doc=f"{rule}As :meth:`CacheManager.{definition.__name__}`.")
 
 
 class TensorDesc:
@@ -179,9 +182,7 @@ class KvCacheManager:
         else:
             self._cm.deallocate_cache(cache)
 
-    def remove_cache_key(self, cache_key: CacheKey) -> None:
-        self._require(LLMRole.PROMPT, "remove_cache_key")
-        self._cm.remove_cache_key(cache_key)
+    remove_cache_key = _delegate(CacheManager.remove_cache_key, LLMRole.PROMPT)
 
     def get_cache_tensors(self, cache: Cache, tensor_index: int = 0) -> list[Tensor]:
         """The cache's tensor ``tensor_index`` as a numpy-backed Tensor (one per device).
@@ -231,20 +232,8 @@ class KvCacheManager:
             prompt_cache_key, decoder_kv_cache, prompt_blocks, decoder_blocks, **kwargs
         )
 
-    def copy_cache(
-        self,
-        dst: Cache,
-        src: Cache,
-        dst_batch_index: int = 0,
-        src_batch_index: int = 0,
-        offset: int = 0,
-        size: int = -1,
-        req_id: int | None = None,
-    ) -> CacheTask:
-        return self._cm.copy_cache(dst, src, dst_batch_index, src_batch_index, offset, size, req_id)
-
-    def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> CacheTask:
-        return self._cm.copy_blocks(cache, copy_block_info)
+    copy_cache = _delegate(CacheManager.copy_cache)
+    copy_blocks = _delegate(CacheManager.copy_blocks)
 
     def swap_blocks(self, src: Cache, dst: Cache, src_to_dst: dict[int, int]) -> CacheTask:
         """Raises: as CacheManager.swap_blocks; LLM_PARAM_INVALID for a cache of several
@@ -256,22 +245,6 @@ class KvCacheManager:
             )
         return self._cm.swap_blocks(src, dst, src_to_dst)
 
-    def transfer_cache_async(
-        self,
-        src_cache: Cache,
-        layer_synchronizer: Any,
-        transfer_configs: Sequence[Any],
-        src_block_indices: Sequence[int] | None = None,
-        dst_block_indices: Sequence[int] | None = None,
-        dst_block_memory_size: int | None = None,
-    ) -> CacheTask:
-        """Prompt only, TransferConfig only (raw peer addresses)."""
-        self._require(LLMRole.PROMPT, "transfer_cache_async")
-        return self._cm.transfer_cache_async(
-            src_cache,
-            layer_synchronizer,
-            transfer_configs,
-            src_block_indices,
-            dst_block_indices,
-            dst_block_memory_size,
-        )
+    #: prompt only; TransferConfig only (raw peer addresses), as legacy mode is not
+    #: remote-accessible
+    transfer_cache_async = _delegate(CacheManager.transfer_cache_async, LLMRole.PROMPT)

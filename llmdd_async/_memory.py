@@ -26,11 +26,10 @@ import anyio.to_thread
 import numpy as np
 
 from ._enums import LLMStatusCode
-from ._errors import LLMException, raise_if_false
+from ._errors import CopyCancelled, LLMException, raise_if_false
 
 __all__ = [
     "CancelToken",
-    "CopyCancelled",
     "EpochPage",
     "MemoryPool",
     "PageAllocator",
@@ -389,10 +388,6 @@ class CancelToken:
         if self.parent is not None and self.parent.cancelled:
             return True
         return self.deadline is not None and time.monotonic() >= self.deadline
-
-
-class CopyCancelled(Exception):
-    """A worker stopped between chunks because its token was cancelled."""
 
 
 # Splitting big copies hurts: glibc switches to non-temporal stores only for very large

@@ -282,10 +282,10 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
     raise_if_false(
         transport in TRANSPORTS, f"llm.Transport must be one of {TRANSPORTS}, got {transport!r}"
     )
-    if transport == "nixl":
-        from ._transports import require_installed
+    # A transport's optional package (NIXL) is checked here, where the option is read.
+    from ._transports import require_installed
 
-        require_installed("nixl")
+    require_installed(transport)
     device_s = opts.get("ge.exec.deviceId", "0").split(";")[0]
     raise_if_false(device_s.isdigit(), f"ge.exec.deviceId must be a number, got {device_s!r}")
     auth = opts.get("llm.AuthKey")

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._errors import ProtocolError
+
 __all__ = [
     "HEADER",
     "MAGIC",
@@ -47,7 +49,6 @@ __all__ = [
     "MetaBudget",
     "Message",
     "PayloadBytes",
-    "ProtocolError",
     "encode",
 ]
 
@@ -61,10 +62,6 @@ MAX_PAYLOAD = 1 << 40
 _TAG = 32
 #: bytes of the MAC trailer of a DATA frame's payload (``llm.PayloadAuth``)
 PAYLOAD_TAG = 32
-
-
-class ProtocolError(Exception):
-    """The peer sent bytes that are not a valid frame. The connection must be closed."""
 
 
 class MT(enum.IntEnum):

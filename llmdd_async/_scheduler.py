@@ -1,12 +1,15 @@
-"""The layer-wise scheduler behind ``transfer_cache_async``.
+"""The scheduler: every per-link turn and every deadline of a data movement.
 
-One producer awaits the synchronizer for layer ``i`` and hands the layer to every destination
-whose range holds it; each destination sends its layers in order, one request per layer,
-holding its link's phase lock alone (FIFO with pulls and pushes, which share it), while the
-producer already awaits layer ``i + 1``. A bounded channel per
-destination (the *window*) stops the producer from running more than ``window`` layers ahead
-of the slowest destination, which keeps staging memory flat. Different destinations (links)
-move in parallel.
+A pull or push (:func:`run_request`) waits for its link's phase lock (shared with the other
+pulls and pushes, FIFO with layer-wise sends) and its deadline starts once the link is its.
+
+The layer-wise ``transfer_cache_async`` (:func:`run_transfer`): one producer awaits the
+synchronizer for layer ``i`` and hands the layer to every destination whose range holds it;
+each destination sends its layers in order, one request per layer, holding its link's phase
+lock alone (FIFO with pulls and pushes, which share it), while the producer already awaits
+layer ``i + 1``. A bounded channel per destination (the *window*) stops the producer from
+running more than ``window`` layers ahead of the slowest destination, which keeps staging
+memory flat. Different destinations (links) move in parallel.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ from typing import Any
 import anyio
 
 from ._enums import LLMStatusCode
-from ._errors import LLMException, status_from_exception
+from ._errors import LLMException, SynchronizerAborted, is_caller_facing, status_from_exception
+from ._net.addressing import resolve_in_table, with_table
+from ._net.grants import TransferRequest
+from ._net.initiator import initiate
 from ._net.link import Link
-from ._net.transfer import XferSpec, initiate
 from ._synchronizer import AsyncLayerSynchronizer, LayerEvents
 from ._task import LayerTiming, TaskControl
 
-__all__ = ["Destination", "run_layerwise", "wait_for_layer"]
+__all__ = ["Destination", "run_layerwise", "run_request", "run_transfer", "wait_for_layer"]
 
 DEFAULT_WINDOW = 4
 
@@ -38,11 +43,7 @@ class Destination:
     slot: int
     link: Link
     layers: list[int]
-    make_spec: Callable[[int], XferSpec]
-
-
-class SynchronizerAborted(LLMException):
-    """The synchronizer said no (False), raised, or timed out for a layer."""
+    make_spec: Callable[[int], TransferRequest]
 
 
 async def wait_for_layer(engine: Any, sync: Any, layer: int, timeout_ms: int | None) -> None:
@@ -86,6 +87,62 @@ async def wait_for_layer(engine: Any, sync: Any, layer: int, timeout_ms: int | N
         )
 
 
+async def run_request(
+    engine: Any,
+    ctl: TaskControl,
+    link: Link,
+    spec: TransferRequest,
+    timeout_s: float,
+    steps: int,
+    remote_accessible: bool,
+) -> None:
+    """Run one pull or push: ``timeout_s`` per step (layer) once the link is ours.
+
+    In remote-accessible mode the first transfer of a link fetches the peer's table (within
+    ``timeout_s``) and the target is resolved in it.
+
+    Raises:
+        LLMException: as :func:`._net.addressing.resolve_in_table`, a broken link
+            (LLM_NOT_YET_LINK / LLM_LINK_FAILED), or what the peer answered.
+    """
+    if remote_accessible:
+        table = link.view.table
+        if table is None:  # the first transfer of the link fetches it
+            ctl.set_deadline(timeout_s)
+            table = await link.view.fetch_table(timeout_s)
+            ctl.set_deadline(None)
+        spec.target = resolve_in_table(table, spec.target, link.peer_cluster_id)
+    async with link.transfer_lock.hold(exclusive=False):
+        # The deadline runs from when the link is ours, not while queueing.
+        ctl.set_deadline(timeout_s * steps)
+        link.check_alive()
+        ctl.add(*await initiate(engine, link, spec, ctl.token, ctl.deadline))
+
+
+async def run_transfer(
+    engine: Any,
+    ctl: TaskControl,
+    sync: Any,
+    dests: list[Destination],
+    timeout_s: float,
+    sync_timeout_ms: int | None,
+    window: int,
+    remote_accessible: bool,
+) -> None:
+    """Run a layer-wise transfer: in remote-accessible mode each destination's key is first
+    resolved in its peer's table (a control round trip, not payload: it needs no turn on the
+    link), then :func:`run_layerwise`.
+
+    Raises:
+        LLMException: as :func:`run_layerwise`, or an unresolvable destination.
+    """
+    if remote_accessible:
+        for d in dests:
+            table = await d.link.view.fetch_table(timeout_s)
+            d.make_spec = with_table(d.make_spec, table, d.link.peer_cluster_id)
+    await run_layerwise(engine, ctl, sync, dests, timeout_s, sync_timeout_ms, window)
+
+
 async def run_layerwise(
     engine: Any,
     ctl: TaskControl,
@@ -127,7 +184,10 @@ async def run_layerwise(
                                 status_code=LLMStatusCode.LLM_TIMEOUT,
                             ) from None
                 except LLMException as exc:
-                    ctl.set_result(d.slot, exc.status_code)
+                    # A stopped copy (CopyCancelled: a cancel, a deadline) is the task's to
+                    # report, not this slot's.
+                    if is_caller_facing(exc):
+                        ctl.set_result(d.slot, exc.status_code)
                     raise
                 ctl.add(moved, descs)
                 nbytes_at[layer] = nbytes_at.get(layer, 0) + moved

@@ -1,14 +1,19 @@
-"""The blocking facade's event loop: one background thread per process (uvloop when installed).
+"""An asyncio event loop in a daemon thread, handed work from other threads.
 
-Blocking calls from any thread are handed to this loop and wait for their result; the engine
-itself only ever runs on the loop thread.
+Two users: the blocking facade (one loop per process, uvloop when installed:
+:meth:`LoopThread.get`; blocking calls from any thread wait for their result there, and the
+engine itself only ever runs on that thread) and the vLLM connector (a private loop per worker,
+:meth:`LoopThread.submit` / :meth:`LoopThread.call_soon` / :meth:`LoopThread.stop`, so no
+vLLM hook blocks on the endpoint).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 __all__ = ["LoopThread"]
@@ -16,22 +21,33 @@ __all__ = ["LoopThread"]
 T = TypeVar("T")
 
 
+def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 class LoopThread:
-    """The process's facade loop, started on first use and kept for the process's life."""
+    """An event loop running in its own daemon thread.
+
+    :meth:`get` gives the process's facade loop, started on first use and kept for the
+    process's life; a direct ``LoopThread(...)`` is a private one, ended with :meth:`stop`.
+    """
 
     _instance: LoopThread | None = None
     _lock = threading.Lock()
 
-    def __init__(self) -> None:
-        self.loop: asyncio.AbstractEventLoop
-        try:
-            import uvloop
-
-            self.loop = uvloop.new_event_loop()
-        except ImportError:
-            self.loop = asyncio.new_event_loop()
+    def __init__(self, name: str = "llmdd-sync-loop", use_uvloop: bool = True) -> None:
+        """Start the loop (uvloop when ``use_uvloop`` and installed) in a thread ``name``;
+        returns once it runs."""
+        self.loop = _new_loop(use_uvloop)
         self._ready = threading.Event()
-        self.thread = threading.Thread(target=self._main, name="llmdd-sync-loop", daemon=True)
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()
         self._ready.wait()
 
@@ -75,3 +91,21 @@ class LoopThread:
             return fn(*args, **kwargs)
 
         return self.run(call)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop, in a fresh context, without waiting for it.
+
+        A fresh context: the caller's (its sniffio library, say) must not leak into the
+        loop's tasks, which anyio inspects.
+        """
+        return contextvars.Context().run(asyncio.run_coroutine_threadsafe, coro, self.loop)
+
+    def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """``fn(*args)`` on the loop thread, soon, in a fresh context (as :meth:`submit`);
+        never blocks."""
+        self.loop.call_soon_threadsafe(fn, *args, context=contextvars.Context())
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the loop and wait up to ``timeout`` seconds for its thread to end."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout)

@@ -13,9 +13,15 @@ import anyio
 
 from ._checks import check_uint32
 from ._enums import LLMStatusCode
-from ._errors import LLMException, TransferCancelled, status_from_exception
+from ._errors import (
+    CopyCancelled,
+    LLMException,
+    TransferCancelled,
+    is_caller_facing,
+    status_from_exception,
+)
 from ._log import get_logger
-from ._memory import CancelToken, CopyCancelled
+from ._memory import CancelToken
 
 __all__ = ["CacheTask", "LayerTiming", "TaskStatistics", "busy_time"]
 
@@ -156,9 +162,11 @@ class CacheTask:
         self._log = log if log is not None else _log
 
     # ------------------------------------------------------------------ running
-    async def _run(
+    async def run_body(
         self, body: Callable[[TaskControl], Awaitable[None]], deadline_s: float | None
     ) -> None:
+        """Run ``body`` as this task (the engine starts it in its task group) and record how
+        it ended; never raises but the engine's own cancellation."""
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         # Worker threads see the deadline through the token, the loop through the scope.
         self._token.deadline = deadline
@@ -199,7 +207,7 @@ class CacheTask:
             status = status_from_exception(error)
             self._error = (
                 error
-                if isinstance(error, LLMException)
+                if is_caller_facing(error)
                 else LLMException(f"{self.kind} failed: {error!r}", status_code=status)
             )
         else:

@@ -1,9 +1,9 @@
-"""Value types of the llm_datadist API (reference §5, §7), validated as upstream does."""
+"""Value types of the llm_datadist API (reference §7), validated as upstream does: cache
+descriptions, caches, keys and transfer configs (``LLMClusterInfo`` is in :mod:`._cluster`)."""
 
 from __future__ import annotations
 
 import math
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,11 +14,10 @@ from ._checks import (
     check_int64,
     check_isinstance,
     check_range,
-    check_uint16,
     check_uint32,
     check_uint64,
 )
-from ._enums import DataType, LLMRole, Memtype, Placement
+from ._enums import DataType, Memtype, Placement
 from ._errors import raise_if_false
 
 __all__ = [
@@ -27,7 +26,6 @@ __all__ = [
     "CacheDesc",
     "CacheKey",
     "CacheKeyByIdAndIndex",
-    "LLMClusterInfo",
     "MemInfo",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
@@ -80,6 +78,7 @@ class CacheDesc:
         self._seq_len_dim_index = seq_len_dim_index
         self._kv_tensor_format = kv_tensor_format
         self._size: int | None = None
+        #: upstream's hidden flag, set by registering or allocating a blocks cache over it
         self._is_blocks = False
 
     num_tensors = property(lambda self: self._num_tensors)
@@ -121,6 +120,11 @@ class CacheDesc:
         self._shape[dim_index] = int(value)
         self._size = None
 
+    def mark_blocks(self) -> None:
+        """Set the hidden blocks flag, as upstream's blocks registration does to the caller's
+        description."""
+        self._is_blocks = True
+
     def __repr__(self) -> str:
         return (
             f"CacheDesc(num_tensors={self._num_tensors}, shape={self._shape}, "
@@ -143,16 +147,17 @@ class Cache:
         is_blocks_cache: bool,
         *,
         is_registered: bool = False,
-        _views: Callable[[], list[np.ndarray]] | None = None,
+        views: Callable[[], list[np.ndarray]] | None = None,
     ) -> None:
         self._cache_id = cache_id
         self._cache_desc = cache_desc
         self._tensor_addrs = list(tensor_addrs)
         self._is_blocks = is_blocks_cache
         self._is_registered = is_registered
-        self._views = _views
+        self._views = views
         self._valid = True
-        self._owner: object = None  # the CacheManager that issued it
+        #: the CacheManager that issued it (None for CPU caches); see :meth:`issued_by`
+        self.issuer: Any = None
 
     cache_id = property(lambda self: self._cache_id)
     cache_desc = property(lambda self: self._cache_desc)
@@ -166,7 +171,7 @@ class Cache:
     @property
     def valid(self) -> bool:
         """False once the cache was deallocated or its engine finalized."""
-        return self._valid and not getattr(self._owner, "closed", False)
+        return self._valid and not getattr(self.issuer, "closed", False)
 
     @property
     def tensors(self) -> list[np.ndarray]:
@@ -187,7 +192,12 @@ class Cache:
             ]
         return self._views()
 
-    def _invalidate(self) -> None:
+    def issued_by(self, manager: object) -> bool:
+        """True when ``manager`` issued this cache (caches of other endpoints are not its)."""
+        return self.issuer is manager
+
+    def invalidate(self) -> None:
+        """Mark the cache deallocated: it is no longer valid and has no views."""
         self._valid = False
         self._views = None
 
@@ -222,6 +232,16 @@ class Cache:
 
 def _valid_id(value: int) -> bool:
     return 0 <= value != UINT64_MAX
+
+
+def slot_key_of(key: CacheKey) -> tuple[str, int, int] | None:
+    """The engine identity of a key, ``("req" | "prefix", id, model_id)``; None for a
+    placeholder (neither id valid)."""
+    if key.req_id != UINT64_MAX:
+        return ("req", key.req_id, key.model_id)
+    if key.prefix_id != UINT64_MAX:
+        return ("prefix", key.prefix_id, key.model_id)
+    return None
 
 
 def _bind_key_args(
@@ -550,74 +570,3 @@ class TransferWithCacheKeyConfig:
         check_uint32("src_batch_index", value)
         self._src_batch_index = int(value)
         self._check_consistency()
-
-
-def ip_to_int(ip: str | int) -> int:
-    """IPv4 text to upstream's integer form (``inet_aton`` bytes read little-endian).
-
-    Raises:
-        RuntimeError: the text is not an IPv4 address.
-        TypeError: neither str nor int.
-    """
-    if isinstance(ip, int):
-        return ip
-    check_isinstance("ip", ip, str)
-    try:
-        return int.from_bytes(socket.inet_aton(ip), "little")
-    except OSError:
-        raise RuntimeError(f"invalid ip address {ip!r}") from None
-
-
-def int_to_ip(value: int) -> str:
-    """Inverse of :func:`ip_to_int`."""
-    return socket.inet_ntoa(int(value).to_bytes(4, "little"))
-
-
-class LLMClusterInfo:
-    """Where a remote cluster listens, for ``link_clusters`` / ``unlink_clusters``."""
-
-    def __init__(self) -> None:
-        self._remote_cluster_id: int | None = None
-        self._remote_role_type: LLMRole | int = 0
-        self._local_ip_info: list[tuple[int, int]] = []
-        self._remote_ip_info: list[tuple[int, int]] = []
-
-    @property
-    def remote_cluster_id(self) -> int | None:
-        return self._remote_cluster_id
-
-    @remote_cluster_id.setter
-    def remote_cluster_id(self, value: int) -> None:
-        check_uint64("remote_cluster_id", value)
-        self._remote_cluster_id = int(value)
-
-    @property
-    def remote_role_type(self) -> LLMRole | int:
-        return self._remote_role_type
-
-    @remote_role_type.setter
-    def remote_role_type(self, value: LLMRole | int) -> None:
-        check_isinstance("remote_role_type", value, (LLMRole, int))
-        self._remote_role_type = value
-
-    def append_local_ip_info(self, ip: str | int, port: int) -> None:
-        """Raises TypeError/ValueError for a bad port, RuntimeError for unparsable ip text."""
-        check_uint16("port", port)
-        self._local_ip_info.append((ip_to_int(ip), int(port)))
-
-    def append_remote_ip_info(self, ip: str | int, port: int) -> None:
-        """Raises TypeError/ValueError for a bad port, RuntimeError for unparsable ip text."""
-        check_uint16("port", port)
-        self._remote_ip_info.append((ip_to_int(ip), int(port)))
-
-    @property
-    def local_ip_info_list(self) -> list[tuple[int, int]]:
-        return list(self._local_ip_info)
-
-    @property
-    def remote_ip_info_list(self) -> list[tuple[int, int]]:
-        return list(self._remote_ip_info)
-
-    def __repr__(self) -> str:
-        remotes = [f"{int_to_ip(ip)}:{port}" for ip, port in self._remote_ip_info]
-        return f"LLMClusterInfo(remote_cluster_id={self._remote_cluster_id}, remote={remotes})"

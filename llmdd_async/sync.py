@@ -19,6 +19,7 @@ codes) is here too, for clients ported from the C++ API.
 
 from __future__ import annotations
 
+from ._cluster import LLMClusterInfo
 from ._compat.cpp_style import CacheIndex, KvCacheExtParam, LlmDataDist
 from ._compat.facade import CacheManager, CacheTask, KvCacheManager, LLMDataDist
 from ._config import LLMConfig, LlmConfig
@@ -32,7 +33,6 @@ from ._types import (
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
-    LLMClusterInfo,
     MemInfo,
     TransferConfig,
     TransferWithCacheKeyConfig,

@@ -1,4 +1,5 @@
-"""Shared fixtures: every async test runs on asyncio, asyncio+uvloop and trio."""
+"""Shared fixtures: every async test runs on asyncio, asyncio+uvloop and trio; remote tests
+that take ``transport`` run over every transport."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from helpers import cm_options
+from helpers import TRANSPORTS, cm_options, use_transport
 
 import llmdd_async as dd
 
@@ -44,3 +45,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 async def datadist() -> AsyncIterator[dd.LLMDataDist]:
     async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(cm_options()) as d:
         yield d
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``llm.Transport`` of each transport a remote test runs over (``tcp``, ``same-host``,
+    NIXL where installed); a test's own ``parametrize("transport", ...)`` overrides it."""
+    return use_transport(request, monkeypatch)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+"""The repository's root (examples, benchmarks and docs the tests run)."""
 
 
 def pool_json(size: int, page_shift: int = 16) -> str:
@@ -21,7 +27,7 @@ def cm_options(**extra: str) -> dict[str, str]:
     return opts
 
 
-def _nixl_params() -> list[Any]:
+def nixl_params() -> list[Any]:
     """``nixl`` (UCX over loopback with ``cma,tcp,self``) and ``nixl-tcp`` (``UCX_TLS=tcp``):
     skipped with a reason where NIXL is not installed, except under ``CI=true``, where a
     missing NIXL must fail."""
@@ -37,7 +43,7 @@ def _nixl_params() -> list[Any]:
     return [pytest.param(t, marks=marks, id=t) for t in ("nixl", "nixl-tcp")]
 
 
-TRANSPORTS = ["tcp", "same-host", *_nixl_params()]
+TRANSPORTS = ["tcp", "same-host", *nixl_params()]
 
 
 def use_transport(request: Any, monkeypatch: Any) -> str:
@@ -176,7 +182,7 @@ def peer_identity(cluster_id: int, **fields: Any) -> dict[str, Any]:
     """What a hand-made peer says about itself in the handshake (a decoder, TCP only, no side
     channel: nothing about it can be proven), with ``fields`` overriding."""
     import llmdd_async as dd
-    from llmdd_async._transports.same_host import host_identity
+    from llmdd_async._net.local_peer import host_identity
 
     return {
         "cluster_id": cluster_id,
@@ -224,3 +230,38 @@ async def raw_link(
         s.close()
         raise
     return peer
+
+
+async def run_spec(engine: Any, lnk: Any, spec: Any) -> Any:
+    """Run one hand-made request (a ``TransferRequest``) on ``lnk`` as a task: what a hostile
+    initiator would send.
+
+    Raises:
+        LLMException: whatever the request fails with.
+    """
+    from llmdd_async._net.initiator import initiate
+    from llmdd_async._task import CacheTask
+
+    async def body(ctl: Any) -> None:
+        await initiate(engine, lnk, spec, ctl.token, ctl.deadline)
+
+    return await engine.start_task(CacheTask("hostile"), body, 5)
+
+
+@contextlib.contextmanager
+def blocking_peer(role: Any, cluster_id: int, options: dict[str, str]) -> Iterator[tuple[Any, Any]]:
+    """A ``PeerProcess`` driven from a synchronous test through a portal thread: yields
+    ``(peer, portal)``; call the peer's coroutines with ``portal.call``.
+
+    Raises:
+        PeerError: the endpoint failed to start.
+    """
+    import anyio.from_thread
+
+    from llmdd_async.testing import PeerProcess
+
+    with (
+        anyio.from_thread.start_blocking_portal() as portal,
+        portal.wrap_async_context_manager(PeerProcess.start(role, cluster_id, options)) as p,
+    ):
+        yield p, portal

@@ -12,9 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._checks import check_int64, check_uint32, check_uint64
+from .._cluster import LLMClusterInfo
 from .._enums import LLMRole, LLMStatusCode
 from .._errors import LLMException
-from .._types import BlocksCacheKey, Cache, CacheDesc, CacheKeyByIdAndIndex, LLMClusterInfo
+from .._types import BlocksCacheKey, Cache, CacheDesc, CacheKeyByIdAndIndex
 from .facade import LLMDataDist
 
 __all__ = ["CacheIndex", "KvCacheExtParam", "LlmDataDist"]
@@ -174,7 +175,8 @@ class LlmDataDist:
         return status
 
     def _cache(self, cache: Cache | int) -> Cache:
-        self._dd._check()
+        if not self._dd.is_initialized():
+            raise RuntimeError("llm datadist is not initialized")
         if isinstance(cache, Cache):
             return cache
         found = self._caches.get(int(cache))
@@ -224,8 +226,7 @@ class LlmDataDist:
                 )
             src, dst, n = _ranges(ext_param)
             # Blocks by cache id: the C++ API addresses caches by id, not by model_id.
-            self._dd.cache_manager._move(
-                "_pull_blocks_by_id",
+            self._dd.cache_manager.pull_blocks_by_id(
                 src_cache_index.key(0),
                 self._cache(dst_cache),
                 list(src_blocks),
@@ -263,8 +264,7 @@ class LlmDataDist:
     ) -> LLMStatusCode:
         def run() -> None:
             src, dst, n = _ranges(ext_param)
-            self._dd.cache_manager._move(
-                "_push_blocks_by_id",
+            self._dd.cache_manager.push_blocks_by_id(
                 dst_cache_index.key(0),
                 self._cache(src_cache),
                 list(src_blocks),

@@ -13,15 +13,17 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .. import _cache_manager as _async_cm
 from .. import _datadist
+from .. import _kv_cache_manager as _async_kvm
+from .._cluster import LLMClusterInfo
 from .._config import legacy_device_options
 from .._enums import LLMRole, LLMStatusCode, RegisterMemStatus
 from .._errors import LLMException, raise_param
+from .._faces import face_of
 from .._sync_loop import LoopThread
-from .._synchronizer import LayerSynchronizer
 from .._task import CacheTask as _AsyncCacheTask
 from .._task import TaskStatistics
-from .._types import Cache, LLMClusterInfo, TransferConfig, TransferWithCacheKeyConfig
 from .multi_device import MultiDeviceKvCacheManager, check_link_devices, link_devices
 
 __all__ = ["CacheManager", "CacheTask", "KvCacheManager", "LLMDataDist"]
@@ -61,34 +63,57 @@ class CacheTask:
         return self._task.statistics()
 
 
-def _bookkeeping(name: str) -> Callable[..., Any]:
-    def method(self: _ManagerBase, *args: Any, **kwargs: Any) -> Any:
+def _bookkeeping(definition: Callable[..., Any]) -> Callable[..., Any]:
+    """The blocking face of a manager method that returns at once (registration, keys)."""
+
+    def call(self: _ManagerBase, name: str, *args: Any, **kwargs: Any) -> Any:
         return self._call(name, *args, **kwargs)
 
-    method.__name__ = name
-    method.__doc__ = f"Blocking ``{name}`` (see the async manager's method for its rules)."
-    return method
+    return face_of(definition, call, doc=f"Blocking ``{definition.__name__}``.")
 
 
-def _movement(name: str) -> Callable[..., None]:
-    def method(self: _ManagerBase, *args: Any, **kwargs: Any) -> None:
+def _movement(definition: Callable[..., Any]) -> Callable[..., Any]:
+    """The blocking face of a manager method that returns a task: it waits for the task."""
+
+    def call(self: _ManagerBase, name: str, *args: Any, **kwargs: Any) -> None:
         self._move(name, *args, **kwargs)
 
-    method.__name__ = name
-    method.__doc__ = (
-        f"Blocking ``{name}``: returns once the data moved; raises LLMException(status) on "
-        "failure, TypeError / ValueError / LLMException(LLM_PARAM_INVALID) for bad arguments."
+    return face_of(
+        definition,
+        call,
+        returns=None,
+        doc=(
+            f"Blocking ``{definition.__name__}``: returns once the data moved; raises "
+            "LLMException(status) on failure, TypeError / ValueError / "
+            "LLMException(LLM_PARAM_INVALID) for bad arguments."
+        ),
     )
-    return method
+
+
+def _starter(definition: Callable[..., Any]) -> Callable[..., Any]:
+    """The face of ``transfer_cache_async``: the task, with blocking ``synchronize``."""
+
+    def call(self: _ManagerBase, name: str, *args: Any, **kwargs: Any) -> CacheTask:
+        return CacheTask(self._call(name, *args, **kwargs))
+
+    return face_of(
+        definition,
+        call,
+        returns="CacheTask",
+        doc=(
+            "Start a layer-wise push; the synchronizer runs in a worker thread. Raises at once "
+            "for bad arguments (TypeError / ValueError / LLMException)."
+        ),
+    )
 
 
 class _ManagerBase:
-    def __init__(self, owner: LLMDataDist, get: Callable[[], Any]) -> None:
-        self._owner = owner
+    def __init__(self, check: Callable[[], None], get: Callable[[], Any]) -> None:
+        self._check = check
         self._get = get
 
     def _manager(self) -> Any:
-        self._owner._check()
+        self._check()
         return self._get()
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -103,66 +128,57 @@ class _ManagerBase:
 
         LoopThread.get().run(run)
 
-    def transfer_cache_async(
-        self,
-        src_cache: Cache,
-        layer_synchronizer: LayerSynchronizer,
-        transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
-        src_block_indices: Sequence[int] | None = None,
-        dst_block_indices: Sequence[int] | None = None,
-        dst_block_memory_size: int | None = None,
-    ) -> CacheTask:
-        """Start a layer-wise push; the synchronizer runs in a worker thread. Raises at once
-        for bad arguments (TypeError / ValueError / LLMException)."""
-        task = self._call(
-            "transfer_cache_async",
-            src_cache,
-            layer_synchronizer,
-            transfer_configs,
-            src_block_indices,
-            dst_block_indices,
-            dst_block_memory_size,
-        )
-        return CacheTask(task)
-
 
 class CacheManager(_ManagerBase):
-    """``LLMDataDist.cache_manager`` (cache-manager mode), blocking."""
+    """``LLMDataDist.cache_manager`` (cache-manager mode), blocking: each method is the async
+    :class:`llmdd_async.CacheManager`'s, with its signature."""
 
-    register_cache = _bookkeeping("register_cache")
-    register_blocks_cache = _bookkeeping("register_blocks_cache")
-    unregister_cache = _bookkeeping("unregister_cache")
-    allocate_cache = _bookkeeping("allocate_cache")
-    allocate_blocks_cache = _bookkeeping("allocate_blocks_cache")
-    deallocate_cache = _bookkeeping("deallocate_cache")
-    deallocate_blocks_cache = _bookkeeping("deallocate_blocks_cache")
-    remove_cache_key = _bookkeeping("remove_cache_key")
-    remap_registered_memory = _bookkeeping("remap_registered_memory")
-    pull_cache = _movement("pull_cache")
-    pull_blocks = _movement("pull_blocks")
-    push_cache = _movement("push_cache")
-    push_blocks = _movement("push_blocks")
-    copy_cache = _movement("copy_cache")
-    copy_blocks = _movement("copy_blocks")
-    swap_blocks = _movement("swap_blocks")
+    register_cache = _bookkeeping(_async_cm.CacheManager.register_cache)
+    register_blocks_cache = _bookkeeping(_async_cm.CacheManager.register_blocks_cache)
+    unregister_cache = _bookkeeping(_async_cm.CacheManager.unregister_cache)
+    allocate_cache = _bookkeeping(_async_cm.CacheManager.allocate_cache)
+    allocate_blocks_cache = _bookkeeping(_async_cm.CacheManager.allocate_blocks_cache)
+    deallocate_cache = _bookkeeping(_async_cm.CacheManager.deallocate_cache)
+    deallocate_blocks_cache = _bookkeeping(_async_cm.CacheManager.deallocate_blocks_cache)
+    remove_cache_key = _bookkeeping(_async_cm.CacheManager.remove_cache_key)
+    remap_registered_memory = _bookkeeping(_async_cm.CacheManager.remap_registered_memory)
+    pull_cache = _movement(_async_cm.CacheManager.pull_cache)
+    pull_blocks = _movement(_async_cm.CacheManager.pull_blocks)
+    push_cache = _movement(_async_cm.CacheManager.push_cache)
+    push_blocks = _movement(_async_cm.CacheManager.push_blocks)
+    copy_cache = _movement(_async_cm.CacheManager.copy_cache)
+    copy_blocks = _movement(_async_cm.CacheManager.copy_blocks)
+    swap_blocks = _movement(_async_cm.CacheManager.swap_blocks)
+    transfer_cache_async = _starter(_async_cm.CacheManager.transfer_cache_async)
+    # the C++ API's PullKvBlocks / PushKvBlocks (used by the C++-style face)
+    pull_blocks_by_id = _movement(_async_cm.CacheManager.pull_blocks_by_id)
+    push_blocks_by_id = _movement(_async_cm.CacheManager.push_blocks_by_id)
 
 
 class KvCacheManager(_ManagerBase):
-    """``LLMDataDist.kv_cache_manager`` (legacy mode), blocking."""
+    """``LLMDataDist.kv_cache_manager`` (legacy mode), blocking: each method is the async
+    legacy manager's, with its signature."""
 
-    allocate_cache = _bookkeeping("allocate_cache")
-    allocate_blocks_cache = _bookkeeping("allocate_blocks_cache")
-    deallocate_cache = _bookkeeping("deallocate_cache")
-    remove_cache_key = _bookkeeping("remove_cache_key")
-    get_cache_tensors = _bookkeeping("get_cache_tensors")
-    pull_cache = _movement("pull_cache")
-    pull_blocks = _movement("pull_blocks")
-    copy_cache = _movement("copy_cache")
-    copy_blocks = _movement("copy_blocks")
-    swap_blocks = _movement("swap_blocks")
+    allocate_cache = _bookkeeping(_async_kvm.KvCacheManager.allocate_cache)
+    allocate_blocks_cache = _bookkeeping(_async_kvm.KvCacheManager.allocate_blocks_cache)
+    deallocate_cache = _bookkeeping(_async_kvm.KvCacheManager.deallocate_cache)
+    remove_cache_key = _bookkeeping(_async_kvm.KvCacheManager.remove_cache_key)
+    get_cache_tensors = _bookkeeping(_async_kvm.KvCacheManager.get_cache_tensors)
+    pull_cache = _movement(_async_kvm.KvCacheManager.pull_cache)
+    pull_blocks = _movement(_async_kvm.KvCacheManager.pull_blocks)
+    copy_cache = _movement(_async_kvm.KvCacheManager.copy_cache)
+    copy_blocks = _movement(_async_kvm.KvCacheManager.copy_blocks)
+    swap_blocks = _movement(_async_kvm.KvCacheManager.swap_blocks)
+    transfer_cache_async = _starter(_async_kvm.KvCacheManager.transfer_cache_async)
+
+    def __init__(
+        self, check: Callable[[], None], get: Callable[[], Any], initialized: Callable[[], bool]
+    ) -> None:
+        super().__init__(check, get)
+        self._initialized = initialized
 
     def is_initialized(self) -> bool:
-        return self._owner.is_initialized()
+        return self._initialized()
 
 
 _live_lock = threading.Lock()
@@ -331,7 +347,7 @@ class LLMDataDist:
         self._check()
         LoopThread.get().call(lambda: self._async.cache_manager)
         if self._cm is None:
-            self._cm = CacheManager(self, lambda: self._async.cache_manager)
+            self._cm = CacheManager(self._check, lambda: self._async.cache_manager)
         return self._cm
 
     @property
@@ -341,10 +357,14 @@ class LLMDataDist:
         LoopThread.get().call(lambda: self._async.kv_cache_manager)
         if self._multi:
             if self._multi_kvm is None:
-                self._multi_kvm = MultiDeviceKvCacheManager(self)
+                self._multi_kvm = MultiDeviceKvCacheManager(
+                    self._check, lambda: self._devices, self.is_initialized
+                )
             return self._multi_kvm
         if self._kvm is None:
-            self._kvm = KvCacheManager(self, lambda: self._async.kv_cache_manager)
+            self._kvm = KvCacheManager(
+                self._check, lambda: self._async.kv_cache_manager, self.is_initialized
+            )
         return self._kvm
 
 

@@ -11,21 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from .._api_checks import check_clusters
 from .._checks import check_isinstance
+from .._cluster import LLMClusterInfo
 from .._enums import LLMStatusCode
 from .._errors import LLMException, raise_param
-from .._kv_cache_manager import KvCache, Tensor
+from .._faces import face_of
+from .._kv_cache_manager import KvCache, KvCacheManager, Tensor
 from .._sync_loop import LoopThread
 from .._types import (
     BlocksCacheKey,
     Cache,
     CacheDesc,
     CacheKey,
-    CacheKeyByIdAndIndex,
-    LLMClusterInfo,
 )
 
 __all__ = ["MultiDeviceKvCacheManager", "check_link_devices", "link_devices"]
@@ -65,7 +67,7 @@ async def link_devices(
     Raises:
         TypeError / ValueError / LLMException: as one endpoint's ``link_clusters``.
     """
-    devices[0]._check_clusters(clusters, timeout)
+    check_clusters(clusters, timeout)
     if unlink:
         check_isinstance("force", force, bool)
     if not clusters:
@@ -144,17 +146,45 @@ async def _wait(task: Awaitable[Any]) -> None:
     await task
 
 
+def _per_device(definition: Callable[..., Any], *caches: str) -> Callable[..., Any]:
+    """The multi-device face of a legacy movement: the arguments bound as ``definition``
+    binds them, the parameters named ``caches`` replaced by each device's part, the call
+    started on every device, and all of them awaited."""
+    signature = inspect.signature(definition)
+
+    def call(self: MultiDeviceKvCacheManager, name: str, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+
+        def start(m: Any, parts: list[Cache]) -> Any:
+            one = signature.bind(*bound.args, **bound.kwargs)
+            one.arguments.update(zip(caches, parts, strict=True))
+            return getattr(m, name)(*one.args[1:], **one.kwargs)
+
+        self._move(start, *((c, bound.arguments[c]) for c in caches))
+
+    return face_of(
+        definition, call, returns=None, doc="Each device moves with the peer's same device."
+    )
+
+
 class MultiDeviceKvCacheManager:
     """``LLMDataDist.kv_cache_manager`` in multi-device legacy mode, blocking: every call runs
     on each device's legacy manager, and caches are :class:`KvCache` objects over one cache
     per device. Argument rules and errors are those of the one-device manager."""
 
-    def __init__(self, owner: Any) -> None:
-        self._owner = owner
+    def __init__(
+        self,
+        check: Callable[[], None],
+        devices: Callable[[], Sequence[Any]],
+        initialized: Callable[[], bool],
+    ) -> None:
+        self._check = check
+        self._devices = devices
+        self._initialized = initialized
 
     def _managers(self) -> list[Any]:  # on the loop thread
-        self._owner._check()
-        return [d.kv_cache_manager for d in self._owner._devices]
+        self._check()
+        return [d.kv_cache_manager for d in self._devices()]
 
     def _each(self, fn: Callable[[list[Any]], T]) -> T:
         return LoopThread.get().call(lambda: fn(self._managers()))
@@ -250,65 +280,25 @@ class MultiDeviceKvCacheManager:
         return self._each(run)
 
     def is_initialized(self) -> bool:
-        return bool(self._owner.is_initialized())
+        return self._initialized()
 
     # ------------------------------------------------------------------ movement
-    def pull_cache(
-        self,
-        cache_key: CacheKey | CacheKeyByIdAndIndex,
-        kv_cache: Cache,
-        batch_index: int = 0,
-        size: int = -1,
-        **kwargs: Any,
-    ) -> None:
-        """Each device pulls from the peer's same device."""
-        self._move(
-            lambda m, c: m.pull_cache(cache_key, c[0], batch_index, size, **kwargs),
-            ("kv_cache", kv_cache),
-        )
+    pull_cache = _per_device(KvCacheManager.pull_cache, "kv_cache")
+    pull_blocks = _per_device(KvCacheManager.pull_blocks, "decoder_kv_cache")
+    copy_cache = _per_device(KvCacheManager.copy_cache, "dst", "src")
+    copy_blocks = _per_device(KvCacheManager.copy_blocks, "cache")
+    #: a CPU cache needs one address list per device (``KvCache.create_cpu_cache``)
+    swap_blocks = _per_device(KvCacheManager.swap_blocks, "src", "dst")
 
-    def pull_blocks(
-        self,
-        prompt_cache_key: BlocksCacheKey,
-        decoder_kv_cache: Cache,
-        prompt_blocks: list[int],
-        decoder_blocks: list[int],
-        **kwargs: Any,
-    ) -> None:
-        self._move(
-            lambda m, c: m.pull_blocks(
-                prompt_cache_key, c[0], prompt_blocks, decoder_blocks, **kwargs
-            ),
-            ("decoder_kv_cache", decoder_kv_cache),
-        )
-
-    def copy_cache(
-        self,
-        dst: Cache,
-        src: Cache,
-        dst_batch_index: int = 0,
-        src_batch_index: int = 0,
-        offset: int = 0,
-        size: int = -1,
-        req_id: int | None = None,
-    ) -> None:
-        self._move(
-            lambda m, c: m.copy_cache(
-                c[0], c[1], dst_batch_index, src_batch_index, offset, size, req_id
-            ),
-            ("dst", dst),
-            ("src", src),
-        )
-
-    def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
-        self._move(lambda m, c: m.copy_blocks(c[0], copy_block_info), ("cache", cache))
-
-    def swap_blocks(self, src: Cache, dst: Cache, src_to_dst: dict[int, int]) -> None:
-        """A CPU cache needs one address list per device (``KvCache.create_cpu_cache``)."""
-        self._move(lambda m, c: m.swap_blocks(c[0], c[1], src_to_dst), ("src", src), ("dst", dst))
-
-    def transfer_cache_async(self, *args: Any, **kwargs: Any) -> Any:
+    def _no_transfer(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Raises: LLMException(LLM_PARAM_INVALID): upstream does not offer it in
         single-process multi-device mode."""
-        self._owner._check()
-        raise_param("transfer_cache_async cannot be called in single-process multi-device mode")
+        self._check()
+        raise_param(f"{name} cannot be called in single-process multi-device mode")
+
+    transfer_cache_async = face_of(
+        KvCacheManager.transfer_cache_async,
+        _no_transfer,
+        returns=None,
+        doc="Not in single-process multi-device mode: raises LLMException(LLM_PARAM_INVALID).",
+    )

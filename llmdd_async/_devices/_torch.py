@@ -26,8 +26,8 @@ import anyio.to_thread
 import numpy as np
 
 from .._enums import LLMStatusCode
-from .._errors import LLMException, raise_if_false
-from .._memory import CancelToken, CopyCancelled, PagedPool, PoolAllocation, PoolConfig, host_view
+from .._errors import CopyCancelled, LLMException, raise_if_false
+from .._memory import CancelToken, PagedPool, PoolAllocation, PoolConfig, host_view
 from .._planner import Plan
 from .._synchronizer import LayerEvents
 

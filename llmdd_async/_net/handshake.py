@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,7 +31,8 @@ from typing import Any
 import anyio
 
 from .._enums import LLMStatusCode
-from .._messages import wire_status
+from .._errors import HandshakeFailed, ProtocolError
+from .._messages import Challenge, Hello, LinkRefused
 from .._protocol import (
     MT,
     NEED_DATA,
@@ -38,14 +40,12 @@ from .._protocol import (
     Decoder,
     FrameAuth,
     Message,
-    ProtocolError,
     encode,
 )
-from .link import new_nonce
+from .host import LinkHost
 
 __all__ = [
     "Binding",
-    "HandshakeFailed",
     "LinkAuth",
     "client_handshake",
     "connect_socket",
@@ -62,19 +62,9 @@ _HANDSHAKE_META = 64 << 10
 LinkAuth = tuple[FrameAuth, FrameAuth]
 
 
-class HandshakeFailed(Exception):
-    """The link could not be set up; ``code`` is what link_clusters reports. ``yielded``: the
-    peer refused because its own simultaneous link to us wins (it is on its way)."""
-
-    def __init__(
-        self,
-        message: str,
-        code: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED,
-        yielded: bool = False,
-    ):
-        super().__init__(message)
-        self.code = code
-        self.yielded = yielded
+def new_nonce() -> str:
+    """A fresh handshake nonce (also what settles two simultaneous links: the lower wins)."""
+    return os.urandom(16).hex()
 
 
 class Binding:
@@ -183,7 +173,7 @@ def _mac_ok(expected: str, got: Any) -> bool:
 
 
 async def client_handshake(
-    engine: Any,
+    engine: LinkHost,
     sock: socket.socket,
     expected_cluster_id: int,
     nonce_c: str,
@@ -201,13 +191,14 @@ async def client_handshake(
     key = engine.options.auth_key
     decoder = Decoder(_HANDSHAKE_META)
     transcript = _Transcript()
-    hello = Message(MT.HELLO, 0, {"version": PROTOCOL_VERSION, "nonce": nonce_c})
+    hello = Hello(nonce_c, PROTOCOL_VERSION).encode()
     transcript.add(hello)
     await send_message(sock, hello)
     ch = await recv_message(sock, decoder, MT.CHALLENGE)
     transcript.add(ch)
-    nonce_s = str(ch.fields.get("nonce", ""))
-    if bool(ch.fields.get("auth")) != (key is not None):
+    challenge = Challenge.decode(ch)
+    nonce_s = challenge.nonce
+    if challenge.auth != (key is not None):
         raise HandshakeFailed("authentication settings differ (llm.AuthKey set on one side only)")
     req = Message(MT.LINK_REQ, 0, dict(engine.identity_for_link()))
     transcript.add(req)
@@ -217,16 +208,16 @@ async def client_handshake(
         on_binding(Binding(nonce_c, nonce_s, sock, transcript.side_key(key)))
     await send_message(sock, req)
     ack = await recv_message(sock, decoder, MT.LINK_ACK)
-    status = wire_status(ack)
+    answer = LinkRefused.decode(ack)  # its status, and why if it says no
     if "cluster_id" in ack.fields and ack.fields["cluster_id"] != expected_cluster_id:
         raise HandshakeFailed(
             f"the endpoint there is cluster {ack.fields['cluster_id']}, not {expected_cluster_id}"
         )
-    if status != LLMStatusCode.LLM_SUCCESS:
+    if answer.status != LLMStatusCode.LLM_SUCCESS:
         raise HandshakeFailed(
-            str(ack.fields.get("message", "refused by peer")),
-            status,
-            yielded=ack.fields.get("yield") is True,
+            "refused by peer" if answer.message is None else answer.message,
+            status_code=answer.status,
+            yielded=answer.yielded,
         )
     transcript.add(ack)
     peer = ack.fields
@@ -240,7 +231,7 @@ async def client_handshake(
 
 
 async def server_handshake(
-    engine: Any,
+    engine: LinkHost,
     sock: socket.socket,
     prepare: Callable[[dict[str, Any], Binding], Awaitable[Any]],
     on_hello: Callable[[], None] | None = None,
@@ -258,14 +249,15 @@ async def server_handshake(
     decoder = Decoder(_HANDSHAKE_META)
     transcript = _Transcript()
     hello = await recv_message(sock, decoder, MT.HELLO)
-    if hello.fields.get("version") != PROTOCOL_VERSION:
-        raise ProtocolError(f"client speaks protocol {hello.fields.get('version')}")
+    version = hello.fields.get("version")  # checked first: another version may differ in all else
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"client speaks protocol {version}")
     transcript.add(hello)
     if on_hello is not None:
         on_hello()
-    nonce_c = str(hello.fields.get("nonce", ""))
+    nonce_c = Hello.decode(hello).nonce
     nonce_s = new_nonce()
-    ch = Message(MT.CHALLENGE, 0, {"nonce": nonce_s, "auth": key is not None})
+    ch = Challenge(nonce_s, key is not None).encode()
     transcript.add(ch)
     await send_message(sock, ch)
     req = await recv_message(sock, decoder, MT.LINK_REQ)
@@ -275,14 +267,12 @@ async def server_handshake(
     async def refuse(
         code: LLMStatusCode, message: str, tell: bool, yielded: bool = False
     ) -> HandshakeFailed:
-        fields: dict[str, Any] = {"status": int(code)}
         if tell:  # the client proved the key, if there is one
-            fields["message"] = message
-            fields["cluster_id"] = engine.cluster_id
-            if yielded:
-                fields["yield"] = True
-        await send_message(sock, Message(MT.LINK_ACK, 0, fields))
-        return HandshakeFailed(message, code)
+            answer = LinkRefused(code, message, engine.cluster_id, yielded)
+        else:
+            answer = LinkRefused(code)
+        await send_message(sock, answer.encode())
+        return HandshakeFailed(message, status_code=code)
 
     if key is not None and not _mac_ok(transcript.mac(key, b"client"), peer.get("mac")):
         raise await refuse(LLMStatusCode.LLM_LINK_FAILED, "client failed authentication", False)
@@ -308,7 +298,7 @@ async def server_handshake(
     try:
         prepared = await prepare(peer, Binding(nonce_c, nonce_s, sock, transcript.side_key(key)))
     except HandshakeFailed as exc:
-        raise await refuse(exc.code, str(exc), True, exc.yielded) from None
+        raise await refuse(exc.status_code, str(exc), True, exc.yielded) from None
     ack = Message(MT.LINK_ACK, 0, {"status": 0, **engine.identity_for_link()})
     transcript.add(ack)
     if key is not None:

@@ -1,8 +1,11 @@
-"""A link to one peer endpoint: one TCP connection, its reader, framed sends, request routing.
+"""A link to one peer endpoint: one TCP connection, its health, its reader and its writer.
 
 A link is usable in both directions. Requests this side starts live in ``pending``; requests
-the peer starts live in ``serving``. The reader task is the only reader of the socket; bulk
-payload is received straight into destination memory by worker threads (see ``tcp``).
+the peer starts live in ``serving`` (records: ``requests``). The reader task is the only reader
+of the socket; bulk payload is received straight into destination memory by worker threads
+(see ``tcp``); control frames go to the link's ``router``, which hands the peer's requests to
+the ``server`` the link was made with. What this side knows of the peer's memory is the link's
+``view``; which direct access each side may use, its ``caps``.
 """
 
 from __future__ import annotations
@@ -12,34 +15,39 @@ import contextlib
 import dataclasses
 import hmac
 import itertools
-import os
 import socket
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
-import numpy as np
 
-from .._enums import LLMStatusCode
-from .._errors import LLMException, status_from_exception
+from .._errors import (
+    LINK_IO_ERRORS,
+    CopyCancelled,
+    LinkBroken,
+    LinkClosed,
+    LLMException,
+    ProtocolError,
+    link_failure,
+    map_link_errors,
+    status_from_exception,
+)
 from .._log import get_logger
-from .._memory import CancelToken, CopyCancelled
-from .._messages import regions_of_table, wire_status
+from .._memory import CancelToken
+from .._messages import FLAG_TO_INITIATOR, Abort, Bye, Data, Ping, TableRequest
 from .._phase_lock import PhaseLock
-from .._planner import Layout, check_within
 from .._protocol import (
     MT,
     NEED_DATA,
     PAYLOAD_TAG,
-    UNCHARGED_META,
     Decoder,
     FrameAuth,
     Message,
-    ProtocolError,
     encode,
 )
+from .._transports import PeerAccess
 from .._transports.tcp import (
     CHUNK_BYTES,
     INLINE_BYTES,
@@ -55,161 +63,28 @@ from .._transports.tcp import (
     send_views,
     send_views_inline,
 )
+from .peer_view import CapsPolicy, PeerView
+from .requests import (
+    LinkStatistics,
+    Pending,
+    Request,
+    Serving,
+    TransferRecord,
+)
+from .router import FrameRouter
 
-__all__ = [
-    "FLAG_TO_INITIATOR",
-    "Link",
-    "LinkBroken",
-    "Pending",
-    "Serving",
-]
+if TYPE_CHECKING:
+    from .host import LinkHost, RequestServer
+    from .link_manager import LinkManager
 
-#: DATA/ABORT flag: the frame concerns a request that the *receiver* of the frame started.
-FLAG_TO_INITIATOR = 1
+__all__ = ["Link"]
+
 _READ_AHEAD = 64 << 10
 #: the reader lets other tasks run after this much read without waiting (a peer that streams a
 #: big frame's meta as fast as the socket allows would otherwise hold the loop until it ends)
 _YIELD_BYTES = 2 << 20
-#: replies (PONG, TABLE, ...) owed to a peer before its link stops reading from it
-_MAX_REPLIES = 64
 #: how often a cancelled request checks that its worker let go
 _FENCE_POLL_S = 0.002
-
-
-@dataclasses.dataclass(frozen=True)
-class TransferRecord:
-    """One transfer this side ran on a link (``time.monotonic()`` seconds)."""
-
-    op: str
-    started: float
-    finished: float
-    nbytes: int
-    mode: str
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkStatistics:
-    """What a link has carried so far."""
-
-    peer_cluster_id: int
-    transport: str
-    transfers: int
-    bytes: int
-    up_since: float
-    recent: tuple[TransferRecord, ...]
-
-
-class LinkBroken(LLMException):
-    """The link failed (peer died, reset, protocol error); in-flight transfers fail with it."""
-
-    def __init__(self, message: str, status_code: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED):
-        super().__init__(message, status_code=status_code)
-
-
-class Signal:
-    """A one-shot event whose ``anyio.Event`` is made only if someone waits before it is set
-    (most of a request's signals never are), and whose wait on a set signal takes no loop
-    turn."""
-
-    __slots__ = ("_event", "_set")
-
-    def __init__(self) -> None:
-        self._set = False
-        self._event: anyio.Event | None = None
-
-    def set(self) -> None:
-        self._set = True
-        if self._event is not None:
-            self._event.set()
-
-    def is_set(self) -> bool:
-        return self._set
-
-    async def wait(self) -> None:
-        if self._set:
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            return
-        if self._event is None:
-            self._event = anyio.Event()
-        await self._event.wait()
-
-
-class _Request:
-    """State shared by both kinds of request."""
-
-    def __init__(self, req_id: int, deadline: float | None) -> None:
-        self.req_id = req_id
-        self.deadline = deadline
-        self.token = CancelToken()
-        self.stream: StreamPlan | None = None
-        self.received = 0
-        self.data_event = Signal()
-        self.fence: Fence | None = None
-        self.error: BaseException | None = None
-
-    def fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        self.token.cancel(exc)
-        self.wake()
-
-    def wake(self) -> None:
-        self.data_event.set()
-
-
-class Pending(_Request):
-    """A request this side started (this side is the initiator)."""
-
-    def __init__(self, req_id: int, deadline: float | None) -> None:
-        super().__init__(req_id, deadline)
-        self.grant: Message | None = None
-        self.grant_event = Signal()
-        #: run by the reader when the GRANT arrives, before any DATA of this request is read
-        self.on_grant: Callable[[Message], None] | None = None
-        self.result: Message | None = None
-        self.result_event = Signal()
-
-    def wake(self) -> None:
-        super().wake()
-        self.grant_event.set()
-        self.result_event.set()
-
-    async def wait_grant(self) -> Message:
-        """Raises the link's or the peer's failure."""
-        await self.grant_event.wait()
-        if self.grant is None:
-            raise self.error or LinkBroken("link closed before the peer answered")
-        return self.grant
-
-    async def wait_result(self) -> Message:
-        await self.result_event.wait()
-        if self.result is None:
-            raise self.error or LinkBroken("link closed before the peer answered")
-        return self.result
-
-    async def wait_data(self) -> None:
-        await self.data_event.wait()
-        if self.error is not None:
-            raise self.error
-
-
-class Serving(_Request):
-    """A request the peer started (this side is the target)."""
-
-    def __init__(self, req_id: int, deadline: float | None) -> None:
-        super().__init__(req_id, deadline)
-        self.done_event = Signal()
-        #: bytes of the request's arrays, held while it is queued or served, and how many of
-        #: them are charged to the endpoint's meta budget (``llm.MetaBudget``)
-        self.meta_bytes = 0
-        self.charged = 0
-        #: run by the reader when DONE arrives, so its effect (consuming a key) happens before
-        #: any later request on the link is looked at
-        self.on_done: Callable[[Message], None] | None = None
-
-    def wake(self) -> None:
-        super().wake()
-        self.done_event.set()
 
 
 #: frames for :meth:`Link.send_soon`: the messages, the last one's payload, what to run after
@@ -217,19 +92,25 @@ _Outgoing = tuple[list[Message], list[memoryview], Callable[[], None]]
 
 
 class Link:
-    """One established link. Created by the engine after a successful handshake."""
+    """One established link. Made by its ``manager`` after a successful handshake; the
+    requests the peer starts are served by ``server``."""
 
     def __init__(
         self,
-        engine: Any,
+        host: LinkHost,
         sock: socket.socket,
         decoder: Decoder,
         peer: dict[str, Any],
-        access: Any,
+        access: PeerAccess | None,
         auth: tuple[FrameAuth, FrameAuth] | None = None,
         outbound: bool = False,
+        *,
+        server: RequestServer,
+        manager: LinkManager,
     ) -> None:
-        self.engine = engine
+        self.host = host
+        self.server = server
+        self.manager = manager
         self.sock = sock
         self.decoder = decoder
         # The endpoint's meta budget may evict this link's stalled partial frame: then the
@@ -237,17 +118,19 @@ class Link:
         decoder.on_evict = lambda reason: self.fail(ProtocolError(reason))
         self.peer = peer
         self.peer_cluster_id: int = int(peer["cluster_id"])
-        self.access = access  # PeerAccess or None (stream only)
+        self.access = access  # None: a plain TCP link (the stream only)
+        #: which direct-access caps our requests carry and the peer's may use
+        self.caps = CapsPolicy(access)
         self._send_auth = auth[0] if auth is not None else None
         self._recv_auth = auth[1] if auth is not None else None
         decoder.set_auth(self._recv_auth)
         #: llm.PayloadAuth (both ends agreed in the handshake): DATA payloads end with a MAC
-        self.payload_auth = auth is not None and engine.options.payload_auth
+        self.payload_auth = auth is not None and host.options.payload_auth
         #: this side's link_clusters made or adopted the link (a second call: ALREADY_LINK)
         self.claimed = outbound
-        limits = engine.options.limits
+        limits = host.options.limits
         self.log = get_logger(
-            "link", cluster_id=engine.cluster_id, peer_cluster_id=self.peer_cluster_id
+            "link", cluster_id=host.cluster_id, peer_cluster_id=self.peer_cluster_id
         )
         # fast_acquire: an uncontended lock costs no trip through the event loop. A semaphore,
         # not a lock: a frame the reader started (send_soon) may be finished by another task.
@@ -260,15 +143,10 @@ class Link:
         self._ids = itertools.count(1)
         self.broken: BaseException | None = None
         self.closed = False
-        self.table: dict[str, Any] | None = None
-        #: the table's caches by id (as the peer described them; checked before any use)
-        self.peer_caches: dict[int, dict[str, Any]] = {}
-        #: cache id -> (its table entry, the layout parsed from that entry)
-        self._peer_layouts: dict[int, tuple[dict[str, Any], Layout | None]] = {}
-        #: (address, value) of the peer's epoch counter as of that view (one-sided pulls)
-        self.peer_epoch: tuple[int, int] | None = None
-        #: requests waiting for a reply of a given type (TABLE, UNLINK_ACK, PONG)
-        self._waiters: dict[MT, list[Pending]] = {MT.TABLE: [], MT.UNLINK_ACK: [], MT.PONG: []}
+        #: the peer's cache table as this side knows it
+        self.view = PeerView(self._table_of_peer)
+        #: what the peer's control frames do here
+        self.router = FrameRouter(self)
         self._reader_scope: anyio.CancelScope | None = None
         self._unyielded = 0
         #: requests of the peer served at once; more wait (bounds staging memory and threads)
@@ -276,13 +154,9 @@ class Link:
         #: worker threads this link may hold (never the whole process's pool: one stalled
         #: peer must not starve the others)
         self.threads = anyio.CapacityLimiter(limits.threads)
-        self._replies = anyio.Semaphore(_MAX_REPLIES)
         #: frames the reader handed to :meth:`send_soon` while the send lock was taken
         self._outbox: collections.deque[_Outgoing] = collections.deque()
         self._writing = False
-        #: (starts, ends) of the peer's memory that it let us reach directly, refreshed from
-        #: its table when a grant names memory outside it
-        self.peer_regions: tuple[np.ndarray, np.ndarray] = regions_of_table(None)
         self._released = False
         #: bytes of the peer's requests held here (``llm.LinkQueue`` caps them too)
         self.queued_bytes = 0
@@ -305,14 +179,18 @@ class Link:
         """The one error of work on a link that is down: LLM_NOT_YET_LINK once this side or
         the peer unlinked or finalized, LLM_LINK_FAILED (with the reason) when it broke."""
         if self.closed:
-            return LLMException(
-                f"link to cluster {self.peer_cluster_id} was closed (unlink_clusters)",
-                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+            return LinkClosed(
+                f"link to cluster {self.peer_cluster_id} was closed (unlink_clusters)"
             )
         broken = self.broken
         if isinstance(broken, LLMException):
             return LinkBroken(str(broken), status_code=broken.status_code)
         return LinkBroken(f"link to cluster {self.peer_cluster_id} is down: {broken}")
+
+    @property
+    def outbox_frames(self) -> int:
+        """Items :meth:`send_soon` queued that the writer has not sent yet."""
+        return len(self._outbox)
 
     def check_alive(self) -> None:
         """Raises :meth:`down_error` when the link is down."""
@@ -329,24 +207,6 @@ class Link:
             tuple(self.history),
         )
 
-    @staticmethod
-    def no_caps() -> dict[str, bool]:
-        """Caps of a request whose local memory only the stream can reach (device memory)."""
-        return {"inproc": False, "pools": False, "pvr": False}
-
-    def caps(self) -> dict[str, bool]:
-        """How this side can reach the peer's memory directly (sent with each request)."""
-        return self.access.caps() if self.access is not None else self.no_caps()
-
-    def trusted_caps(self, claimed: Any) -> dict[str, bool]:
-        """The caps a peer sent with its request, limited to what this link's kind lets it
-        use: a peer on a TCP link that claims direct access gets stream grants (and never
-        learns our addresses), one on a NIXL link only NIXL grants."""
-        if not isinstance(claimed, dict):
-            return {}
-        allowed = _CAPS_OF_KIND.get(self.access.name if self.access is not None else "tcp", ())
-        return {k: True for k in allowed if claimed.get(k) is True}
-
     def fail(self, exc: BaseException, expected: bool = False) -> None:
         """Mark the link broken, fail every request on it, release what it holds."""
         if self.broken is not None or self.closed:
@@ -358,20 +218,14 @@ class Link:
             self.log.info("link.down", reason="unlinked")
             self._teardown()
             return
-        reason = str(exc) if isinstance(exc, LLMException) else _reason(exc)
-        self.broken = (
-            exc
-            if isinstance(exc, LLMException)
-            else LinkBroken(f"link to cluster {self.peer_cluster_id} is down: {reason}")
-        )
+        self.broken, reason = link_failure(exc, self.peer_cluster_id)
         (self.log.info if expected else self.log.warning)("link.down", reason=reason)
-        self.engine.links.note_failure(self.peer_cluster_id, reason)
+        self.manager.note_failure(self.peer_cluster_id, reason)
         self._teardown()
 
     def _teardown(self) -> None:
         exc = self.down_error()
-        waiters = [w for ws in self._waiters.values() for w in ws]
-        for req in [*self.pending.values(), *self.serving.values(), *waiters]:
+        for req in [*self.pending.values(), *self.serving.values(), *self.router.waiters()]:
             req.fail(exc)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -388,7 +242,7 @@ class Link:
             s.charged = 0
         self.decoder.close(str(exc))
         with contextlib.suppress(RuntimeError):  # the engine has stopped: release now
-            self.engine.spawn(self._release_when_idle)
+            self.host.spawn(self._release_when_idle)
             return
         self._release()
 
@@ -397,7 +251,7 @@ class Link:
         (workers return promptly from a shut-down socket or a cancelled token). Mappings are
         never dropped under a copy: a request that lingers keeps them, not the socket."""
         try:
-            with anyio.move_on_after(self.engine.stall_timeout_s):
+            with anyio.move_on_after(self.host.stall_timeout_s):
                 while self.pending or self.serving:  # noqa: ASYNC110 (dicts, no event)
                     await anyio.sleep(_FENCE_POLL_S * 5)
             self.sock.close()
@@ -421,7 +275,7 @@ class Link:
             return
         if notify and self.broken is None:
             with anyio.move_on_after(0.5), contextlib.suppress(Exception):
-                await self.send(Message(MT.BYE))
+                await self.send(Bye().encode())
         self.closed = True
         self.log.info("link.down", reason="closed")
         self._teardown()
@@ -432,9 +286,14 @@ class Link:
         second, and only while the link is up. Never raises."""
         if not self.alive:
             return
-        fields = {"status": int(status_from_exception(exc)), "message": str(exc)}
+        abort = Abort(
+            req_id,
+            status_from_exception(exc),
+            str(exc),
+            to_initiator=bool(flags & FLAG_TO_INITIATOR),
+        )
         with contextlib.suppress(Exception), anyio.move_on_after(1):
-            await self.send(Message(MT.ABORT, req_id, fields, flags=flags))
+            await self.send(abort.encode())
 
     async def send(self, msg: Message) -> None:
         """Send one control frame (no payload) without blocking the loop.
@@ -447,7 +306,7 @@ class Link:
                 raise self.down_error()
             # Encoded under the lock: on a keyed link each frame's tag counts frames in order.
             data = memoryview(encode(msg, self._send_auth))
-            try:
+            with map_link_errors(self.fail, f"send to cluster {self.peer_cluster_id} failed"):
                 # Most frames go out whole at once: then no scope or loop turn is needed.
                 try:
                     sent = self.sock.send(data, socket.MSG_DONTWAIT)
@@ -455,9 +314,6 @@ class Link:
                     sent = 0
                 if sent < len(data):
                     await self._send_rest(data[sent:])
-            except (OSError, TimeoutError) as exc:
-                self.fail(exc)
-                raise LinkBroken(f"send to cluster {self.peer_cluster_id} failed: {exc}") from exc
         # A send that went out at once still lets cancellation in here (without a loop turn).
         await anyio.lowlevel.checkpoint_if_cancelled()
 
@@ -482,7 +338,7 @@ class Link:
         self._outbox.append((frames, views, done))
         if not self._writing:
             try:
-                self.engine.spawn(self._write_outbox)
+                self.host.spawn(self._write_outbox)
             except RuntimeError as exc:  # the engine stopped: nothing more goes out
                 self._outbox.pop()
                 self.fail(exc)
@@ -497,18 +353,15 @@ class Link:
         finishing = False
         try:
             bufs = self._bufs_of([(frames, views, done)])
-            try:
+            with map_link_errors(self.fail):  # a failed send breaks the link, nothing raises
                 idx = send_nowait(self.sock, bufs)
-            except OSError as exc:
-                self.fail(exc)
-                return
-            if idx < len(bufs):
-                try:
-                    self.engine.spawn(self._finish_now, bufs, idx, done)
-                except RuntimeError as exc:  # the engine stopped: the frame cannot be finished
-                    self.fail(exc)
-                    return
-                finishing = True
+                if idx < len(bufs):
+                    try:
+                        self.host.spawn(self._finish_now, bufs, idx, done)
+                    except RuntimeError as exc:  # the engine stopped: the frame can't finish
+                        self.fail(exc)
+                        return
+                    finishing = True
         finally:
             if not finishing:
                 self.send_lock.release()
@@ -547,9 +400,8 @@ class Link:
     async def _finish_now(self, bufs: list[memoryview], idx: int, done: Callable[[], None]) -> None:
         """The rest of :meth:`_send_at_once`'s frames, under the send lock it took."""
         try:
-            await self._inline(send_views_inline(self.sock, bufs, idx, CancelToken()))
-        except (OSError, TimeoutError) as exc:
-            self.fail(exc)
+            with map_link_errors(self.fail):  # a failed send breaks the link, nothing raises
+                await self._inline(send_views_inline(self.sock, bufs, idx, CancelToken()))
         finally:
             self.send_lock.release()
             done()
@@ -560,25 +412,26 @@ class Link:
         batch: list[_Outgoing] = []
         drained = False
         try:
-            while self._outbox and self.alive:
-                async with self.send_lock:
-                    if not self.alive:
-                        break
-                    size = 0
-                    while self._outbox and (not batch or size < INLINE_BYTES):
-                        item = self._outbox.popleft()
-                        batch.append(item)
-                        size += sum(v.nbytes for v in item[1])
-                    bufs = self._bufs_of(batch)
-                    idx = send_nowait(self.sock, bufs)
-                    if idx < len(bufs):
-                        await self._inline(send_views_inline(self.sock, bufs, idx, CancelToken()))
-                for _, _, done in batch:
-                    done()
-                batch = []
-            drained = True
-        except (OSError, TimeoutError) as exc:
-            self.fail(exc)
+            with map_link_errors(self.fail):  # a failed send breaks the link, nothing raises
+                while self._outbox and self.alive:
+                    async with self.send_lock:
+                        if not self.alive:
+                            break
+                        size = 0
+                        while self._outbox and (not batch or size < INLINE_BYTES):
+                            item = self._outbox.popleft()
+                            batch.append(item)
+                            size += sum(v.nbytes for v in item[1])
+                        bufs = self._bufs_of(batch)
+                        idx = send_nowait(self.sock, bufs)
+                        if idx < len(bufs):
+                            await self._inline(
+                                send_views_inline(self.sock, bufs, idx, CancelToken())
+                            )
+                    for _, _, done in batch:
+                        done()
+                    batch = []
+                drained = True
         finally:
             self._writing = False
             if not drained or not self.alive:  # what is still queued never goes out
@@ -597,7 +450,7 @@ class Link:
         # half-sent frame would desynchronise the stream. A peer that stops reading for the
         # whole stall timeout breaks the link instead.
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self.engine.stall_timeout_s) as stall:
+            with anyio.move_on_after(self.host.stall_timeout_s) as stall:
                 while data:
                     try:
                         n = self.sock.send(data, socket.MSG_DONTWAIT)
@@ -610,7 +463,7 @@ class Link:
 
     async def send_stream(
         self,
-        req: _Request,
+        req: Request,
         stream: StreamPlan,
         to_initiator: bool,
         token: CancelToken,
@@ -638,7 +491,7 @@ class Link:
                 return False
             n = min(CHUNK_BYTES, stream.total - off)
             views = await stream.prepare(off, n, token)
-            deadline = req.deadline or (time.monotonic() + self.engine.stall_timeout_s)
+            deadline = req.deadline or (time.monotonic() + self.host.stall_timeout_s)
             fence = Fence(token, deadline)
             async with self.send_lock:
                 if not self.alive:
@@ -647,43 +500,37 @@ class Link:
                 first = b"" if lead is None else encode(lead, self._send_auth)
                 lead = None
                 trailer = PAYLOAD_TAG if self.payload_auth else 0
-                header = first + encode(
-                    Message(
-                        MT.DATA, req.req_id, {"off": off}, payload_len=n + trailer, flags=flags
-                    ),
-                    self._send_auth,
-                )
+                data = Data(req.req_id, off, n + trailer, bool(flags & FLAG_TO_INITIATOR))
+                header = first + encode(data.encode(), self._send_auth)
                 tagger = None
                 if trailer:
                     assert self._send_auth is not None  # payload_auth implies a keyed link
                     mac = self._send_auth.payload_mac(self._send_auth.seq - 1)
                     tagger = PayloadMac(mac, len(header), n)
                 try:
-                    if n <= INLINE_BYTES:
-                        bufs = [memoryview(header), *views]
-                        idx = send_nowait(self.sock, bufs, tagger)
-                        if idx < len(bufs):
-                            await self._inline(
-                                send_views_inline(self.sock, bufs, idx, token, tagger)
-                            )
-                    else:
-                        # Set only now, next to the worker that will release it.
-                        req.fence = fence
-                        # Shielded: the header's tag is spent, so the frame must go out (the
-                        # worker itself stops at the fence's token or deadline).
-                        with anyio.CancelScope(shield=True):
-                            await anyio.to_thread.run_sync(
-                                send_views,
-                                self.sock,
-                                header,
-                                views,
-                                fence,
-                                tagger,
-                                limiter=self.threads,
-                            )
-                except (OSError, TimeoutError) as exc:
-                    self.fail(exc)
-                    raise LinkBroken(f"sending to cluster {self.peer_cluster_id}: {exc}") from exc
+                    with map_link_errors(self.fail, f"sending to cluster {self.peer_cluster_id}"):
+                        if n <= INLINE_BYTES:
+                            bufs = [memoryview(header), *views]
+                            idx = send_nowait(self.sock, bufs, tagger)
+                            if idx < len(bufs):
+                                await self._inline(
+                                    send_views_inline(self.sock, bufs, idx, token, tagger)
+                                )
+                        else:
+                            # Set only now, next to the worker that will release it.
+                            req.fence = fence
+                            # Shielded: the header's tag is spent, so the frame must go out
+                            # (the worker itself stops at the fence's token or deadline).
+                            with anyio.CancelScope(shield=True):
+                                await anyio.to_thread.run_sync(
+                                    send_views,
+                                    self.sock,
+                                    header,
+                                    views,
+                                    fence,
+                                    tagger,
+                                    limiter=self.threads,
+                                )
                 finally:
                     fence.released.set()  # the worker has returned (or never started)
                     req.fence = None
@@ -699,7 +546,7 @@ class Link:
             TimeoutError: the peer made no progress. OSError / EOFError: the socket failed.
         """
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self.engine.stall_timeout_s) as stall:
+            with anyio.move_on_after(self.host.stall_timeout_s) as stall:
                 return await io
             if stall.cancelled_caught:
                 io.close()
@@ -715,7 +562,7 @@ class Link:
     def close_pending(self, req: Pending) -> None:
         self.pending.pop(req.req_id, None)
 
-    async def release(self, req: _Request) -> None:
+    async def release(self, req: Request) -> None:
         """Fence: stop any worker writing or reading ``req``'s memory, and wait until it has.
 
         Called when a transfer is cancelled or times out; never blocks on a stalled peer
@@ -728,7 +575,7 @@ class Link:
         # Workers notice the token within tens of milliseconds; if one does not release even
         # so (stuck in the kernel), the link is shut down, which returns it from any syscall.
         # Polled, not waited for in a thread: a stalled peer must not hold worker threads.
-        with anyio.move_on_after(self.engine.stall_timeout_s):
+        with anyio.move_on_after(self.host.stall_timeout_s):
             while not fence.released.is_set():  # noqa: ASYNC110 (set by a thread)
                 await anyio.sleep(_FENCE_POLL_S)
         if not fence.released.is_set():
@@ -742,113 +589,30 @@ class Link:
         Raises:
             LinkBroken: the link failed meanwhile.
         """
-        waiter = Pending(0, None)
-        self._waiters[reply].append(waiter)
-        try:
+        with self.router.expecting(reply) as waiter:
             await self.send(msg)
             with anyio.move_on_after(timeout_s):
                 return await waiter.wait_result()
             return None
-        finally:
-            with contextlib.suppress(ValueError):
-                self._waiters[reply].remove(waiter)
 
     async def responsive(self, timeout_s: float) -> bool:
         """True if the peer answers a PING within ``timeout_s`` (a half-open link does not)."""
         with anyio.move_on_after(timeout_s):
             try:
-                return await self.roundtrip(Message(MT.PING), MT.PONG, timeout_s) is not None
+                return await self.roundtrip(Ping().encode(), MT.PONG, timeout_s) is not None
             except LLMException:
                 return False
         return False
 
-    async def fetch_table(self, timeout_s: float) -> dict[str, Any]:
-        """The peer's published cache table, snapshotted on first use for the link's life.
-
-        Raises:
-            LinkBroken: the link failed. LLMException(LLM_TIMEOUT): no answer in time.
-        """
-        if self.table is None:
-            msg = await self.roundtrip(Message(MT.TABLE_REQ), MT.TABLE, timeout_s)
-            if msg is None:
-                raise LLMException(
-                    "peer did not send its cache table in time",
-                    status_code=LLMStatusCode.LLM_TIMEOUT,
-                )
-            if self.table is None:
-                self.table = msg.fields
-                self._adopt_view(msg.fields)
-        return self.table
-
-    def peer_layout(self, cache_id: int) -> Layout | None:
-        """The layout of the peer's remote-accessible cache ``cache_id`` as this view of its
-        table describes it, parsed once per view; None when it is not published as reachable
-        or its entry is malformed."""
-        desc = self.peer_caches.get(cache_id)
-        cached = self._peer_layouts.get(cache_id)
-        if cached is not None and cached[0] is desc:
-            return cached[1]
-        layout: Layout | None = None
-        if desc is not None and desc.get("remote_accessible") is True:
-            try:
-                layout = Layout.of(
-                    desc["addrs"], desc["tensor_bytes"], desc["count"], desc["is_blocks"]
-                )
-                if layout.num_tensors == 0 or layout.count <= 0 or layout.tensor_bytes <= 0:
-                    layout = None
-            except (KeyError, TypeError, ValueError, OverflowError):
-                layout = None
-        if desc is not None:
-            self._peer_layouts[cache_id] = (desc, layout)
-        return layout
-
-    def _adopt_view(self, table: dict[str, Any]) -> None:
-        """What this side knows of the peer's memory, from a copy of its table: the reachable
-        regions, the caches by id and the epoch (one-sided pulls), all from the same copy."""
-        self.peer_regions = regions_of_table(table)
-        caches = table.get("caches")
-        self._peer_layouts = {}
-        self.peer_caches = {
-            c["cache_id"]: c
-            for c in (caches if isinstance(caches, list) else [])
-            if isinstance(c, dict) and isinstance(c.get("cache_id"), int)
-        }
-        epoch = table.get("epoch")
-        words: list[Any] = epoch if isinstance(epoch, list) else []
-        valid = (
-            len(words) == 2
-            and all(type(v) is int for v in words)
-            and 0 < words[0] < 2**64
-            and 0 <= words[1] < 2**64
-        )
-        self.peer_epoch = (words[0], words[1]) if valid else None
-
-    async def refresh_view(self, timeout_s: float) -> bool:
-        """Fetch the peer's table again for :meth:`_adopt_view` (the snapshot that resolves
-        keys and ids stays as it was). Returns False if the peer did not answer in time.
+    async def _table_of_peer(self, timeout_s: float) -> dict[str, Any] | None:
+        """Ask the peer for its cache table (for :attr:`view`); None if no answer came in
+        ``timeout_s``.
 
         Raises:
             LinkBroken: the link failed meanwhile.
         """
-        msg = await self.roundtrip(Message(MT.TABLE_REQ), MT.TABLE, timeout_s)
-        if msg is None:
-            return False
-        self._adopt_view(msg.fields)
-        return True
-
-    async def check_remote(self, remote: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> None:
-        """Every range a grant names in the peer's memory must lie in what the peer published
-        as reachable (its remote-accessible caches); a miss refreshes that once.
-
-        Raises:
-            ProtocolError: the grant points elsewhere. LinkBroken / LLMException: the table
-                could not be fetched.
-        """
-        if check_within(remote, nbytes, *self.peer_regions):
-            return
-        if await self.refresh_view(timeout_s) and check_within(remote, nbytes, *self.peer_regions):
-            return
-        raise ProtocolError("GRANT points outside the peer's published caches")
+        msg = await self.roundtrip(TableRequest().encode(), MT.TABLE, timeout_s)
+        return None if msg is None else msg.fields
 
     # ------------------------------------------------------------------ reading
     async def run_reader(self, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
@@ -859,19 +623,20 @@ class Link:
             self._reader_scope = scope
             task_status.started()
             try:
-                while self.alive:
-                    ev = self.decoder.next_event()
-                    if ev is NEED_DATA:
-                        await self._fill(mv)
-                    elif isinstance(ev, Message):
-                        if ev.payload_len:
-                            await self._receive_payload(ev)
-                        else:
-                            await self._dispatch(ev)
-                    else:  # payload bytes outside a DATA frame cannot happen
-                        raise ProtocolError("unexpected payload bytes")
-            except (OSError, EOFError, ProtocolError, TimeoutError, LLMException) as exc:
-                self.fail(exc)
+                # The socket's failures, the peer's garbage (ProtocolError) and the link's own
+                # verdicts (LinkBroken) break the link; the reader then just ends.
+                with map_link_errors(self.fail, catch=(*LINK_IO_ERRORS, LLMException)):
+                    while self.alive:
+                        ev = self.decoder.next_event()
+                        if ev is NEED_DATA:
+                            await self._fill(mv)
+                        elif isinstance(ev, Message):
+                            if ev.payload_len:
+                                await self._receive_payload(ev)
+                            else:
+                                await self.router.dispatch(ev)
+                        else:  # payload bytes outside a DATA frame cannot happen
+                            raise ProtocolError("unexpected payload bytes")
             except Exception as exc:  # a bug must break this link, not the whole engine
                 self.log.exception("link.reader_crashed")
                 self.fail(exc)
@@ -893,12 +658,12 @@ class Link:
                     continue
                 # A legit peer sends a frame's meta without pausing; one that stops half-way
                 # must not keep its share of the budget for ever.
-                with anyio.move_on_after(self.engine.stall_timeout_s) as stalled:
+                with anyio.move_on_after(self.host.stall_timeout_s) as stalled:
                     await anyio.wait_readable(self.sock)
                 if stalled.cancelled_caught:
                     raise TimeoutError(
                         f"cluster {self.peer_cluster_id} stopped in the middle of a frame for "
-                        f"{self.engine.stall_timeout_s:g} s"
+                        f"{self.host.stall_timeout_s:g} s"
                     ) from None
                 continue
             if n == 0:
@@ -952,12 +717,12 @@ class Link:
         rest = self.decoder.payload_remaining
         token = req.token if req is not None else _CANCELLED
         deadline = (req.deadline if req is not None else None) or (
-            time.monotonic() + self.engine.stall_timeout_s
+            time.monotonic() + self.host.stall_timeout_s
         )
         if rest:
             # Scratch (to discard what nobody receives) is borrowed only for this frame: an
             # idle link holds no buffers.
-            scratch = self.engine.scratch.acquire()
+            scratch = self.host.scratch.acquire()
             target = _slice_views(views, pos, rest) if views else scratch_views(rest, scratch)
             fence = None
             try:
@@ -984,7 +749,7 @@ class Link:
                     fence.released.set()
                 if req is not None:
                     req.fence = None
-                self.engine.scratch.release(scratch)
+                self.host.scratch.release(scratch)
             self.decoder.payload_consumed(rest)
         if pmac is not None and tag is not None and req is not None and not token.cancelled:
             # Every byte landed where it belongs (a cancel diverts the rest to scratch, and
@@ -1008,7 +773,7 @@ class Link:
                 req.data_event.set()
 
     async def _verify_payload(
-        self, req: _Request, msg: Message, pmac: PayloadMac, tag: bytearray
+        self, req: Request, msg: Message, pmac: PayloadMac, tag: bytearray
     ) -> None:
         """Check a received DATA payload (``pmac`` was fed it where it landed) against its
         trailer (``llm.PayloadAuth``).
@@ -1021,190 +786,21 @@ class Link:
             return
         exc = LinkBroken(
             f"payload failed authentication (llm.PayloadAuth): DATA from cluster "
-            f"{self.peer_cluster_id} to cluster {self.engine.cluster_id} does not match its MAC "
+            f"{self.peer_cluster_id} to cluster {self.host.cluster_id} does not match its MAC "
             "(changed on the way, or the memory was written during the transfer); the link is "
             "broken"
         )
         # Tell the peer why first (its link then breaks with these words, not as a hang-up):
         # best effort, as a relay that changes bytes may drop frames too.
-        fields = {"status": int(exc.status_code), "message": str(exc), "broken": True}
-        flags = 0 if msg.flags & FLAG_TO_INITIATOR else FLAG_TO_INITIATOR
+        to_initiator = not msg.flags & FLAG_TO_INITIATOR
+        abort = Abort(req.req_id, exc.status_code, str(exc), broken=True, to_initiator=to_initiator)
         with contextlib.suppress(Exception), anyio.move_on_after(1):
-            await self.send(Message(MT.ABORT, req.req_id, fields, flags=flags))
+            await self.send(abort.encode())
         raise exc
-
-    async def _dispatch(self, msg: Message) -> None:
-        t = msg.type
-        if t == MT.XFER_REQ:
-            if msg.req_id in self.serving:
-                raise ProtocolError(f"request id {msg.req_id} reused")
-            meta_bytes = sum(memoryview(a).nbytes for a in msg.arrays.values())
-            limits = self.engine.options.limits
-            # What a queued request keeps of its frame counts against the endpoint's budget
-            # too: many links' queues must not add up past it.
-            budget = self.decoder.budget
-            charged = meta_bytes if meta_bytes > UNCHARGED_META and budget is not None else 0
-            if (
-                len(self.serving) + len(self._outbox) >= limits.queued
-                or self.queued_bytes + meta_bytes > 4 * limits.meta_bytes
-                or (charged and budget is not None and not budget.reserve(charged))
-            ):
-                await self._owe_reply(
-                    Message(
-                        MT.GRANT,
-                        msg.req_id,
-                        {
-                            "status": int(LLMStatusCode.LLM_LINK_BUSY),
-                            "message": f"cluster {self.engine.cluster_id} already has "
-                            f"{len(self.serving)} requests ({self.queued_bytes} bytes) of this "
-                            "link queued",
-                        },
-                    )
-                )
-                return
-            # The peer's deadline, but never more than this side would give itself: one
-            # stalled peer must not hold our workers for longer (upstream: 1800 s).
-            deadline_ms = msg.fields.get("timeout_ms")
-            deadline_s = self.engine.serve_budget_s(1024)
-            if isinstance(deadline_ms, int) and deadline_ms > 0:
-                deadline_s = min(deadline_s, deadline_ms / 1000)
-            try:
-                served = self.engine.serve_now(self, msg)
-            except BaseException:
-                if charged and self.decoder.budget is not None:
-                    self.decoder.budget.release(charged)
-                raise
-            if served:
-                if charged and self.decoder.budget is not None:
-                    self.decoder.budget.release(charged)
-                return
-            req = Serving(msg.req_id, time.monotonic() + deadline_s)
-            req.meta_bytes = meta_bytes
-            req.charged = charged
-            self.queued_bytes += meta_bytes
-            self.serving[msg.req_id] = req
-            self.engine.spawn(self.engine.serve_request, self, req, msg)
-        elif t == MT.GRANT:
-            p = self.pending.get(msg.req_id)
-            if p is not None:
-                if p.on_grant is not None:
-                    if memoryview(msg.arrays.get("nbytes", b"")).nbytes > _GRANT_INLINE:
-                        # Checking (and mapping) a grant of many descriptors takes numpy
-                        # tens of ms: off the loop. The reader waits, so no DATA comes first.
-                        await anyio.to_thread.run_sync(p.on_grant, msg, limiter=self.threads)
-                    else:
-                        p.on_grant(msg)
-                p.grant = msg
-                p.grant_event.set()
-        elif t == MT.RESULT:
-            p = self.pending.get(msg.req_id)
-            if p is not None:
-                p.result = msg
-                p.result_event.set()
-        elif t == MT.DONE:
-            s = self.serving.get(msg.req_id)
-            if s is not None:
-                if s.on_done is not None:
-                    s.on_done(msg)
-                s.done_event.set()
-        elif t == MT.ABORT:
-            code = wire_status(msg)
-            # The peer's words, bounded (and, as a link's reason, marked as theirs).
-            text = str(msg.fields.get("message", "aborted by peer"))[:512]
-            table: Mapping[int, _Request] = (
-                self.pending if msg.flags & FLAG_TO_INITIATOR else self.serving
-            )
-            aborted = table.get(msg.req_id)
-            if aborted is not None:
-                aborted.fail(LLMException(text, status_code=code))
-            if msg.fields.get("broken") is True:  # the peer breaks the link, and says why
-                self.fail(LinkBroken(f"cluster {self.peer_cluster_id} broke the link: {text}"))
-        elif t == MT.TABLE_REQ:
-            # NIXL metadata (keys to our registered memory) only to a peer linked over NIXL.
-            over_nixl = getattr(self.access, "name", None) == "nixl"
-            await self._owe_reply(Message(MT.TABLE, 0, self.engine.published_table(over_nixl)))
-            # Each reply encodes the whole table (milliseconds for thousands of caches): a
-            # burst of requests is answered one per loop turn, not all in one turn.
-            await anyio.lowlevel.checkpoint()
-        elif t == MT.PING:
-            await self._owe_reply(Message(MT.PONG))
-        elif t == MT.UNLINK:
-            await self._replies.acquire()
-            self.engine.spawn(self._peer_unlinked)
-        elif t in self._waiters:
-            for w in self._waiters[t]:
-                w.result = msg
-                w.result_event.set()
-        elif t == MT.BYE:
-            self.peer_left = True
-            self.fail(
-                LinkBroken(
-                    f"cluster {self.peer_cluster_id} finalized",
-                    status_code=LLMStatusCode.LLM_NOT_YET_LINK,
-                ),
-                expected=True,
-            )
-        else:
-            raise ProtocolError(f"unexpected {t.name} on an established link")
-
-    async def _owe_reply(self, msg: Message) -> None:
-        """Answer the peer from a task of its own; once ``_MAX_REPLIES`` answers are still
-        unsent (a peer that sends but never reads), the reader waits here, so the peer's
-        flood stays in its own socket buffers instead of our memory."""
-        await self._replies.acquire()
-        self.engine.spawn(self._reply, msg)
-
-    async def _reply(self, msg: Message) -> None:
-        try:
-            with contextlib.suppress(LLMException):
-                await self.send(msg)
-        finally:
-            self._replies.release()
-
-    async def _peer_unlinked(self) -> None:
-        try:
-            with contextlib.suppress(LLMException):
-                await self.send(Message(MT.UNLINK_ACK))
-        finally:
-            self._replies.release()
-        # Gone from our list too, as upstream does when the peer unlinks (a prompt may then
-        # switch_role without unlinking); our own unlink_clusters of it still succeeds.
-        self.peer_left = True
-        self.engine.links.peer_unlinked(self)
-        self.fail(
-            LinkBroken(
-                f"cluster {self.peer_cluster_id} unlinked",
-                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
-            ),
-            expected=True,
-        )
 
 
 _CANCELLED = CancelToken()
 _CANCELLED.cancel()
-
-#: bytes of a GRANT's descriptor sizes (8 per descriptor) checked on the loop; larger grants
-#: are checked in a worker thread
-_GRANT_INLINE = 8 << 14
-
-
-#: the direct-access caps a peer may use, by the kind of link it is on
-_CAPS_OF_KIND: dict[str, tuple[str, ...]] = {
-    "in-process": ("inproc", "pools", "pvr"),
-    "same-host": ("pools", "pvr"),
-    "nixl": ("nixl",),
-}
-
-
-def _reason(exc: BaseException) -> str:
-    """Why a link broke, in words a user can act on."""
-    if isinstance(exc, EOFError):
-        return "peer closed the connection"
-    if isinstance(exc, ConnectionResetError):
-        return "connection reset by peer"
-    if isinstance(exc, ProtocolError):
-        return f"protocol error: {exc}"
-    return str(exc) or repr(exc)
 
 
 def _copy_into(views: list[memoryview], pos: int, data: memoryview) -> None:
@@ -1227,12 +823,3 @@ def _slice_views(views: list[memoryview], pos: int, n: int) -> list[memoryview]:
         n -= take
         pos = 0
     return out
-
-
-def new_nonce() -> str:
-    return os.urandom(16).hex()
-
-
-def probe_token() -> np.ndarray:
-    """Random bytes a peer reads with process_vm_readv to prove it may reach our memory."""
-    return np.frombuffer(os.urandom(16), dtype=np.uint8).copy()

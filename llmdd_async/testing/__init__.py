@@ -14,32 +14,97 @@ so tests can compute the expected bytes without moving them through the test har
 :func:`linked_pair` runs two linked endpoints in this process. The pytest plugin (entry point
 ``llmdd_async``, in ``_pytest_plugin``) offers both as fixtures: ``llmdd_peer``, ``llmdd_pair``.
 :class:`LoopLagProbe` measures how long the event loop was held away from a sleeping task.
+:func:`wait_until` waits for a condition with a deadline; :func:`free_ports` finds unused ports.
+:func:`link_of`, :func:`links_of` and the other accessors of ``_inspect`` show an endpoint's
+links, caches and options to tests without reaching into its internals.
 """
 
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 
 import llmdd_async as dd
-from llmdd_async._childproc import ChildError, ChildProcess
+from llmdd_async._childproc import ChildProcess
+from llmdd_async._errors import ChildError
 
+from ._inspect import (
+    LinkView,
+    cache_entries,
+    cache_entry,
+    engine_of,
+    has_link,
+    link_of,
+    links_of,
+    options_of,
+    pool_of,
+    populated,
+    side_channel_name,
+    wait_link_down,
+    wait_link_listed,
+)
 from ._loop_lag import LoopLagProbe
 from ._pair import DEFAULT_OPTIONS, linked_pair
+from ._wait import wait_until
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "LinkView",
     "LoopLagProbe",
     "PeerError",
     "PeerProcess",
+    "cache_entries",
+    "cache_entry",
     "decode_key",
     "encode_key",
+    "engine_of",
+    "free_port",
+    "free_ports",
+    "has_link",
+    "link_of",
     "linked_pair",
+    "links_of",
+    "options_of",
     "pattern",
+    "pool_of",
+    "populated",
+    "side_channel_name",
+    "wait_link_down",
+    "wait_link_listed",
+    "wait_until",
 ]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago (all are held
+    open together while chosen, so they differ).
+
+    Raises:
+        OSError: no port could be bound.
+    """
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago.
+
+    Raises:
+        OSError: no port could be bound.
+    """
+    return free_ports(1)[0]
 
 
 def pattern(seed: int, nbytes: int) -> np.ndarray:

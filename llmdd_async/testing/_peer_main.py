@@ -14,7 +14,7 @@ import numpy as np
 
 import llmdd_async as dd
 from llmdd_async._childproc import CommandServer, run_server
-from llmdd_async.testing import decode_key, pattern
+from llmdd_async.testing import decode_key, options_of, pattern, wait_link_down
 
 
 class Peer(CommandServer):
@@ -29,7 +29,7 @@ class Peer(CommandServer):
     async def start(self, role: int, cluster_id: int, options: dict[str, str]) -> Any:
         self.dd = dd.LLMDataDist(dd.LLMRole(role), cluster_id)
         await self.start_endpoint(self.dd, options)
-        self.legacy = not self.dd._engine.options.cache_manager
+        self.legacy = not options_of(self.dd).cache_manager
         return self.dd.listen_address
 
     @property
@@ -143,6 +143,15 @@ class Peer(CommandServer):
             self.caches[result.cache_id] = result
             return result.cache_id
         return None
+
+    async def wait_link_down(self, cluster_id: int, timeout_s: float = 5) -> None:
+        """Return once this endpoint's link to ``cluster_id`` is down or gone.
+
+        Raises:
+            TimeoutError: still alive after ``timeout_s``.
+        """
+        assert self.dd is not None
+        await wait_link_down(self.dd, cluster_id, timeout_s)
 
     async def wait_task(self, task: int) -> int:
         return await _status_of(self.tasks.pop(task))

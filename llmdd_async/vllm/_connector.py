@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -154,6 +153,3 @@ class LlmddConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         if self._sched is not None:
             self._sched.set_handshake(metadata)
-
-
-_ = time  # keep the import for future timing hooks

@@ -30,6 +30,28 @@ bytes and must come within :data:`HANDSHAKE_S`; frames nest at most :data:`MAX_N
 brackets; a malformed frame closes that connection (logged ``vllm.side_channel_closed``),
 nothing else. When the server is full, the oldest connection that has proven nothing is
 closed for a newcomer, so silent connections never lock a decode out.
+
+Why this is not the library's framer (``_protocol.encode`` / ``Decoder`` with ``FrameAuth``,
+as ``_net/handshake.py`` uses them), though both are authenticated framings:
+
+- the bytes differ everywhere: here a big-endian u32 length, a JSON body and a 32-byte MAC;
+  there a 32-byte little-endian header (magic, version, type, request id), a length-prefixed
+  JSON meta with raw arrays, and a tag over header and meta. Reusing it would change every
+  byte of the side channel (prefills and decodes of the last release could no longer talk;
+  ``hello`` says ``v: 1``), which this redesign keeps as it is;
+- the key schedule differs: a session key ``HMAC(key, "K" | server nonce | client nonce)``
+  and, per frame, a MAC over direction byte, big-endian sequence number and body; a link
+  derives one ``FrameAuth`` key per direction from its whole handshake transcript and tags
+  a little-endian sequence number, header and meta. Moving to ``FrameAuth`` is a new
+  authentication protocol (its own review, a version bump), not a refactor;
+- the admission rules are this channel's own: a keyless connection proves itself only by
+  presenting a valid capability (:meth:`ServerPeer.proved`), unproven ones have a 2 s
+  deadline and are evicted oldest first; frames are 4 KiB before the handshake and 1 MiB
+  after, with brackets counted before parsing. The link ``Decoder``'s limits (256 MiB meta,
+  1 MiB of fields, a shared ``MetaBudget``) are sized for cache requests, not for this.
+
+(The two run on different I/O, asyncio streams here on the connector's private loop, anyio
+for links; the ``Decoder`` being sans-IO, that alone would not keep them apart.)
 """
 
 from __future__ import annotations
@@ -44,9 +66,10 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .._errors import ControlError
 from .._log import get_logger
 
-__all__ = ["MAX_FRAME", "ControlClient", "ControlError", "ControlServer"]
+__all__ = ["MAX_FRAME", "ControlClient", "ControlServer", "ServerPeer", "quietly"]
 
 MAX_FRAME = 1 << 20
 #: largest frame before the peer proved anything (hello / auth are a few hundred bytes)
@@ -65,8 +88,10 @@ _VERSION = 1
 log = get_logger("vllm")
 
 
-class ControlError(Exception):
-    """The side channel failed (refused, closed, bad frame, authentication)."""
+async def quietly(send: Awaitable[None]) -> None:
+    """Await a send whose failure only means that the peer is gone (nothing to tell it)."""
+    with contextlib.suppress(Exception):
+        await send
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -178,10 +203,11 @@ class ControlServer:
         timeout_s: float = 10.0,
         handshake_s: float = HANDSHAKE_S,
     ) -> None:
+        """``timeout_s``: the transfer timeout; an unproven connection's deadline is
+        ``handshake_s`` or that, whichever is shorter."""
         self._key = key.encode() if key else None
         self._meta = meta
         self._handler = handler
-        self._timeout = timeout_s
         self._handshake_s = min(handshake_s, timeout_s)
         self._server: asyncio.AbstractServer | None = None
         #: open connections, oldest first

@@ -51,7 +51,6 @@ class RecvSpec:
     local_blocks: list[int]
     skip_blocks: int  # leading blocks the decode already has (local prefix cache)
     params: dict[str, Any]  # the request's kv_transfer_params (the remote_* keys)
-    num_tokens: int
 
 
 @dataclass

@@ -8,6 +8,8 @@ itself loads only when an engine asks for it (its import checks the vLLM version
 
 from __future__ import annotations
 
+import contextlib
+
 __all__ = ["register"]
 
 
@@ -16,7 +18,9 @@ def register() -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:  # pragma: no cover - another vLLM layout: loading by path still checks
         return
-    if "LlmddConnector" not in KVConnectorFactory._registry:
+    # registered already (this process called register before): vLLM says so with a
+    # ValueError, its only public answer to "is this name taken"
+    with contextlib.suppress(ValueError):
         KVConnectorFactory.register_connector(
             "LlmddConnector", "llmdd_async.vllm", "LlmddConnector"
         )

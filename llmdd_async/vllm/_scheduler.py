@@ -129,7 +129,6 @@ class SchedulerSide:
                 local_blocks=list(local),
                 skip_blocks=skip,
                 params={k: v for k, v in params.items() if k != "do_remote_prefill"},
-                num_tokens=len(request.prompt_token_ids or []),
             )
         params["do_remote_prefill"] = False
 

@@ -1,0 +1,74 @@
+"""What the frames of a link mean: typed messages above the sans-IO framer of
+:mod:`llmdd_async._protocol`.
+
+h11-style: each frame a link exchanges is a frozen dataclass with ONE ``encode`` (to the
+framer's :class:`~llmdd_async._protocol.Message`, giving the very bytes the wire always
+carried) and ONE ``decode`` that checks every field the frame may carry and raises
+:class:`ProtocolError` there and nowhere else. Unknown fields are ignored (a peer may add
+some); vocabularies are enums (:class:`Op`, :class:`Shape`, :class:`Mode`, :class:`By`,
+:class:`Cap`), whose values are the wire's strings. ``fields`` holds the vocabularies and the
+field readers, ``transfer`` the request's messages, ``control`` the rest.
+
+A peer's ``status`` is read leniently everywhere (missing, malformed or unknown is
+LLM_FAILED: the safest answer), and so is a reason it gives (bounded, made a string), as they
+always were; a peer's published table too (malformed entries count as nothing).
+
+* transfer: :class:`Request` (XFER_REQ), :class:`Grant`, :class:`Data`, :class:`Done`,
+  :class:`Result`, :class:`Abort`;
+* control: :class:`TableRequest`, :class:`Table`, :class:`Ping`, :class:`Pong`,
+  :class:`Unlink`, :class:`UnlinkAck`, :class:`Bye`;
+* handshake: :class:`Hello`, :class:`Challenge`, :class:`Identity` (a LINK_REQ's fields, and a
+  successful LINK_ACK's), :class:`LinkRefused` (a LINK_ACK that says no).
+"""
+
+from __future__ import annotations
+
+from .control import (
+    Bye,
+    CacheInfo,
+    Challenge,
+    Hello,
+    Identity,
+    LinkRefused,
+    Ping,
+    Pong,
+    Table,
+    TableRequest,
+    Unlink,
+    UnlinkAck,
+    regions_of_table,
+)
+from .fields import FLAG_TO_INITIATOR, MAX_REASON, By, Cap, Mode, Op, Shape, caps_of, wire_status
+from .transfer import Abort, Address, Data, Done, Grant, Request, Result
+
+__all__ = [
+    "Abort",
+    "Address",
+    "By",
+    "Bye",
+    "CacheInfo",
+    "Cap",
+    "Challenge",
+    "Data",
+    "Done",
+    "FLAG_TO_INITIATOR",
+    "Grant",
+    "Hello",
+    "Identity",
+    "LinkRefused",
+    "MAX_REASON",
+    "Mode",
+    "Op",
+    "Ping",
+    "Pong",
+    "Request",
+    "Result",
+    "Shape",
+    "Table",
+    "TableRequest",
+    "Unlink",
+    "UnlinkAck",
+    "caps_of",
+    "regions_of_table",
+    "wire_status",
+]

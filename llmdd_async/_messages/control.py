@@ -1,0 +1,362 @@
+"""The control and handshake messages: TABLE_REQ / TABLE (a peer's published caches),
+PING / PONG, UNLINK / UNLINK_ACK, BYE; HELLO, CHALLENGE, a LINK_REQ's or successful LINK_ACK's
+:class:`Identity`, and a :class:`LinkRefused`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .._enums import LLMStatusCode
+from .._errors import ProtocolError
+from .._protocol import MT, Message
+from .fields import (
+    U64_MAX,
+    bad_field,
+    bool_field,
+    expect_type,
+    int_field,
+    opt_str_field,
+    reason_field,
+    status_field,
+    str_field,
+)
+
+
+# ====================================================================== control
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Bare:
+    """A frame with nothing in it (whatever a peer adds is ignored)."""
+
+    TYPE: ClassVar[MT]
+
+    def encode(self) -> Message:
+        return Message(self.TYPE)
+
+    @classmethod
+    def decode(cls, msg: Message) -> Any:
+        """Raises:
+        ProtocolError: a frame of another type."""
+        expect_type(msg, cls.TYPE)
+        return cls()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TableRequest(_Bare):
+    """TABLE_REQ: send me your table."""
+
+    TYPE: ClassVar[MT] = MT.TABLE_REQ
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ping(_Bare):
+    TYPE: ClassVar[MT] = MT.PING
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pong(_Bare):
+    TYPE: ClassVar[MT] = MT.PONG
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unlink(_Bare):
+    """UNLINK: this side unlinks (the peer answers UNLINK_ACK, then forgets the link)."""
+
+    TYPE: ClassVar[MT] = MT.UNLINK
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UnlinkAck(_Bare):
+    TYPE: ClassVar[MT] = MT.UNLINK_ACK
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bye(_Bare):
+    """BYE: orderly close (finalize)."""
+
+    TYPE: ClassVar[MT] = MT.BYE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheInfo:
+    """One cache of a peer's table: its tensors' addresses and layout."""
+
+    cache_id: int
+    addrs: tuple[int, ...]
+    tensor_bytes: int
+    count: int
+    is_blocks: bool
+    placement: int
+    remote_accessible: bool
+
+    def encode(self) -> dict[str, Any]:
+        return {
+            "cache_id": self.cache_id,
+            "addrs": list(self.addrs),
+            "tensor_bytes": self.tensor_bytes,
+            "count": self.count,
+            "is_blocks": self.is_blocks,
+            "placement": self.placement,
+            "remote_accessible": self.remote_accessible,
+        }
+
+    @classmethod
+    def decode(cls, raw: Any) -> CacheInfo | None:
+        """The entry, or None for a malformed one (it counts as nothing)."""
+        try:
+            addrs = raw["addrs"]
+            if not isinstance(addrs, list):
+                return None
+            return cls(
+                int_field(raw["cache_id"], "cache id"),
+                tuple(int_field(a, "address", 0) for a in addrs),
+                int_field(raw["tensor_bytes"], "tensor bytes", 0),
+                int_field(raw["count"], "count", 0),
+                bool_field(raw["is_blocks"], "is_blocks"),
+                int_field(raw.get("placement", 0), "placement"),
+                raw.get("remote_accessible") is True,
+            )
+        except (ProtocolError, KeyError, TypeError, AttributeError):
+            return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Table:
+    """TABLE: a peer's published caches, its blocks keys (model id -> cache id), its slot
+    keys (``kind, id, model id, cache id, slot``), its epoch word (``base, value``: where
+    one-sided readers check their view) and its NIXL entry."""
+
+    caches: tuple[CacheInfo, ...] = ()
+    blocks_keys: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    slot_keys: tuple[tuple[str, int, int, int, int], ...] = ()
+    epoch: tuple[int, int] | None = None
+    nixl: Mapping[str, Any] | None = None
+
+    def encode(self) -> Message:
+        fields: dict[str, Any] = {
+            "caches": [c.encode() for c in self.caches],
+            "blocks_keys": dict(self.blocks_keys),
+            "slot_keys": [list(k) for k in self.slot_keys],
+        }
+        if self.epoch is not None:
+            fields["epoch"] = list(self.epoch)
+        if self.nixl is not None:
+            fields["nixl"] = dict(self.nixl)
+        return Message(MT.TABLE, 0, fields)
+
+    @classmethod
+    def decode(cls, msg: Message) -> Table:
+        """Never raises for a TABLE: malformed entries count as nothing, a malformed epoch as
+        none.
+
+        Raises:
+            ProtocolError: a frame of another type."""
+        expect_type(msg, MT.TABLE)
+        f = msg.fields
+        caches = f.get("caches")
+        infos = tuple(
+            i
+            for i in (CacheInfo.decode(c) for c in (caches if isinstance(caches, list) else []))
+            if i is not None
+        )
+        keys = f.get("blocks_keys")
+        blocks_keys = (
+            {k: v for k, v in keys.items() if type(v) is int} if isinstance(keys, dict) else {}
+        )
+        slot = f.get("slot_keys")
+        slot_keys = tuple(
+            (k[0], k[1], k[2], k[3], k[4])
+            for k in (slot if isinstance(slot, list) else [])
+            if isinstance(k, list)
+            and len(k) == 5
+            and isinstance(k[0], str)
+            and all(type(v) is int for v in k[1:])
+        )
+        epoch = f.get("epoch")
+        words: list[Any] = epoch if isinstance(epoch, list) else []
+        valid = (
+            len(words) == 2
+            and all(type(v) is int for v in words)
+            and 0 < words[0] <= U64_MAX
+            and 0 <= words[1] <= U64_MAX
+        )
+        nixl = f.get("nixl")
+        return cls(
+            infos,
+            blocks_keys,
+            slot_keys,
+            (words[0], words[1]) if valid else None,
+            nixl if isinstance(nixl, dict) else None,
+        )
+
+
+def _no_regions() -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
+
+
+def regions_of_table(table: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted ``(starts, ends)`` of the tensors of the remote-accessible caches a peer's table
+    (or proof message) lists; malformed entries count as nothing."""
+    starts: list[int] = []
+    ends: list[int] = []
+    caches = table.get("caches") if isinstance(table, dict) else None
+    for c in caches if isinstance(caches, list) else []:
+        if not isinstance(c, dict) or c.get("remote_accessible") is not True:
+            continue
+        size, addrs = c.get("tensor_bytes"), c.get("addrs")
+        if not isinstance(size, int) or not isinstance(addrs, list):
+            continue
+        for a in addrs:
+            if isinstance(a, int) and a > 0 and size > 0 and a + size < 2**64:
+                starts.append(a)
+                ends.append(a + size)
+    if not starts:
+        return _no_regions()
+    order = np.argsort(np.array(starts, dtype=np.uint64), kind="stable")
+    return (
+        np.array(starts, dtype=np.uint64)[order],
+        np.array(ends, dtype=np.uint64)[order],
+    )
+
+
+# ====================================================================== handshake
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hello:
+    """HELLO, client -> server: its protocol version and nonce."""
+
+    nonce: str
+    version: int
+
+    def encode(self) -> Message:
+        return Message(MT.HELLO, 0, {"version": self.version, "nonce": self.nonce})
+
+    @classmethod
+    def decode(cls, msg: Message) -> Hello:
+        """Raises:
+        ProtocolError: a missing or malformed version or nonce (the version itself is the
+            server's to judge)."""
+        expect_type(msg, MT.HELLO)
+        f = msg.fields
+        return cls(
+            str_field(f.get("nonce"), "nonce"), int_field(f.get("version"), "protocol version")
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Challenge:
+    """CHALLENGE, server -> client: its nonce and whether the link is keyed."""
+
+    nonce: str
+    auth: bool
+
+    def encode(self) -> Message:
+        return Message(MT.CHALLENGE, 0, {"nonce": self.nonce, "auth": self.auth})
+
+    @classmethod
+    def decode(cls, msg: Message) -> Challenge:
+        """Raises:
+        ProtocolError: a missing or malformed field."""
+        expect_type(msg, MT.CHALLENGE)
+        f = msg.fields
+        return cls(str_field(f.get("nonce"), "nonce"), bool_field(f.get("auth"), "auth flag"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Identity:
+    """What an endpoint tells a peer about itself in the handshake (a LINK_REQ's fields, and
+    a successful LINK_ACK's): nothing about its memory. ``mac``: the transcript's tag on a
+    keyed link (added after the transcript took the frame)."""
+
+    cluster_id: int
+    role: int
+    remote_accessible: bool
+    payload_auth: bool
+    host: Mapping[str, Any] | None
+    transport: str
+    uds: str | None
+    mac: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "cluster_id": self.cluster_id,
+            "role": self.role,
+            "remote_accessible": self.remote_accessible,
+            "payload_auth": self.payload_auth,
+            "host": None if self.host is None else dict(self.host),
+            "transport": self.transport,
+            "uds": self.uds,
+        }
+        if self.mac is not None:
+            out["mac"] = self.mac
+        return out
+
+    def encode(self, mtype: MT = MT.LINK_REQ) -> Message:
+        """A LINK_REQ, or with ``mtype`` = LINK_ACK the successful answer (status 0 first)."""
+        fields = self.fields()
+        return Message(mtype, 0, {"status": 0, **fields} if mtype == MT.LINK_ACK else fields)
+
+    @classmethod
+    def decode(cls, msg: Message) -> Identity:
+        """A LINK_REQ, or a LINK_ACK that says yes.
+
+        Raises:
+            ProtocolError: a missing or malformed field (a cluster id outside u64 included),
+                or a LINK_ACK that says no (read it with :class:`LinkRefused`)."""
+        if msg.type not in (MT.LINK_REQ, MT.LINK_ACK):
+            raise ProtocolError(f"expected LINK_REQ or LINK_ACK, got {msg.type.name}")
+        f = msg.fields
+        if msg.type == MT.LINK_ACK and status_field(f.get("status")) != LLMStatusCode.LLM_SUCCESS:
+            raise ProtocolError("a refusal is no identity")
+        host = f.get("host")
+        if host is not None and not isinstance(host, dict):
+            raise bad_field("host", host)
+        return cls(
+            int_field(f.get("cluster_id"), "cluster id", 0),
+            int_field(f.get("role"), "role"),
+            bool_field(f.get("remote_accessible"), "remote_accessible"),
+            bool_field(f.get("payload_auth"), "payload_auth"),
+            host,
+            str_field(f.get("transport"), "transport"),
+            opt_str_field(f.get("uds"), "uds"),
+            opt_str_field(f.get("mac"), "mac"),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinkRefused:
+    """A LINK_ACK that says no: the status and, told to a client that proved the key, why,
+    who refused and whether it yielded to a simultaneous link."""
+
+    status: LLMStatusCode
+    message: str | None = None
+    cluster_id: int | None = None
+    yielded: bool = False
+
+    def encode(self) -> Message:
+        fields: dict[str, Any] = {"status": int(self.status)}
+        if self.message is not None:
+            fields["message"] = self.message
+        if self.cluster_id is not None:
+            fields["cluster_id"] = self.cluster_id
+        if self.yielded:
+            fields["yield"] = True
+        return Message(MT.LINK_ACK, 0, fields)
+
+    @classmethod
+    def decode(cls, msg: Message) -> LinkRefused:
+        """Never raises for a LINK_ACK (a reason is kept, bounded to MAX_REASON).
+
+        Raises:
+            ProtocolError: a frame of another type."""
+        expect_type(msg, MT.LINK_ACK)
+        f = msg.fields
+        cid = f.get("cluster_id")
+        return cls(
+            status_field(f.get("status")),
+            reason_field(f.get("message")),
+            cid if type(cid) is int else None,
+            f.get("yield") is True,
+        )

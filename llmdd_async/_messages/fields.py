@@ -1,0 +1,197 @@
+"""The words and field readers of the wire messages: the vocabularies (enums whose values
+are the wire's strings) and one strict reader per kind of field, each raising
+:class:`ProtocolError` for a malformed value; a peer's status and reasons are read leniently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .._enums import LLMStatusCode
+from .._errors import ProtocolError
+from .._protocol import MT, Message
+
+#: DATA/ABORT flag: the frame concerns a request that the *receiver* of the frame started.
+FLAG_TO_INITIATOR = 1
+#: characters of a peer's reason (an ABORT's message) kept
+MAX_REASON = 512
+
+_U64 = np.uint64
+U64_MAX = 2**64 - 1
+I64_MIN = -(2**63)
+
+
+# ====================================================================== vocabularies
+class _Words(str, enum.Enum):
+    """A vocabulary of the wire: each member is its string there (and equal to it)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Op(_Words):
+    """Which way a request moves bytes, seen from the target."""
+
+    PULL = "pull"  # the target is the source
+    PUSH = "push"  # the target is the destination
+
+
+class Shape(_Words):
+    """How a request selects its bytes (see :mod:`._planner`)."""
+
+    SLOT = "slot"
+    BLOCKS = "blocks"
+    SLOT_TO_BLOCKS = "slot_to_blocks"
+
+
+class Mode(_Words):
+    """How a granted request's bytes travel."""
+
+    LOCAL = "local"  # the initiator copies straight from/to the target's memory
+    STREAM = "stream"  # DATA frames on the link
+
+
+class By(_Words):
+    """How a request names the target's cache (the request's :class:`Address`)."""
+
+    REQ_KEY = "req_key"
+    PREFIX_KEY = "prefix_key"
+    BLOCKS_KEY = "blocks_key"
+    CACHE_ID = "cache_id"
+    ADDRS = "addrs"
+
+
+class Cap(_Words):
+    """How an initiator can reach the target's memory directly (sent with each request), in
+    the order a request lists them."""
+
+    INPROC = "inproc"  # all of it (same process)
+    POOLS = "pools"  # its shared pools
+    PVR = "pvr"  # any of it (process_vm_readv)
+    NIXL = "nixl"  # what is registered with its NIXL agent
+
+
+#: each vocabulary by its wire strings
+_WORDS: dict[type[_Words], dict[str, _Words]] = {
+    cls: {m.value: m for m in cls} for cls in (Op, Shape, Mode, By, Cap)
+}
+#: the caps in the order a request lists them
+CAPS_ORDER: tuple[Cap, ...] = tuple(Cap)
+
+
+def caps_of(claimed: Mapping[str, Any] | None) -> frozenset[Cap]:
+    """The known caps ``claimed`` sets to True (unknown names and other values: not claimed)."""
+    if not claimed:
+        return frozenset()
+    return frozenset(c for c in CAPS_ORDER if claimed.get(c.value) is True)
+
+
+# ====================================================================== field readers
+def bad_field(what: str, value: Any) -> ProtocolError:
+    text = repr(value)
+    return ProtocolError(f"bad {what}: {text[:80]}{'...' if len(text) > 80 else ''}")
+
+
+def int_field(value: Any, what: str, lo: int = I64_MIN, hi: int = U64_MAX) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise bad_field(what, value)
+    return value
+
+
+def opt_int_field(value: Any, what: str, lo: int = I64_MIN) -> int | None:
+    return None if value is None else int_field(value, what, lo)
+
+
+def bool_field(value: Any, what: str) -> bool:
+    if type(value) is not bool:
+        raise bad_field(what, value)
+    return value
+
+
+def str_field(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise bad_field(what, value)
+    return value
+
+
+def opt_str_field(value: Any, what: str) -> str | None:
+    return None if value is None else str_field(value, what)
+
+
+_E = TypeVar("_E", bound=_Words)
+
+
+def enum_field(cls: type[_E], value: Any, what: str) -> _E:
+    # A dict lookup: calling the enum class costs about a microsecond per field.
+    member = _WORDS[cls].get(value) if isinstance(value, str) else None
+    if member is None:
+        raise bad_field(what, value)
+    return member  # type: ignore[return-value]
+
+
+def range_field(value: Any, what: str) -> range | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2:
+        raise bad_field(what, value)
+    return range(int_field(value[0], what), int_field(value[1], what))
+
+
+def layout_field(value: Any, what: str) -> tuple[int, int, bool]:
+    """``[tensor_bytes, count, is_blocks]`` of a cache layout."""
+    if not isinstance(value, list) or len(value) != 3:
+        raise bad_field(what, value)
+    return int_field(value[0], what, 0), int_field(value[1], what, 0), bool_field(value[2], what)
+
+
+def status_field(value: Any) -> LLMStatusCode:
+    return LLMStatusCode.from_wire(value) if type(value) is int else LLMStatusCode.LLM_FAILED
+
+
+def reason_field(value: Any) -> str | None:
+    return None if value is None else str(value)[:MAX_REASON]
+
+
+def u64_bytes(arr: np.ndarray) -> memoryview:
+    return np.ascontiguousarray(arr, dtype="<u8").data.cast("B")
+
+
+def u64_array(msg: Message, name: str) -> np.ndarray | None:
+    raw = msg.arrays.get(name)
+    # A view, not a copy: the decoded frame's bytes are immutable and live as long as it.
+    return None if raw is None else np.frombuffer(raw, dtype="<u8").astype(_U64, copy=False)
+
+
+def expect_type(msg: Message, mtype: MT) -> None:
+    if msg.type != mtype:
+        raise ProtocolError(f"expected {mtype.name}, got {msg.type.name}")
+
+
+def wire_status(msg: Message) -> LLMStatusCode:
+    """The ``status`` field of a peer's frame; missing, malformed or unknown is LLM_FAILED."""
+    return status_field(msg.fields.get("status"))
+
+
+class ArraysEqual:
+    """Equality by value for messages that carry arrays (numpy's ``==`` is elementwise)."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                if a is None or b is None or not np.array_equal(a, b):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]

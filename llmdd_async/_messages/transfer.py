@@ -1,0 +1,394 @@
+"""The transfer messages: XFER_REQ (:class:`Request`, naming the target's cache by an
+:class:`Address`), GRANT, DATA, DONE, RESULT and ABORT."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .._enums import LLMStatusCode
+from .._errors import ProtocolError
+from .._planner import MAX_DESCRIPTORS
+from .._protocol import MT, Message
+from .fields import (
+    CAPS_ORDER,
+    FLAG_TO_INITIATOR,
+    ArraysEqual,
+    By,
+    Cap,
+    Mode,
+    Op,
+    Shape,
+    bad_field,
+    bool_field,
+    caps_of,
+    enum_field,
+    expect_type,
+    int_field,
+    layout_field,
+    opt_int_field,
+    opt_str_field,
+    range_field,
+    reason_field,
+    status_field,
+    u64_array,
+    u64_bytes,
+)
+
+
+# ====================================================================== transfer
+@dataclasses.dataclass(frozen=True, slots=True)
+class Address:
+    """How a request names the target's cache: by a request/prefix key (``id``,
+    ``model_id``), a blocks key (``model_id``), a cache id (``cache_id``, batch ``index``) or
+    raw addresses (the request's ``raw_addrs``)."""
+
+    by: By
+    id: int = 0
+    model_id: int = 0
+    cache_id: int = 0
+    index: int = 0
+
+    def encode(self) -> dict[str, Any]:
+        by = self.by
+        if by is By.REQ_KEY or by is By.PREFIX_KEY:
+            return {"by": by.value, "id": self.id, "model_id": self.model_id}
+        if by is By.BLOCKS_KEY:
+            return {"by": by.value, "model_id": self.model_id}
+        if by is By.CACHE_ID:
+            return {"by": by.value, "cache_id": self.cache_id, "index": self.index}
+        return {"by": by.value}
+
+    @classmethod
+    def decode(cls, raw: Any) -> Address:
+        """Raises:
+        ProtocolError: not an object, an unknown ``by``, or a field it needs missing or
+            malformed."""
+        if not isinstance(raw, dict):
+            raise bad_field("target", raw)
+        by = enum_field(By, raw.get("by"), "addressing")
+        if by is By.REQ_KEY or by is By.PREFIX_KEY:
+            return cls(
+                by,
+                id=int_field(raw.get("id"), "key id"),
+                model_id=int_field(raw.get("model_id"), "model id"),
+            )
+        if by is By.BLOCKS_KEY:
+            return cls(by, model_id=int_field(raw.get("model_id"), "model id"))
+        if by is By.CACHE_ID:
+            return cls(
+                by,
+                cache_id=int_field(raw.get("cache_id"), "cache id"),
+                index=int_field(raw.get("index", 0), "batch index"),
+            )
+        return cls(by)
+
+
+#: request fields left out of the frame when they hold these values (JSON costs microseconds
+#: per field, on both ends of every request)
+_REQ_DEFAULTS: dict[str, Any] = {
+    "local_slot": 0,
+    "size": -1,
+    "src_offset": 0,
+    "dst_offset": 0,
+    "src_range": None,
+    "dst_range": None,
+    "tnpl": 2,
+    "dst_block_bytes": None,
+}
+
+
+def _wire_range(r: range | None) -> list[int] | None:
+    return None if r is None else [r.start, r.stop]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Request(ArraysEqual):
+    """XFER_REQ, initiator -> target: what to move, in source/destination terms.
+
+    ``layout`` is the initiator's cache (``tensor_bytes, count, is_blocks``; its tensors at
+    ``local_addrs``); ``raw``/``raw_addrs`` the target's memory when it is named by address.
+    """
+
+    req_id: int
+    op: Op
+    target: Address
+    shape: Shape
+    layout: tuple[int, int, bool]
+    local_addrs: np.ndarray
+    caps: frozenset[Cap] = frozenset()
+    timeout_ms: int = 0
+    local_slot: int = 0
+    size: int = -1
+    src_offset: int = 0
+    dst_offset: int = 0
+    src_range: range | None = None
+    dst_range: range | None = None
+    tensor_num_per_layer: int = 2
+    dst_block_bytes: int | None = None
+    src_blocks: np.ndarray | None = None
+    dst_blocks: np.ndarray | None = None
+    raw: tuple[int, int, bool] | None = None
+    raw_addrs: np.ndarray | None = None
+
+    def encode(self) -> Message:
+        tb, count, is_blocks = self.layout
+        fields: dict[str, Any] = {
+            "op": self.op.value,
+            "target": self.target.encode(),
+            "shape": self.shape.value,
+            "layout": [tb, count, is_blocks],
+            "caps": self.caps_claimed(),
+            "timeout_ms": self.timeout_ms,
+        }
+        for name, value in (
+            ("local_slot", self.local_slot),
+            ("size", self.size),
+            ("src_offset", self.src_offset),
+            ("dst_offset", self.dst_offset),
+            ("src_range", _wire_range(self.src_range)),
+            ("dst_range", _wire_range(self.dst_range)),
+            ("tnpl", self.tensor_num_per_layer),
+            ("dst_block_bytes", self.dst_block_bytes),
+        ):
+            if value != _REQ_DEFAULTS[name]:
+                fields[name] = value
+        if self.raw is not None:
+            fields["raw"] = list(self.raw)
+        arrays: dict[str, bytes | memoryview] = {"local_addrs": u64_bytes(self.local_addrs)}
+        for name, arr in (
+            ("src_blocks", self.src_blocks),
+            ("dst_blocks", self.dst_blocks),
+            ("raw_addrs", self.raw_addrs),
+        ):
+            if arr is not None:
+                arrays[name] = u64_bytes(arr)
+        return Message(MT.XFER_REQ, self.req_id, fields, arrays)
+
+    @classmethod
+    def decode(cls, msg: Message) -> Request:
+        """Raises:
+        ProtocolError: any field missing (where it has no default) or malformed, a request
+            without the initiator's tensors, or one by address without the target's."""
+        expect_type(msg, MT.XFER_REQ)
+        f = msg.fields
+        local_addrs = u64_array(msg, "local_addrs")
+        if local_addrs is None or not len(local_addrs):
+            raise ProtocolError("request without the initiator's layout")
+        target = Address.decode(f.get("target"))
+        raw_addrs = u64_array(msg, "raw_addrs")
+        if target.by is By.ADDRS and (raw_addrs is None or not len(raw_addrs)):
+            raise ProtocolError("addressing by addresses without addresses")
+        caps = f.get("caps")
+        if caps is not None and not isinstance(caps, dict):
+            raise bad_field("caps", caps)
+        raw = f.get("raw")
+        g = f.get
+        return cls(
+            msg.req_id,
+            enum_field(Op, g("op"), "op"),
+            target,
+            enum_field(Shape, g("shape"), "shape"),
+            layout_field(g("layout"), "layout"),
+            local_addrs,
+            caps=caps_of(caps),
+            timeout_ms=int_field(g("timeout_ms", 0), "timeout", 0),
+            local_slot=int_field(g("local_slot", 0), "local slot"),
+            size=int_field(g("size", -1), "size"),
+            src_offset=int_field(g("src_offset", 0), "source offset"),
+            dst_offset=int_field(g("dst_offset", 0), "destination offset"),
+            src_range=range_field(g("src_range"), "source range"),
+            dst_range=range_field(g("dst_range"), "destination range"),
+            tensor_num_per_layer=int_field(g("tnpl", 2), "tensors per layer"),
+            dst_block_bytes=opt_int_field(g("dst_block_bytes"), "destination block bytes"),
+            src_blocks=u64_array(msg, "src_blocks"),
+            dst_blocks=u64_array(msg, "dst_blocks"),
+            raw=None if raw is None else layout_field(raw, "raw layout"),
+            raw_addrs=raw_addrs,
+        )
+
+    def caps_claimed(self) -> dict[str, bool]:
+        """The caps as the link's policy reads them (name -> True)."""
+        caps = self.caps
+        return {c.value: True for c in CAPS_ORDER if c in caps} if caps else {}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Grant(ArraysEqual):
+    """GRANT, target -> initiator: the status and, on success, the resolved plan: ``local``
+    (the initiator's ranges), ``nbytes``, and in local mode ``remote`` (the target's).
+    ``done=False``: the target expects no DONE (a streamed pull that consumes nothing)."""
+
+    req_id: int
+    status: LLMStatusCode = LLMStatusCode.LLM_SUCCESS
+    message: str | None = None
+    mode: Mode | None = None
+    total: int | None = None
+    done: bool = True
+    local: np.ndarray | None = None
+    nbytes: np.ndarray | None = None
+    remote: np.ndarray | None = None
+
+    @classmethod
+    def refusal(cls, req_id: int, status: LLMStatusCode, message: str) -> Grant:
+        return cls(req_id, status, message)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == LLMStatusCode.LLM_SUCCESS
+
+    def encode(self) -> Message:
+        fields: dict[str, Any] = {"status": int(self.status)}
+        if self.message is not None:
+            fields["message"] = self.message
+        if self.mode is not None:
+            fields["mode"] = self.mode.value
+        if self.total is not None:
+            fields["total"] = self.total
+        if not self.done:
+            fields["done"] = False
+        arrays: dict[str, bytes | memoryview] = {}
+        for name, arr in (("local", self.local), ("nbytes", self.nbytes), ("remote", self.remote)):
+            if arr is not None:
+                arrays[name] = u64_bytes(arr)
+        return Message(MT.GRANT, self.req_id, fields, arrays)
+
+    @classmethod
+    def decode(cls, msg: Message) -> Grant:
+        """Raises:
+        ProtocolError: a malformed field; a successful grant without a mode or a plan, with
+            more than MAX_DESCRIPTORS descriptors, or in local mode without remote ranges."""
+        expect_type(msg, MT.GRANT)
+        f = msg.fields
+        status = status_field(f.get("status"))
+        mode = f.get("mode")
+        done = f.get("done", True)
+        grant = cls(
+            msg.req_id,
+            status,
+            opt_str_field(f.get("message"), "message"),
+            None if mode is None else enum_field(Mode, mode, "mode"),
+            opt_int_field(f.get("total"), "total", 0),
+            bool_field(done, "done"),
+            u64_array(msg, "local"),
+            u64_array(msg, "nbytes"),
+            u64_array(msg, "remote"),
+        )
+        if status == LLMStatusCode.LLM_SUCCESS:
+            local, nbytes, remote = grant.local, grant.nbytes, grant.remote
+            if grant.mode is None or local is None or nbytes is None or len(local) != len(nbytes):
+                raise ProtocolError("GRANT without a plan")
+            if len(local) > MAX_DESCRIPTORS:  # no honest target plans more
+                raise ProtocolError(f"GRANT of {len(local)} descriptors")
+            if grant.mode is Mode.LOCAL and (remote is None or len(remote) != len(nbytes)):
+                raise ProtocolError("local-mode GRANT without remote ranges")
+        return grant
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Data:
+    """DATA, either way: ``payload_len`` bytes of a granted plan's stream from ``off`` (the
+    payload follows the frame; with ``llm.PayloadAuth`` it ends with its MAC)."""
+
+    req_id: int
+    off: int
+    payload_len: int
+    to_initiator: bool = False
+
+    def encode(self) -> Message:
+        flags = FLAG_TO_INITIATOR if self.to_initiator else 0
+        return Message(MT.DATA, self.req_id, {"off": self.off}, {}, self.payload_len, flags)
+
+    @classmethod
+    def decode(cls, msg: Message) -> Data:
+        """Raises:
+        ProtocolError: a missing or negative offset."""
+        expect_type(msg, MT.DATA)
+        off = int_field(msg.fields.get("off"), "DATA offset", 0)
+        return cls(msg.req_id, off, msg.payload_len, bool(msg.flags & FLAG_TO_INITIATOR))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Status:
+    """A frame that carries a status and maybe a reason."""
+
+    TYPE: ClassVar[MT]
+    req_id: int
+    status: LLMStatusCode = LLMStatusCode.LLM_SUCCESS
+    message: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == LLMStatusCode.LLM_SUCCESS
+
+    def encode(self) -> Message:
+        fields: dict[str, Any] = {"status": int(self.status)}
+        if self.message is not None:
+            fields["message"] = self.message
+        return Message(self.TYPE, self.req_id, fields)
+
+    @classmethod
+    def decode(cls, msg: Message) -> Any:
+        """Never raises for a frame of its type (status and reason are read leniently).
+
+        Raises:
+            ProtocolError: a frame of another type."""
+        expect_type(msg, cls.TYPE)
+        return cls(
+            msg.req_id,
+            status_field(msg.fields.get("status")),
+            reason_field(msg.fields.get("message")),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Done(_Status):
+    """DONE, initiator -> target: the initiator finished (its status)."""
+
+    TYPE: ClassVar[MT] = MT.DONE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Result(_Status):
+    """RESULT, target -> initiator: the target received every byte of a streamed push."""
+
+    TYPE: ClassVar[MT] = MT.RESULT
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Abort:
+    """ABORT, either way: stop this request (why, and its status). ``broken``: the sender
+    breaks the link too. ``to_initiator``: the receiver started the request."""
+
+    req_id: int
+    status: LLMStatusCode
+    message: str | None = None
+    broken: bool = False
+    to_initiator: bool = False
+
+    def encode(self) -> Message:
+        fields: dict[str, Any] = {"status": int(self.status)}
+        if self.message is not None:
+            fields["message"] = self.message
+        if self.broken:
+            fields["broken"] = True
+        flags = FLAG_TO_INITIATOR if self.to_initiator else 0
+        return Message(MT.ABORT, self.req_id, fields, flags=flags)
+
+    @classmethod
+    def decode(cls, msg: Message) -> Abort:
+        """Never raises for an ABORT (a peer's reason is kept, bounded to MAX_REASON).
+
+        Raises:
+            ProtocolError: a frame of another type."""
+        expect_type(msg, MT.ABORT)
+        f = msg.fields
+        return cls(
+            msg.req_id,
+            status_field(f.get("status")),
+            reason_field(f.get("message")),
+            f.get("broken") is True,
+            bool(msg.flags & FLAG_TO_INITIATOR),
+        )

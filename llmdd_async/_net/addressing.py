@@ -1,0 +1,156 @@
+"""How a request names the peer's cache: the wire's addressing format.
+
+A key of the API becomes a *target* (``{"by": ...}``: a req/prefix key, a blocks key's
+model_id, a cache id and slot, or raw tensor addresses); in remote-accessible mode a target is
+resolved against the peer's published table snapshot to a cache id. The one-layer requests of
+``transfer_cache_async`` are built here too, one factory per destination config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._enums import LLMStatusCode
+from .._errors import LLMException, raise_if_false
+from .._messages import Op, Shape
+from .._registry import CacheEntry
+from .._types import (
+    BlocksCacheKey,
+    CacheKeyByIdAndIndex,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+    slot_key_of,
+)
+from .grants import TransferRequest
+
+__all__ = ["layer_spec_factory", "resolve_in_table", "target_of", "with_table"]
+
+
+def target_of(key: Any) -> dict[str, Any]:
+    """The target of an API key (a CacheKey must already be pullable)."""
+    if isinstance(key, BlocksCacheKey):
+        return {"by": "blocks_key", "model_id": key.model_id}
+    if isinstance(key, CacheKeyByIdAndIndex):
+        return {"by": "cache_id", "cache_id": key.cache_id, "index": key.batch_index}
+    sk = slot_key_of(key)
+    assert sk is not None  # check_pullable ran
+    return {"by": f"{sk[0]}_key", "id": sk[1], "model_id": sk[2]}
+
+
+def resolve_in_table(table: dict[str, Any], target: dict[str, Any], peer: int) -> dict[str, Any]:
+    """Resolve a target against the peer's table snapshot (remote-accessible mode).
+
+    Raises:
+        LLMException: LLM_KV_CACHE_NOT_EXIST when the snapshot has no such cache or key;
+            LLM_PARAM_INVALID when that cache is not remote accessible.
+    """
+    by = target["by"]
+    if by == "blocks_key":
+        cid = table.get("blocks_keys", {}).get(str(target["model_id"]))
+        index = 0
+    elif by == "cache_id":
+        cid, index = target["cache_id"], target.get("index", 0)
+    else:
+        return target
+    entry = next((c for c in table.get("caches", []) if c.get("cache_id") == cid), None)
+    if cid is None or entry is None:
+        raise LLMException(
+            f"cluster {peer} published no cache for {target} (its table is snapshotted at the "
+            "first transfer of a link: register before that, or re-link)",
+            status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+        )
+    raise_if_false(
+        entry.get("remote_accessible"), f"cache {cid} of cluster {peer} is not remote accessible"
+    )
+    return {"by": "cache_id", "cache_id": cid, "index": index}
+
+
+def with_table(
+    make: Callable[[int], TransferRequest], table: dict[str, Any], peer: int
+) -> Callable[[int], TransferRequest]:
+    """Resolve a keyed destination through the peer's table snapshot once, for every layer.
+
+    The returned factory raises as :func:`resolve_in_table` (at its first layer).
+    """
+    resolved: dict[str, Any] = {}
+
+    def make_resolved(layer: int) -> TransferRequest:
+        spec = make(layer)
+        if spec.target.get("by") != "addrs":
+            if not resolved:
+                resolved.update(resolve_in_table(table, spec.target, peer))
+            spec.target = dict(resolved)
+        return spec
+
+    return make_resolved
+
+
+def layer_spec_factory(
+    entry: CacheEntry,
+    config: TransferConfig | TransferWithCacheKeyConfig,
+    src_r: range,
+    shape: Shape,
+    src_b: np.ndarray | None,
+    dst_b: np.ndarray | None,
+    dbm: int | None,
+    tnpl: int = 2,
+) -> Callable[[int], TransferRequest]:
+    """The one-layer push of ``config`` for a source layer: by key (its ``dst_layer_range``
+    maps relative to ``src_r``) or to the raw addresses of a ``TransferConfig``.
+
+    ``shape``, the block lists ``src_b`` / ``dst_b``, the destination block bytes ``dbm`` and
+    ``tnpl`` (tensors per layer) are the transfer's, the same for every config.
+    """
+    src_slot = config.src_batch_index
+    if isinstance(config, TransferWithCacheKeyConfig):
+        dst_r = config.dst_layer_range
+        target = target_of(config.cache_key)
+
+        def keyed(layer: int) -> TransferRequest:
+            dst_layer = dst_r.start + (layer - src_r.start)
+            return TransferRequest(
+                Op.PUSH,
+                dict(target),
+                shape,
+                entry,
+                local_slot=src_slot,
+                src_range=range(layer, layer + 1),
+                dst_range=range(dst_layer, dst_layer + 1),
+                tensor_num_per_layer=tnpl,
+                src_blocks=src_b,
+                dst_blocks=dst_b,
+                dst_block_bytes=dbm,
+            )
+
+        return keyed
+    addrs = np.asarray(config.dst_addrs, dtype=np.uint64)
+    unit = dbm or entry.stride  # bytes of one destination block
+    if dst_b is not None:
+        count = int(dst_b.max()) + 1
+        raw_tb, raw_count, raw_blocks = unit * count, count, True
+    else:
+        raw_tb, raw_count, raw_blocks = entry.stride, 1, False
+
+    def raw(layer: int) -> TransferRequest:
+        k = 2 * (layer - src_r.start)
+        return TransferRequest(
+            Op.PUSH,
+            {"by": "addrs"},
+            shape,
+            entry,
+            local_slot=src_slot,
+            src_range=range(layer, layer + 1),
+            dst_range=range(0, 1),
+            src_blocks=src_b,
+            dst_blocks=dst_b,
+            dst_block_bytes=unit if dst_b is not None else None,
+            raw_addrs=addrs[k : k + 2],
+            raw_tensor_bytes=raw_tb,
+            raw_count=raw_count,
+            raw_is_blocks=raw_blocks,
+        )
+
+    return raw

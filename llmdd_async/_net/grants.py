@@ -1,0 +1,544 @@
+"""What a request may select and what a grant may name: the pure checks of both ends.
+
+No I/O, no anyio: the initiator's request in its own terms (:class:`TransferRequest`) and its
+check of a grant against it (:func:`grant_within_selection`); the target's resolution of a
+peer's :class:`~.._messages.Request` against its registry (:func:`resolve`), its plan and the
+check of every range it names (:func:`plan_checked`, safe in a worker thread), and the checks
+that need the registry again right before the caches are pinned (:func:`finish`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._enums import LLMStatusCode
+from .._errors import ProtocolError, raise_if_false
+from .._messages import Address, By, Mode, Op, Request, Shape, caps_of
+from .._planner import (
+    MAX_PIECES,
+    MAX_TENSORS,
+    Layout,
+    Plan,
+    check_within,
+    plan_blocks,
+    plan_slot_to_blocks,
+    plan_slots,
+    tensor_windows,
+)
+from .._protocol import Message
+from .._registry import CacheEntry
+
+if TYPE_CHECKING:
+    from .host import LinkHost
+
+__all__ = [
+    "INLINE_PIECES",
+    "Planned",
+    "Resolved",
+    "TransferRequest",
+    "bound_bytes",
+    "finish",
+    "grant_within_selection",
+    "pieces_bound",
+    "plan_checked",
+    "plan_request",
+    "plan_selection",
+    "resolve",
+]
+
+_U64 = np.uint64
+
+#: requests selecting at most this many ranges are planned on the loop (about a millisecond);
+#: larger ones in a worker thread
+INLINE_PIECES = 1 << 14
+
+
+@dataclasses.dataclass
+class TransferRequest:
+    """What the initiator asks for, in source/destination terms: the target's cache (as
+    ``target``, the wire's addressing: see :class:`~.._messages.Address`), the selection, and
+    its own cache ``local``. Strings for ``op``/``shape`` are read as their enums."""
+
+    op: Op  # pull: the target is the source; push: the target is the destination
+    target: dict[str, Any]  # how to find the target's cache
+    shape: Shape
+    local: CacheEntry
+    local_slot: int = 0
+    size: int = -1
+    src_offset: int = 0
+    dst_offset: int = 0
+    src_range: range | None = None
+    dst_range: range | None = None
+    tensor_num_per_layer: int = 2
+    src_blocks: np.ndarray | None = None
+    dst_blocks: np.ndarray | None = None
+    dst_block_bytes: int | None = None
+    raw_addrs: np.ndarray | None = None  # the target's tensor addresses (TransferConfig)
+    raw_tensor_bytes: int = 0
+    raw_count: int = 1
+    raw_is_blocks: bool = False
+
+    def __post_init__(self) -> None:
+        self.op, self.shape = Op(self.op), Shape(self.shape)
+
+    def to_wire(self, req_id: int, caps: dict[str, bool], timeout_ms: int) -> Request:
+        """The XFER_REQ of this request (``caps``: how this side reaches the peer's memory).
+
+        Raises:
+            ProtocolError: a malformed ``target``.
+        """
+        e = self.local
+        return Request(
+            req_id,
+            self.op,
+            Address.decode(self.target),
+            self.shape,
+            (e.tensor_bytes, e.count, e.is_blocks),
+            e.addrs,
+            caps=caps_of(caps),
+            timeout_ms=timeout_ms,
+            local_slot=self.local_slot,
+            size=self.size,
+            src_offset=self.src_offset,
+            dst_offset=self.dst_offset,
+            src_range=self.src_range,
+            dst_range=self.dst_range,
+            tensor_num_per_layer=self.tensor_num_per_layer,
+            dst_block_bytes=self.dst_block_bytes,
+            src_blocks=self.src_blocks,
+            dst_blocks=self.dst_blocks,
+            raw=(
+                None
+                if self.raw_addrs is None
+                else (self.raw_tensor_bytes, self.raw_count, self.raw_is_blocks)
+            ),
+            raw_addrs=self.raw_addrs,
+        )
+
+
+# ====================================================================== initiator's check
+def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) -> bool:
+    """True if every range a grant names in our own cache lies in what the request selected:
+    the blocks (or the batch slot) it named, in any tensor of the cache. A grant naming other
+    blocks of ours is refused. Vectorised over descriptors: O(descriptors x log(runs)).
+    """
+    e = spec.local
+    local_is_dst = spec.op == Op.PULL
+    blocks = spec.dst_blocks if local_is_dst else spec.src_blocks
+    local_blocks = spec.shape == Shape.BLOCKS or (
+        spec.shape == Shape.SLOT_TO_BLOCKS and local_is_dst
+    )
+    if local_blocks and blocks is None:
+        return check_within(local, nbytes, *e.regions)  # every block was asked for
+    if local_blocks:
+        unit = spec.dst_block_bytes if (local_is_dst and spec.dst_block_bytes) else e.stride
+        assert blocks is not None
+        if len(local) <= 32 and len(blocks) <= 64:
+            return _within_units_small(e, unit, set(blocks.tolist()), local, nbytes)
+        units = np.unique(np.asarray(blocks, dtype=np.int64))
+    else:
+        unit, units = e.stride, np.array([spec.local_slot], dtype=np.int64)
+    if len(units) == 0:
+        return False
+    if len(local) <= 32:
+        return _within_units_small(e, unit, set(units.tolist()), local, nbytes)
+    if not check_within(local, nbytes, *e.regions):
+        return False
+    # Runs of consecutive selected units, inclusive: descriptors may span several blocks.
+    brk = np.flatnonzero(np.diff(units) != 1)
+    run_lo = units[np.concatenate(([0], brk + 1))]
+    run_hi = units[np.concatenate((brk, [len(units) - 1]))]
+    tstarts = np.sort(e.addrs.astype(_U64))
+    a = np.asarray(local, dtype=_U64)
+    n = np.asarray(nbytes, dtype=_U64)
+    t = np.searchsorted(tstarts, a, side="right").astype(np.int64) - 1
+    off = (a - tstarts[t]).astype(np.int64)
+    last = off + n.astype(np.int64) - 1  # inside tensor t: checked above
+    b0, b1 = off // unit, last // unit
+    run = np.searchsorted(run_lo, b0, side="right") - 1
+    return bool(np.all((run >= 0) & (b1 <= run_hi[np.maximum(run, 0)])))
+
+
+def _within_units_small(
+    e: CacheEntry, unit: int, selected: set[int], local: np.ndarray, nbytes: np.ndarray
+) -> bool:
+    """:func:`grant_within_selection` for a few descriptors, in plain Python (numpy costs
+    microseconds per call on arrays this small)."""
+    if not selected:
+        return False
+    starts = e.sorted_addrs
+    size = e.tensor_bytes
+    for a, n in zip(local.tolist(), nbytes.tolist(), strict=True):
+        t = bisect.bisect_right(starts, a) - 1
+        if t < 0 or n <= 0:
+            return False
+        off = a - starts[t]
+        last = off + n - 1
+        if last >= size:
+            return False
+        b0, b1 = off // unit, last // unit
+        if b1 - b0 > len(selected) or any(b not in selected for b in range(b0, b1 + 1)):
+            return False
+    return True
+
+
+# ====================================================================== planning
+def plan_request(
+    req: Request, init_layout: Layout, tgt_layout: Layout, slot: int, max_bytes: int | None = None
+) -> tuple[Plan, int, np.ndarray]:
+    """Plan a request the peer sent, between its cache and ours (our batch ``slot``).
+    Returns ``(plan, source slot, source tensor indices)``.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for a selection that does not fit the two layouts.
+        ProtocolError: a shape without the block lists it needs.
+    """
+    return plan_selection(
+        req.op,
+        req.shape,
+        init_layout,
+        tgt_layout,
+        slot,
+        local_slot=req.local_slot,
+        src_range=req.src_range,
+        dst_range=req.dst_range,
+        tnpl=req.tensor_num_per_layer,
+        size=req.size,
+        src_offset=req.src_offset,
+        dst_offset=req.dst_offset,
+        src_blocks=req.src_blocks,
+        dst_blocks=req.dst_blocks,
+        dst_block_bytes=req.dst_block_bytes,
+        max_bytes=max_bytes,
+    )
+
+
+def plan_selection(
+    op: Op,
+    shape: Shape,
+    init_layout: Layout,
+    tgt_layout: Layout,
+    slot: int,
+    *,
+    local_slot: int,
+    src_range: range | None,
+    dst_range: range | None,
+    tnpl: int,
+    size: int,
+    src_offset: int,
+    dst_offset: int,
+    src_blocks: np.ndarray | None,
+    dst_blocks: np.ndarray | None,
+    dst_block_bytes: int | None,
+    max_bytes: int | None = None,
+) -> tuple[Plan, int, np.ndarray]:
+    """Plan a selection between the initiator's cache and the target's (its batch ``slot``).
+
+    The target plans every request it serves with this; an initiator that reaches the target's
+    memory on its own (a pull in remote-accessible mode) plans with it from the target's table.
+    Returns ``(plan, source slot, source tensor indices)``. With ``max_bytes``, a selection
+    of blocks that would move more is refused before it is planned.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for a selection that does not fit the two layouts, or
+            over ``max_bytes``, ``MAX_PIECES`` ranges or ``MAX_DESCRIPTORS`` descriptors.
+        ProtocolError: a shape without the block lists it needs, or an unknown shape.
+    """
+    pull = op == Op.PULL
+    src, dst = (tgt_layout, init_layout) if pull else (init_layout, tgt_layout)
+    src_slot, dst_slot = (slot, local_slot) if pull else (local_slot, slot)
+    src_idx, dst_idx = tensor_windows(src.num_tensors, dst.num_tensors, src_range, dst_range, tnpl)
+    if shape == Shape.BLOCKS and src_blocks is not None:
+        # Every descriptor of a blocks plan is one source block: its size is known now.
+        pieces = len(src_idx) * len(src_blocks)
+        raise_if_false(
+            pieces <= MAX_PIECES, f"the request selects {pieces} ranges, more than {MAX_PIECES}"
+        )
+        raise_if_false(
+            max_bytes is None or pieces * src.stride <= max_bytes,
+            f"the request would move {pieces * src.stride} bytes, more than the {max_bytes} "
+            "bytes of the caches it touches",
+        )
+    if shape == Shape.SLOT:
+        raise_if_false(
+            not src.is_blocks and not dst.is_blocks, "slot transfers need contiguous caches"
+        )
+        plan = plan_slots(
+            src, dst, src_idx, dst_idx, src_slot, dst_slot, size, src_offset, dst_offset
+        )
+    elif shape == Shape.BLOCKS:
+        if src_blocks is None or dst_blocks is None:
+            raise ProtocolError("blocks request without block lists")
+        plan = plan_blocks(
+            src,
+            dst,
+            src_idx,
+            dst_idx,
+            src_blocks.astype(np.int64),
+            dst_blocks.astype(np.int64),
+            dst_block_bytes,
+        )
+    elif shape == Shape.SLOT_TO_BLOCKS:
+        raise_if_false(not src.is_blocks, "source must be a contiguous cache")
+        if dst_blocks is None:
+            raise ProtocolError("slot_to_blocks request without dst_blocks")
+        plan = plan_slot_to_blocks(
+            src, dst, src_idx, dst_idx, src_slot, dst_blocks.astype(np.int64), dst_block_bytes
+        )
+    else:
+        raise ProtocolError(f"bad shape {shape!r}")
+    return plan, src_slot, src_idx
+
+
+# ====================================================================== target's checks
+@dataclasses.dataclass
+class Resolved:
+    """A peer's request resolved against our registry, before it is planned: all that
+    :func:`plan_checked` needs, so that a large request can be planned in a worker thread
+    while the registry changes on the loop."""
+
+    op: Op
+    by: By
+    entry: CacheEntry | None
+    slot: int
+    init_layout: Layout
+    tgt_layout: Layout
+    #: bytes the request may move at most (the named cache's, or every registered byte)
+    held: int
+    #: (starts, ends, cache ids) of our registered memory, for requests by raw address
+    regions: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    #: an upper bound of the ranges the request selects (tensors x blocks), from its sizes
+    pieces: int
+    #: this endpoint's cluster id (for messages)
+    cluster_id: int
+
+
+#: a planned request: (plan, source slot, source tensor indices, ids of the caches touched
+#: when addressed by raw addresses)
+Planned = tuple[Plan, int, np.ndarray, "np.ndarray | None"]
+
+
+def _count(arr: np.ndarray | None, limit: int, what: str) -> int:
+    """How many u64 the request's array holds (0 when absent).
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for more than ``limit``.
+    """
+    n = 0 if arr is None else len(arr)
+    raise_if_false(n <= limit, f"the request names {n} {what}, more than {limit}")
+    return n
+
+
+def _slot_kind(by: By) -> str:
+    return "req" if by is By.REQ_KEY else "prefix"
+
+
+def resolve(engine: LinkHost, req: Request) -> Resolved:
+    """Find the target's cache and parse the request's layouts, after checking the counts it
+    claims (tensors, blocks) against fixed caps and the target cache, before any array is
+    built. Runs on the loop (the registry is not thread-safe); costs O(tensors).
+
+    Raises:
+        LLMException: LLM_KV_CACHE_NOT_EXIST for a missing cache/key, LLM_PARAM_INVALID for
+            counts over the caps or anything that does not fit.
+    """
+    registry = engine.registry
+    target = req.target
+    by = target.by
+    entry: CacheEntry | None = None
+    slot = 0
+    if by is By.REQ_KEY or by is By.PREFIX_KEY:
+        entry, slot = registry.lookup_slot_key((_slot_kind(by), target.id, target.model_id))
+    elif by is By.BLOCKS_KEY:
+        entry = registry.lookup_blocks_key(target.model_id)
+    elif by is By.CACHE_ID:
+        entry = registry.get(target.cache_id)
+        slot = target.index
+        raise_if_false(
+            0 <= slot < (1 if entry.is_blocks else entry.count),
+            f"batch index {slot} is outside cache {entry.cache_id}",
+            LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+        )
+    if entry is not None and (engine.options.remote_accessible or by is By.CACHE_ID):
+        raise_if_false(
+            entry.remote_accessible,
+            f"cache {entry.cache_id} of cluster {engine.cluster_id} is not remote accessible",
+        )
+    # Claimed sizes first: nothing is built from an array before its length is known to fit.
+    n_local = _count(req.local_addrs, MAX_TENSORS, "tensors of its own cache")
+    units = max(
+        _count(req.src_blocks, MAX_PIECES, "source blocks"),
+        _count(req.dst_blocks, MAX_PIECES, "destination blocks"),
+        1,
+    )
+    regions = None
+    if entry is not None:
+        n_target = entry.num_tensors
+        held = entry.num_tensors * entry.tensor_bytes
+        _ = entry.regions  # built here, on the loop, not in a planning thread
+    else:
+        regions = registry.regions()
+        n_target = _count(req.raw_addrs, MAX_TENSORS, "tensors here")
+        held = 1 << 64  # checked once planned, against the caches the addresses fall in
+    # Both sides select as many tensors, at most either side's count.
+    pieces = min(n_local, n_target) * units
+    raise_if_false(
+        pieces <= MAX_PIECES, f"the request selects up to {pieces} ranges, more than {MAX_PIECES}"
+    )
+    tb, count, is_blocks = req.layout
+    init_layout = Layout(req.local_addrs, tb, count, is_blocks)
+    if entry is not None:
+        tgt_layout = entry.layout
+    else:
+        assert req.raw_addrs is not None  # Request.decode: addressing by address has them
+        rtb, rcount, rblocks = req.raw or (0, 1, False)
+        tgt_layout = Layout(req.raw_addrs, rtb, rcount, rblocks)
+    return Resolved(
+        req.op, by, entry, slot, init_layout, tgt_layout, held, regions, pieces, engine.cluster_id
+    )
+
+
+def plan_checked(req: Request, res: Resolved) -> Planned:
+    """Plan a resolved request and check every range it names here; pure (safe in a worker
+    thread).
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for a selection that does not fit, leaves registered
+            memory or moves more than the caches hold.
+        ProtocolError: a shape without the block lists it needs.
+    """
+    plan, src_slot, src_idx = plan_request(req, res.init_layout, res.tgt_layout, res.slot, res.held)
+    target_side = plan.src if res.op == Op.PULL else plan.dst
+    # Whatever the request said, every range must lie inside memory this endpoint registered:
+    # inside the named cache, or (raw addresses) inside registered caches, which are pinned.
+    ids = None
+    if res.entry is not None:
+        starts, ends = res.entry.regions
+        raise_if_false(
+            check_within(target_side, plan.nbytes, starts, ends),
+            f"the request leaves cache {res.entry.cache_id} of cluster {res.cluster_id}",
+        )
+    else:
+        assert res.regions is not None
+        starts, ends, all_ids = res.regions
+        raise_if_false(
+            check_within(target_side, plan.nbytes, starts, ends),
+            f"destination addresses are outside the registered memory of cluster {res.cluster_id}",
+        )
+        j = np.searchsorted(starts, target_side, side="right").astype(np.int64) - 1
+        ids = np.unique(all_ids[j])
+    # Repeated block indices must not turn a small request into unbounded work.
+    raise_if_false(
+        plan.total_bytes <= res.held,
+        f"the request would move {plan.total_bytes} bytes, more than the {res.held} bytes of "
+        "the caches it touches",
+    )
+    return plan, src_slot, src_idx, ids
+
+
+def finish(
+    engine: LinkHost, req: Request, res: Resolved, planned: Planned, caps: dict[str, bool]
+) -> tuple[list[CacheEntry], Plan, tuple[int, np.ndarray] | None, Mode, int]:
+    """The checks of a planned request that need the registry (on the loop, right before the
+    caches are pinned): the caches it touches are still there and may be reached this way.
+    ``caps``: what the link lets the initiator use of what it claimed. Returns ``(caches
+    touched, plan, (slot, tensor indices) for key consumption, mode, tensors)``; the first
+    cache is the one the request named, if it named one.
+
+    Raises:
+        LLMException: LLM_KV_CACHE_NOT_EXIST for a cache released while the request was
+            planned, LLM_PARAM_INVALID for one it may not reach.
+    """
+    registry = engine.registry
+    plan, src_slot, src_idx, ids = planned
+    op, by, entry = res.op, res.by, res.entry
+    target_side = plan.src if op == Op.PULL else plan.dst
+    if entry is not None:
+        raise_if_false(
+            not entry.freed and not (by is By.CACHE_ID and entry.id_released),
+            f"cache {entry.cache_id} was released",
+            LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+        )
+        # A key may have been removed, consumed or bound elsewhere while the request was
+        # planned: it must still name the very cache and slot that were planned.
+        target = req.target
+        if by is By.REQ_KEY or by is By.PREFIX_KEY:
+            now = registry.lookup_slot_key((_slot_kind(by), target.id, target.model_id))
+            raise_if_false(
+                now[0] is entry and now[1] == res.slot,
+                "the key was rebound while the request was planned",
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+            )
+        elif by is By.BLOCKS_KEY:
+            raise_if_false(
+                registry.lookup_blocks_key(target.model_id) is entry,
+                "the key was rebound while the request was planned",
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+            )
+        entries = [entry]
+    else:
+        assert ids is not None
+        found = [registry.entries.get(int(c)) for c in ids]
+        raise_if_false(
+            all(e is not None and not e.freed for e in found),
+            f"memory the request names on cluster {engine.cluster_id} was released",
+            LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+        )
+        entries = [e for e in found if e is not None]
+        for e in entries:
+            raise_if_false(
+                e.remote_accessible,
+                f"cache {e.cache_id} of cluster {engine.cluster_id} is not remote accessible",
+            )
+        held = sum(e.num_tensors * e.tensor_bytes for e in entries)
+        raise_if_false(
+            plan.total_bytes <= held,
+            f"the request would move {plan.total_bytes} bytes, more than the {held} bytes of "
+            f"the caches it touches on cluster {engine.cluster_id}",
+        )
+    # A push writes into our memory: only ever into remote-accessible caches, and by key only
+    # in remote-accessible mode (upstream has no push otherwise; a key grants pulls).
+    if op == Op.PUSH:
+        raise_if_false(
+            engine.options.remote_accessible or by is By.ADDRS,
+            f"cluster {engine.cluster_id} takes no pushes by key or id outside "
+            "remote-accessible mode",
+        )
+        for e in entries:
+            raise_if_false(
+                e.remote_accessible,
+                f"cache {e.cache_id} of cluster {engine.cluster_id} is not remote accessible",
+            )
+    slot_info = None
+    if entry is not None and op == Op.PULL and not entry.is_blocks:
+        slot_info = (src_slot, src_idx)
+    reachable = engine.reachable_by_peer(caps, target_side, plan.nbytes)
+    mode = Mode.LOCAL if reachable else Mode.STREAM
+    return entries, plan, slot_info, mode, len(src_idx)
+
+
+# ====================================================================== shortcuts
+_COUNTED = ("local_addrs", "src_blocks", "dst_blocks")
+
+
+def pieces_bound(msg: Message) -> int:
+    """An upper bound of the ranges a request selects, from its arrays' sizes alone (before
+    it is decoded): at most every tensor of the initiator's cache times its longest block
+    list."""
+    arrays = msg.arrays
+    n = [memoryview(arrays[k]).nbytes // 8 if k in arrays else 0 for k in _COUNTED]
+    return n[0] * max(n[1], n[2], 1)
+
+
+def bound_bytes(req: Request) -> int:
+    """About how many bytes a pull moves, from its request alone: the selected units of the
+    initiator's cache in every tensor of it. Only a shortcut before planning: a request it
+    underestimates (destination blocks of another size) is planned, found larger than the
+    inline limit and served by a task."""
+    tb, count, _ = req.layout
+    units = 1 if req.dst_blocks is None else len(req.dst_blocks)
+    return units * (tb // max(1, count)) * len(req.local_addrs)

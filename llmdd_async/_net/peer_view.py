@@ -1,0 +1,165 @@
+"""What one side of a link knows of the peer's memory, and which direct access each may use.
+
+:class:`PeerView` holds the peer's published cache table: the snapshot that resolves keys and
+ids (fetched once, for the link's life), and the latest view of the memory it lets us reach
+(its regions, its caches by id, its epoch counter), refreshed when a grant or a one-sided pull
+names memory outside it. :class:`CapsPolicy` says which direct-access caps this side's
+requests carry and which a peer's requests may use, both by the kind of the link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from .._enums import LLMStatusCode
+from .._errors import LLMException, ProtocolError
+from .._messages import regions_of_table
+from .._planner import Layout, check_within
+from .._transports import NO_CAPS, PeerAccess, RegisteredCache
+
+__all__ = ["CapsPolicy", "PeerView"]
+
+#: asks the peer for its table: the table, or None if it did not answer within the timeout
+FetchTable = Callable[[float], Awaitable["dict[str, Any] | None"]]
+
+
+class PeerView:
+    """The peer's table as this side of one link knows it.
+
+    ``table`` is the snapshot keys and ids resolve against; ``regions``, ``caches`` and
+    ``epoch`` come from the latest copy (:meth:`refresh`), all three from the same one.
+    """
+
+    def __init__(self, fetch: FetchTable) -> None:
+        self._fetch = fetch
+        self.table: dict[str, Any] | None = None
+        #: the table's caches by id (as the peer described them; checked before any use)
+        self.caches: dict[int, dict[str, Any]] = {}
+        #: cache id -> (its table entry, the layout parsed from that entry)
+        self._layouts: dict[int, tuple[dict[str, Any], Layout | None]] = {}
+        #: (address, value) of the peer's epoch counter as of that view (one-sided pulls)
+        self.epoch: tuple[int, int] | None = None
+        #: (starts, ends) of the peer's memory that it let us reach directly, refreshed from
+        #: its table when a grant names memory outside it (transports that fetch the table
+        #: themselves set it too)
+        self.regions: tuple[np.ndarray, np.ndarray] = regions_of_table(None)
+
+    async def fetch_table(self, timeout_s: float) -> dict[str, Any]:
+        """The peer's published cache table, snapshotted on first use for the link's life.
+
+        Raises:
+            LinkBroken: the link failed. LLMException(LLM_TIMEOUT): no answer in time.
+        """
+        if self.table is None:
+            table = await self._fetch(timeout_s)
+            if table is None:
+                raise LLMException(
+                    "peer did not send its cache table in time",
+                    status_code=LLMStatusCode.LLM_TIMEOUT,
+                )
+            if self.table is None:
+                self.table = table
+                self.adopt(table)
+        return self.table
+
+    def layout(self, cache_id: int) -> Layout | None:
+        """The layout of the peer's remote-accessible cache ``cache_id`` as this view of its
+        table describes it, parsed once per view; None when it is not published as reachable
+        or its entry is malformed."""
+        desc = self.caches.get(cache_id)
+        cached = self._layouts.get(cache_id)
+        if cached is not None and cached[0] is desc:
+            return cached[1]
+        layout: Layout | None = None
+        if desc is not None and desc.get("remote_accessible") is True:
+            try:
+                layout = Layout.of(
+                    desc["addrs"], desc["tensor_bytes"], desc["count"], desc["is_blocks"]
+                )
+                if layout.num_tensors == 0 or layout.count <= 0 or layout.tensor_bytes <= 0:
+                    layout = None
+            except (KeyError, TypeError, ValueError, OverflowError):
+                layout = None
+        if desc is not None:
+            self._layouts[cache_id] = (desc, layout)
+        return layout
+
+    def adopt(self, table: dict[str, Any]) -> None:
+        """What this side knows of the peer's memory, from a copy of its table: the reachable
+        regions, the caches by id and the epoch (one-sided pulls), all from the same copy."""
+        self.regions = regions_of_table(table)
+        caches = table.get("caches")
+        self._layouts = {}
+        self.caches = {
+            c["cache_id"]: c
+            for c in (caches if isinstance(caches, list) else [])
+            if isinstance(c, dict) and isinstance(c.get("cache_id"), int)
+        }
+        epoch = table.get("epoch")
+        words: list[Any] = epoch if isinstance(epoch, list) else []
+        valid = (
+            len(words) == 2
+            and all(type(v) is int for v in words)
+            and 0 < words[0] < 2**64
+            and 0 <= words[1] < 2**64
+        )
+        self.epoch = (words[0], words[1]) if valid else None
+
+    async def refresh(self, timeout_s: float) -> bool:
+        """Fetch the peer's table again for :meth:`adopt` (the snapshot that resolves keys and
+        ids stays as it was). Returns False if the peer did not answer in time.
+
+        Raises:
+            LinkBroken: the link failed meanwhile.
+        """
+        table = await self._fetch(timeout_s)
+        if table is None:
+            return False
+        self.adopt(table)
+        return True
+
+    async def check_remote(self, remote: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> None:
+        """Every range a grant names in the peer's memory must lie in what the peer published
+        as reachable (its remote-accessible caches); a miss refreshes that once.
+
+        Raises:
+            ProtocolError: the grant points elsewhere. LinkBroken / LLMException: the table
+                could not be fetched.
+        """
+        if check_within(remote, nbytes, *self.regions):
+            return
+        if await self.refresh(timeout_s) and check_within(remote, nbytes, *self.regions):
+            return
+        raise ProtocolError("GRANT points outside the peer's published caches")
+
+
+class CapsPolicy:
+    """The direct-access caps of one link, by its kind (its transport's access; None: a plain
+    TCP link, the stream only)."""
+
+    def __init__(self, access: PeerAccess | None) -> None:
+        self._access = access
+
+    def ours(self) -> dict[str, bool]:
+        """How this side can reach the peer's memory directly (sent with each request)."""
+        return self._access.caps() if self._access is not None else dict(NO_CAPS)
+
+    def for_entry(self, entry: RegisteredCache, host_reachable: bool) -> dict[str, bool]:
+        """The caps of a request from/to the local cache ``entry``: :meth:`ours`, unless the
+        access cannot use that memory (device memory, ``host_reachable`` False; for NIXL, a
+        cache not registered with the agent)."""
+        if self._access is None:
+            return dict(NO_CAPS)
+        return self._access.caps_for(entry, host_reachable)
+
+    def trusted(self, claimed: Any) -> dict[str, bool]:
+        """The caps a peer sent with its request, limited to what this link's kind lets it
+        use: a peer on a TCP link that claims direct access gets stream grants (and never
+        learns our addresses), one on a NIXL link only NIXL grants."""
+        if not isinstance(claimed, dict):
+            return {}
+        allowed = self._access.peer_caps if self._access is not None else ()
+        return {k: True for k in allowed if claimed.get(k) is True}

@@ -1,0 +1,225 @@
+"""What an established link does with each control frame its peer sends.
+
+:class:`FrameRouter` admits the peer's requests (or refuses them, LLM_LINK_BUSY, past the
+link's queue limits) and hands them to the link's server; routes GRANT, RESULT, DONE and
+ABORT to the requests they concern; and answers the peer's PING, TABLE_REQ and UNLINK from
+tasks of their own, at most ``_MAX_REPLIES`` owed at once (the reader waits beyond that, so a
+peer that sends but never reads floods its own socket buffers, not our memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+from .._enums import LLMStatusCode
+from .._errors import LinkBroken, LLMException, ProtocolError
+from .._messages import Abort, Grant, Pong, UnlinkAck
+from .._protocol import MT, UNCHARGED_META, Message
+from .requests import Pending, Request, Serving
+
+if TYPE_CHECKING:
+    from .link import Link
+
+__all__ = ["FrameRouter"]
+
+#: replies (PONG, TABLE, ...) owed to a peer before its link stops reading from it
+_MAX_REPLIES = 64
+#: bytes of a GRANT's descriptor sizes (8 per descriptor) checked on the loop; larger grants
+#: are checked in a worker thread
+_GRANT_INLINE = 8 << 14
+
+
+class FrameRouter:
+    """The control frames of one link: called by its reader, one frame at a time."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        #: this side's requests waiting for a reply of a given type (TABLE, UNLINK_ACK, PONG)
+        self._waiters: dict[MT, list[Pending]] = {MT.TABLE: [], MT.UNLINK_ACK: [], MT.PONG: []}
+        self._replies = anyio.Semaphore(_MAX_REPLIES)
+
+    @contextlib.contextmanager
+    def expecting(self, reply: MT) -> Iterator[Pending]:
+        """A waiter that gets the next ``reply`` frame (as its result) while in the block."""
+        waiter = Pending(0, None)
+        self._waiters[reply].append(waiter)
+        try:
+            yield waiter
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters[reply].remove(waiter)
+
+    def waiters(self) -> list[Pending]:
+        """Every waiter of :meth:`expecting` (failed with the link)."""
+        return [w for ws in self._waiters.values() for w in ws]
+
+    async def dispatch(self, msg: Message) -> None:
+        """Act on one control frame (no payload) of the peer.
+
+        Raises:
+            ProtocolError: the frame makes no sense on an established link (the reader then
+                breaks the link).
+        """
+        link = self.link
+        kind = msg.type
+        if kind == MT.XFER_REQ:
+            await self._admit(msg)
+        elif kind == MT.GRANT:
+            pending = link.pending.get(msg.req_id)
+            if pending is not None:
+                if pending.on_grant is not None:
+                    if memoryview(msg.arrays.get("nbytes", b"")).nbytes > _GRANT_INLINE:
+                        # Checking (and mapping) a grant of many descriptors takes numpy
+                        # tens of ms: off the loop. The reader waits, so no DATA comes first.
+                        await anyio.to_thread.run_sync(pending.on_grant, msg, limiter=link.threads)
+                    else:
+                        pending.on_grant(msg)
+                pending.grant = msg
+                pending.grant_event.set()
+        elif kind == MT.RESULT:
+            pending = link.pending.get(msg.req_id)
+            if pending is not None:
+                pending.result = msg
+                pending.result_event.set()
+        elif kind == MT.DONE:
+            serving = link.serving.get(msg.req_id)
+            if serving is not None:
+                if serving.on_done is not None:
+                    serving.on_done(msg)
+                serving.done_event.set()
+        elif kind == MT.ABORT:
+            self._aborted(msg)
+        elif kind == MT.TABLE_REQ:
+            table = link.host.published_table()
+            if link.access is not None:
+                # What the link's transport adds for its peer only (NIXL: keys to our memory).
+                table.update(link.access.table_fields())
+            await self._owe_reply(Message(MT.TABLE, 0, table))
+            # Each reply encodes the whole table (milliseconds for thousands of caches): a
+            # burst of requests is answered one per loop turn, not all in one turn.
+            await anyio.lowlevel.checkpoint()
+        elif kind == MT.PING:
+            await self._owe_reply(Pong().encode())
+        elif kind == MT.UNLINK:
+            await self._replies.acquire()
+            link.host.spawn(self._peer_unlinked)
+        elif kind in self._waiters:
+            for w in self._waiters[kind]:
+                w.result = msg
+                w.result_event.set()
+        elif kind == MT.BYE:
+            link.peer_left = True
+            link.fail(
+                LinkBroken(
+                    f"cluster {link.peer_cluster_id} finalized",
+                    status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+                ),
+                expected=True,
+            )
+        else:
+            raise ProtocolError(f"unexpected {kind.name} on an established link")
+
+    async def _admit(self, msg: Message) -> None:
+        """A request of the peer: refused when the link's queue is full, else served from
+        the reader (:meth:`RequestServer.serve_now`) or queued for a serving task.
+
+        Raises:
+            ProtocolError: the request id is in use.
+        """
+        link = self.link
+        if msg.req_id in link.serving:
+            raise ProtocolError(f"request id {msg.req_id} reused")
+        meta_bytes = sum(memoryview(a).nbytes for a in msg.arrays.values())
+        limits = link.host.options.limits
+        # What a queued request keeps of its frame counts against the endpoint's budget
+        # too: many links' queues must not add up past it.
+        budget = link.decoder.budget
+        charged = meta_bytes if meta_bytes > UNCHARGED_META and budget is not None else 0
+        if (
+            len(link.serving) + link.outbox_frames >= limits.queued
+            or link.queued_bytes + meta_bytes > 4 * limits.meta_bytes
+            or (charged and budget is not None and not budget.reserve(charged))
+        ):
+            busy = (
+                f"cluster {link.host.cluster_id} already has {len(link.serving)} requests "
+                f"({link.queued_bytes} bytes) of this link queued"
+            )
+            await self._owe_reply(
+                Grant.refusal(msg.req_id, LLMStatusCode.LLM_LINK_BUSY, busy).encode()
+            )
+            return
+        # The peer's deadline, but never more than this side would give itself: one
+        # stalled peer must not hold our workers for longer (upstream: 1800 s).
+        deadline_ms = msg.fields.get("timeout_ms")
+        deadline_s = link.host.serve_budget_s(1024)
+        if isinstance(deadline_ms, int) and deadline_ms > 0:
+            deadline_s = min(deadline_s, deadline_ms / 1000)
+        try:
+            served = link.server.serve_now(link, msg)
+        except BaseException:
+            if charged and link.decoder.budget is not None:
+                link.decoder.budget.release(charged)
+            raise
+        if served:
+            if charged and link.decoder.budget is not None:
+                link.decoder.budget.release(charged)
+            return
+        req = Serving(msg.req_id, time.monotonic() + deadline_s)
+        req.meta_bytes = meta_bytes
+        req.charged = charged
+        link.queued_bytes += meta_bytes
+        link.serving[msg.req_id] = req
+        link.host.spawn(link.server.serve_request, link, req, msg)
+
+    def _aborted(self, msg: Message) -> None:
+        """The peer stopped a request (and, with ``broken``, the link)."""
+        link = self.link
+        abort = Abort.decode(msg)
+        # The peer's words, bounded (and, as a link's reason, marked as theirs).
+        text = "aborted by peer" if abort.message is None else abort.message
+        table: Mapping[int, Request] = link.pending if abort.to_initiator else link.serving
+        aborted = table.get(msg.req_id)
+        if aborted is not None:
+            aborted.fail(LLMException(text, status_code=abort.status))
+        if abort.broken:  # the peer breaks the link, and says why
+            link.fail(LinkBroken(f"cluster {link.peer_cluster_id} broke the link: {text}"))
+
+    async def _owe_reply(self, msg: Message) -> None:
+        """Answer the peer from a task of its own; once ``_MAX_REPLIES`` answers are still
+        unsent (a peer that sends but never reads), the reader waits here, so the peer's
+        flood stays in its own socket buffers instead of our memory."""
+        await self._replies.acquire()
+        self.link.host.spawn(self._reply, msg)
+
+    async def _reply(self, msg: Message) -> None:
+        try:
+            with contextlib.suppress(LLMException):
+                await self.link.send(msg)
+        finally:
+            self._replies.release()
+
+    async def _peer_unlinked(self) -> None:
+        link = self.link
+        try:
+            with contextlib.suppress(LLMException):
+                await link.send(UnlinkAck().encode())
+        finally:
+            self._replies.release()
+        # Gone from our list too, as upstream does when the peer unlinks (a prompt may then
+        # switch_role without unlinking); our own unlink_clusters of it still succeeds.
+        link.peer_left = True
+        link.manager.peer_unlinked(link)
+        link.fail(
+            LinkBroken(
+                f"cluster {link.peer_cluster_id} unlinked",
+                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+            ),
+            expected=True,
+        )

@@ -1,0 +1,299 @@
+"""One transfer over a link, seen from the side that holds the cache (the *target*).
+
+A peer's XFER_REQ is decoded (:class:`~.._messages.Request`), resolved against our registry,
+planned with the shared planner, every range checked (:mod:`.grants`), and granted: in
+``local`` mode the initiator copies straight from/to our memory and sends DONE; in ``stream``
+mode the bytes travel as DATA frames. A small streamed pull is served by the link's reader
+itself (:func:`serve_now`); anything else by a task (:func:`serve_request`), within the
+link's serving slots, large requests within limiters of their own.
+
+Keys are consumed only after DONE reports success, so a failed pull leaves the key pullable
+(reference §8.1, §9.4).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from .._enums import LLMStatusCode
+from .._errors import LinkBroken, LLMException, ProtocolError, is_caller_facing
+from .._messages import FLAG_TO_INITIATOR, Data, Done, Grant, Mode, Op, Request, Result
+from .._planner import Plan
+from .._protocol import Message
+from .._registry import CacheEntry
+from .._transports.tcp import INLINE_BYTES, StreamPlan
+from .grants import INLINE_PIECES, bound_bytes, finish, pieces_bound, plan_checked, resolve
+from .host import LinkHost
+from .link import Link
+from .requests import Serving
+
+__all__ = ["Target", "resolve_and_plan", "serve_now", "serve_request"]
+
+#: what a planned and checked request comes to: (caches touched, plan, (slot, tensor
+#: indices) for key consumption, mode, tensors)
+Granted = tuple[list[CacheEntry], Plan, "tuple[int, np.ndarray] | None", Mode, int]
+
+
+def resolve_and_plan(engine: LinkHost, link: Link, req: Request) -> Granted:
+    """Find the target's cache, plan the request, and check every range, all at once (a
+    request of at most ``INLINE_PIECES`` ranges; larger ones: :func:`_resolve_and_plan_async`).
+
+    A peer reaches a cache that is not remote accessible only through a key bound to it
+    (request/response mode, where this side moves the bytes); never by id or address.
+
+    Raises:
+        LLMException: LLM_KV_CACHE_NOT_EXIST for a missing cache/key, LLM_PARAM_INVALID for
+            anything that does not fit (counts over MAX_TENSORS / MAX_PIECES /
+            MAX_DESCRIPTORS included).
+        ProtocolError: a shape without the block lists it needs.
+    """
+    res = resolve(engine, req)
+    return finish(engine, req, res, plan_checked(req, res), link.caps.trusted(req.caps_claimed()))
+
+
+async def _resolve_and_plan_async(engine: LinkHost, link: Link, req: Request) -> Granted:
+    """:func:`resolve_and_plan` for any request: one that may select more than
+    ``INLINE_PIECES`` ranges is planned and checked in one of the link's worker threads, so
+    that it never holds the event loop (the registry is only read on the loop).
+
+    Raises:
+        As :func:`resolve_and_plan`.
+    """
+    res = resolve(engine, req)
+    if res.pieces <= INLINE_PIECES:
+        planned = plan_checked(req, res)
+    else:
+        planned = await anyio.to_thread.run_sync(plan_checked, req, res, limiter=link.threads)
+    return finish(engine, req, res, planned, link.caps.trusted(req.caps_claimed()))
+
+
+async def serve_request(engine: LinkHost, link: Link, req: Serving, msg: Message) -> None:
+    """Handle one request from the peer: decode, resolve, check, plan, grant, move, finish.
+
+    Never raises: failures go back to the initiator (in the GRANT, or as an ABORT later).
+    """
+    async with link.serving_limiter:
+        if pieces_bound(msg) <= INLINE_PIECES:
+            await _serve(engine, link, req, msg)
+            return
+        async with _large_limiters(link)[1]:
+            await _serve(engine, link, req, msg)
+
+
+#: large requests of one link in flight at once (each holds its plan and, streamed over many
+#: ranges, a staging buffer of up to 32 MiB): one can be planned while another moves its
+#: bytes; more wait, counted against llm.LinkQueue. Their bytes share one socket anyway, so
+#: more at once would not move them faster, and a peer's flood of them holds two plans'
+#: memory, not llm.LinkServing of them.
+_LARGE_IN_FLIGHT = 2
+
+
+def _large_limiters(link: Link) -> tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]:
+    """``(planning, in flight)`` limiters of a link's large requests: one is planned at a
+    time (planning is what costs CPU, the GIL included, and temporaries: a peer's flood of
+    large requests costs no more than one plan at a time), and at most ``_LARGE_IN_FLIGHT``
+    hold their plans and staging buffers at once."""
+    limiters = _LARGE.get(link)
+    if limiters is None:
+        limiters = _LARGE[link] = (
+            anyio.CapacityLimiter(1),
+            anyio.CapacityLimiter(_LARGE_IN_FLIGHT),
+        )
+    return limiters
+
+
+#: per link: see _large_limiters
+_LARGE: weakref.WeakKeyDictionary[Link, tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _serve(engine: LinkHost, link: Link, req: Serving, msg: Message) -> None:
+    registry = engine.registry
+    pinned: list[CacheEntry] = []
+    granted = False
+    t0 = time.monotonic()
+    try:
+        try:
+            request = Request.decode(msg)
+            if pieces_bound(msg) <= INLINE_PIECES:
+                entries, plan, slot_info, mode, ntensors = resolve_and_plan(engine, link, request)
+            else:
+                async with _large_limiters(link)[0]:
+                    entries, plan, slot_info, mode, ntensors = await _resolve_and_plan_async(
+                        engine, link, request
+                    )
+        except Exception as exc:  # any malformed or unfulfillable request gets an answer
+            code = exc.status_code if is_caller_facing(exc) else LLMStatusCode.LLM_PARAM_INVALID
+            await link.send(Grant.refusal(req.req_id, code, str(exc)).encode())
+            return
+        for e in entries:
+            registry.pin(e)
+            pinned.append(e)
+        if req.deadline is not None:
+            req.deadline = min(req.deadline, t0 + engine.serve_budget_s(ntensors))
+        pull = request.op == Op.PULL
+        local_side, target_side = (plan.dst, plan.src) if pull else (plan.src, plan.dst)
+        if mode is Mode.STREAM and not pull:
+            req.stream = await engine.open_stream(plan.dst, plan.nbytes, link.threads)
+        if pull and entries and slot_info is not None and not engine.options.remote_accessible:
+            consumed_entry, (slot, tensors) = entries[0], slot_info
+
+            def consume(done: Message) -> None:
+                if Done.decode(done).ok:
+                    registry.note_pulled(consumed_entry, slot, tensors)
+
+            req.on_done = consume
+        streamed_pull = mode is Mode.STREAM and pull
+        # A streamed pull is done here once its bytes are sent: nothing of ours is touched
+        # after that, so unless the initiator's DONE has an effect (consuming a key) it sends
+        # none and the request is one round trip.
+        wants_done = not streamed_pull or req.on_done is not None
+        grant = Grant(
+            req.req_id,
+            mode=mode,
+            total=plan.total_bytes,
+            done=wants_done,
+            local=local_side,
+            nbytes=plan.nbytes,
+            remote=target_side if mode is Mode.LOCAL else None,
+        ).encode()
+        if not streamed_pull:
+            await link.send(grant)
+        granted = True
+        remaining = max(0.0, (req.deadline or 0) - time.monotonic())
+        with anyio.move_on_after(remaining) as budget:
+            if streamed_pull:
+                out = await engine.open_stream(plan.src, plan.nbytes, link.threads)
+                try:
+                    # The GRANT leads the data: a small pull is one syscall and one wake-up.
+                    sent = await link.send_stream(
+                        req, out, to_initiator=True, token=req.token, lead=grant
+                    )
+                finally:
+                    out.close()
+                if not sent:
+                    return
+                if wants_done:
+                    await req.done_event.wait()
+            elif mode is Mode.STREAM:
+                await req.data_event.wait()
+                if req.error is None:
+                    await link.send(Result(req.req_id).encode())
+                return
+            else:
+                await req.done_event.wait()
+        if budget.cancelled_caught:
+            await _out_of_budget(engine, link, req, mode)
+    except LinkBroken:
+        pass
+    except Exception as exc:
+        # Tell the initiator at once rather than letting it wait for its deadline.
+        if granted:
+            await link.abort(req.req_id, exc, flags=FLAG_TO_INITIATOR)
+        engine.log.info("transfer.failed", side="target", error=repr(exc))
+    finally:
+        # Fence before unpinning: no worker may touch these caches after they are released.
+        with anyio.CancelScope(shield=True):
+            await link.release(req)
+        link.serving.pop(req.req_id, None)
+        link.queued_bytes -= req.meta_bytes
+        if req.charged and link.decoder.budget is not None:
+            link.decoder.budget.release(req.charged)
+            req.charged = 0
+        if req.stream is not None:
+            req.stream.close()
+        for e in pinned:
+            registry.unpin(e)
+
+
+def serve_now(engine: LinkHost, link: Link, msg: Message) -> bool:
+    """Serve a small streamed pull from the link's reader itself: planned, granted and sent in
+    one non-blocking ``sendmsg``, with no task, thread or serving slot. Returns False when a
+    task must serve the request instead: anything else (pushes, direct-access grants, pulls
+    that consume a key, device memory, more than ``INLINE_BYTES``), or any failure (the task
+    answers it with its status). While the send lock is taken the frames queue for the
+    link's writer (:meth:`Link.send_soon`).
+
+    Nothing of ours is touched once the bytes are in the socket, so the request ends there
+    (its GRANT says no DONE is expected).
+    """
+    if pieces_bound(msg) > INLINE_PIECES:
+        return False
+    try:
+        request = Request.decode(msg)
+    except ProtocolError:
+        return False  # the task answers with the status
+    if (
+        request.op is not Op.PULL
+        or any(link.caps.trusted(request.caps_claimed()).values())
+        or bound_bytes(request) > INLINE_BYTES
+    ):
+        return False
+    try:
+        entries, plan, slot_info, mode, _ = resolve_and_plan(engine, link, request)
+    except Exception:
+        return False  # the task answers with the status
+    total = plan.total_bytes
+    if (
+        mode is not Mode.STREAM
+        or not 0 < total <= INLINE_BYTES
+        or (slot_info is not None and not engine.options.remote_accessible)
+        or not engine.host_reachable(plan.src)
+    ):
+        return False
+    grant = Grant(
+        msg.req_id, mode=mode, total=total, done=False, local=plan.dst, nbytes=plan.nbytes
+    ).encode()
+    data = Data(msg.req_id, 0, total, to_initiator=True).encode()
+    registry = engine.registry
+    for e in entries:
+        registry.pin(e)
+
+    def unpin() -> None:
+        for e in entries:
+            registry.unpin(e)
+
+    views = StreamPlan(plan.src, plan.nbytes).views(0, total)
+    if not link.send_soon([grant, data], views, unpin):
+        unpin()
+        return False
+    link.stats_bytes += total
+    return True
+
+
+async def _out_of_budget(engine: LinkHost, link: Link, req: Serving, mode: Mode) -> None:
+    """The request ran past what this side grants a peer: tell the initiator now (it would
+    otherwise wait for its own deadline). In local mode it copies straight into our memory,
+    so the caches stay pinned until it says it stopped, or the link goes."""
+    exc = LLMException(
+        f"cluster {engine.cluster_id} stopped serving the request: it ran past its budget",
+        status_code=engine.timeout_code,
+    )
+    await link.abort(req.req_id, exc, flags=FLAG_TO_INITIATOR)
+    if mode is Mode.LOCAL:
+        with anyio.move_on_after(engine.stall_timeout_s):
+            await req.done_event.wait()
+        if not req.done_event.is_set():
+            link.fail(TimeoutError("the peer did not stop a timed-out direct copy"))
+
+
+class Target:
+    """This endpoint's side of the transfers its peers start: the ``server`` each link is
+    given (``host.RequestServer``)."""
+
+    def __init__(self, host: LinkHost) -> None:
+        self.host = host
+
+    def serve_now(self, link: Link, msg: Message) -> bool:
+        """See :func:`serve_now`."""
+        return serve_now(self.host, link, msg)
+
+    async def serve_request(self, link: Link, req: Serving, msg: Message) -> None:
+        """See :func:`serve_request`."""
+        await serve_request(self.host, link, req, msg)

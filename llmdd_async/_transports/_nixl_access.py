@@ -1,0 +1,384 @@
+"""NIXL: one link's access to its peer's memory (``nixl`` explains the design): the peer's
+metadata fetched over the link, grants planned into NIXL requests and run through the agent."""
+
+from __future__ import annotations
+
+import base64
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from .._errors import FenceLost
+from .._memory import CancelToken
+from .._messages import regions_of_table
+from .._planner import check_within
+from .._protocol import MT, Message
+from . import NO_CAPS, AccessLink, PeerAccess, RegisteredCache
+from ._nixl_agent import (
+    CHUNK_BYTES,
+    SMALL_BYTES,
+    U64,
+    Chunk,
+    Layout,
+    cuts,
+    find1,
+    index1,
+)
+
+if TYPE_CHECKING:
+    from .nixl import NixlEndpoint
+
+__all__ = ["NixlAccess"]
+
+
+class NixlAccess(PeerAccess):
+    """Initiator-side access to a linked peer through NIXL. Its ``regions`` are the peer's
+    reachable regions (``Link.view.regions``) once its table was fetched."""
+
+    name: ClassVar[str] = "nixl"
+    peer_caps: ClassVar[tuple[str, ...]] = ("nixl",)
+
+    def __init__(self, ep: NixlEndpoint) -> None:
+        super().__init__()
+        self.ep = ep
+        self.link: AccessLink | None = None
+        self.peer_agent: str | None = None
+        self.peer_gen = -1
+        self._remote: dict[int, Layout] = {}
+        self._starts = np.zeros(0, dtype=U64)
+        self._ends = np.zeros(0, dtype=U64)
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._lists: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._refresh_lock = anyio.Lock()
+        self._primed: anyio.Event | None = None
+        #: prepared lists of the peer's caches that changed, kept until the link closes
+        self._retired: list[Any] = []
+        self.closed = False
+
+    @property
+    def _served(self) -> AccessLink:
+        """The link this access serves. Raises OSError before :meth:`attach`."""
+        if self.link is None:
+            raise OSError("the link's NIXL access is not attached to a link")
+        return self.link
+
+    def attach(self, link: AccessLink) -> None:
+        """Bind to the link and start fetching the peer's metadata and connecting to it in
+        the background (the first transfer then does not pay for it within its deadline)."""
+        self.link = link
+        self._primed = anyio.Event()
+        self.ep.host.spawn(self._prime)
+
+    async def _prime(self) -> None:
+        assert self._primed is not None
+        try:
+            await self.refresh(max(10.0, self.ep.host.sync_kv_timeout_s))
+            if self.peer_agent is not None:
+                await anyio.to_thread.run_sync(self.ep.agent.make_connection, self.peer_agent)
+        except Exception as exc:  # transfers fetch the metadata again and report failures
+            self._served.log.info("nixl.prime_failed", reason=str(exc) or repr(exc))
+        finally:
+            self._primed.set()
+
+    async def ready(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the background metadata fetch has finished."""
+        if self._primed is not None:
+            with anyio.move_on_after(timeout_s):
+                await self._primed.wait()
+
+    def caps(self) -> dict[str, bool]:
+        return {"inproc": False, "pools": False, "pvr": False, "nixl": True}
+
+    def caps_for(self, entry: RegisteredCache, host_reachable: bool) -> dict[str, bool]:
+        """Caps of a request from ``entry``: NIXL only when that cache is registered with our
+        agent (remote accessible; device memory too); otherwise the request moves over the
+        stream."""
+        if self.ep.registered(entry):
+            return self.caps()
+        return dict(NO_CAPS)
+
+    def table_fields(self) -> dict[str, Any]:
+        """Our agent's metadata: only a peer linked over NIXL gets the keys to our memory."""
+        return self.ep.published_fields()
+
+    # ---------------------------------------------------------------- peer metadata
+    async def refresh(self, timeout_s: float) -> None:
+        """Fetch the peer's table over the link and load its NIXL metadata if it changed.
+
+        Raises:
+            OSError: no answer, or a table without usable NIXL metadata.
+            LLMException: the link failed meanwhile.
+        """
+        async with self._refresh_lock:
+            msg = await self._served.roundtrip(Message(MT.TABLE_REQ), MT.TABLE, timeout_s)
+            if msg is None:
+                raise OSError("the peer did not send its cache table in time")
+            table = msg.fields
+            nx = table.get("nixl")
+            if not isinstance(nx, dict) or not isinstance(nx.get("md"), str):
+                raise OSError("the peer publishes no NIXL metadata (is it llm.Transport=nixl?)")
+            gen = nx.get("gen")
+            if gen != self.peer_gen:
+                try:
+                    md = base64.b64decode(nx["md"], validate=True)
+                except ValueError as exc:
+                    raise OSError(f"malformed NIXL metadata: {exc}") from exc
+                held = self.peer_agent is not None
+                name = await self.ep.load_peer(str(nx.get("agent")), md, acquire=not held)
+                if self.closed:
+                    if not held:
+                        self.ep.forget_peer(name)
+                    raise OSError("the link closed")
+                self.peer_agent = name
+                self._load(table, nx.get("mem"))
+                self.peer_gen = gen if isinstance(gen, int) else -1
+            self.regions = regions_of_table(table)
+            self._served.view.regions = self.regions
+
+    def _load(self, table: dict[str, Any], mem: Any) -> None:
+        """The peer's NIXL-registered caches from its table; prepared lists of caches that
+        changed are dropped."""
+        mem = mem if isinstance(mem, dict) else {}
+        fresh: dict[int, Layout] = {}
+        for c in table.get("caches") or []:
+            try:
+                cid = int(c["cache_id"])
+                m = mem.get(str(cid))
+                if not c.get("remote_accessible") or not isinstance(m, list) or len(m) != 2:
+                    continue
+                if m[0] not in ("DRAM", "VRAM"):
+                    continue
+                addrs = np.array([int(a) for a in c["addrs"]], dtype=U64)
+                tb, count = int(c["tensor_bytes"]), int(c["count"])
+                if not len(addrs) or tb <= 0 or count <= 0:
+                    continue
+            except (KeyError, TypeError, ValueError, OverflowError):
+                continue
+            old = self._remote.get(cid)
+            if (
+                old is not None
+                and old.tensor_bytes == tb
+                and old.count == count
+                and np.array_equal(old.addrs, addrs)
+                and old.mem == m[0]
+            ):
+                fresh[cid] = old
+                continue
+            fresh[cid] = Layout(cid, addrs, tb, count, str(m[0]), int(m[1]))
+        for cid, old in self._remote.items():
+            if fresh.get(cid) is not old and old.prepped is not None:
+                # A request of this link may still use it: released when the link closes
+                # (no request runs then).
+                self._retired.append(old.prepped)
+                old.prepped = None
+        self._remote = fresh
+        lays = list(fresh.values())
+        if lays:
+            starts = np.concatenate([lay.addrs for lay in lays])
+            ends = starts + np.concatenate(
+                [np.full(len(lay.addrs), lay.tensor_bytes, U64) for lay in lays]
+            )
+            ids = np.concatenate([np.full(len(lay.addrs), lay.cache_id, np.int64) for lay in lays])
+            order = np.argsort(starts, kind="stable")
+            self._starts, self._ends, self._ids = starts[order], ends[order], ids[order]
+        else:
+            self._starts = self._ends = np.zeros(0, dtype=U64)
+            self._ids = np.zeros(0, dtype=np.int64)
+        self._lists = (
+            [int(a) for a in self._starts],
+            [int(a) for a in self._ends],
+            [int(c) for c in self._ids],
+        )
+
+    def _remote_groups(self, remote: np.ndarray) -> np.ndarray:
+        j = np.searchsorted(self._starts, np.asarray(remote, U64), side="right") - 1
+        return self._ids[j]
+
+    # ---------------------------------------------------------------- transfers
+    async def read(
+        self, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, token: CancelToken
+    ) -> int:
+        """NIXL READ of granted peer ranges into local ranges; returns bytes.
+
+        Raises:
+            CopyCancelled: the token tripped (every posted request finished first).
+            OSError: NIXL failed, or its metadata does not cover the ranges.
+        """
+        return await self._move("READ", local, remote, nbytes, token)
+
+    async def write(
+        self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, token: CancelToken
+    ) -> int:
+        """NIXL WRITE of local ranges into granted peer ranges; returns bytes.
+
+        Raises:
+            CopyCancelled: the token tripped (every posted request finished first).
+            OSError: NIXL failed, or its metadata does not cover the ranges.
+        """
+        return await self._move("WRITE", local, remote, nbytes, token)
+
+    async def _move(
+        self,
+        op: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        nbytes: np.ndarray,
+        token: CancelToken,
+    ) -> int:
+        if self.closed or self.link is None:
+            raise OSError("the link's NIXL access is closed")
+        if not len(nbytes):
+            return 0
+        engine = self.ep.host
+        stall = engine.stall_timeout_s
+        if self._primed is not None and not self._primed.is_set():
+            await self._primed.wait()  # bounded by the task's deadline
+        if len(nbytes) == 1:
+            chunk = await self._plan1(int(local[0]), int(remote[0]), int(nbytes[0]))
+            if chunk is not None:
+                try:
+                    return await self.ep.run_small(op, chunk, token, stall)
+                except FenceLost as exc:
+                    self._served.fail(exc)
+                    raise
+                except OSError:
+                    await self._settle()
+                    raise
+        if not check_within(remote, nbytes, self._starts, self._ends):
+            await self.refresh(engine.sync_kv_timeout_s)
+            if not check_within(remote, nbytes, self._starts, self._ends):
+                raise OSError("the peer's NIXL metadata does not cover the granted ranges")
+        llay = self.ep.layout_of(local, nbytes)
+        if llay is None:
+            raise OSError("local ranges are not in one cache registered with NIXL")
+        chunks = await self._plan(llay, local, remote, nbytes)
+        total = sum(c.nbytes for c in chunks)
+        try:
+            return await self._run(op, chunks, total, token, stall)
+        except FenceLost as exc:
+            # Never report a stopped transfer while NIXL may still write: the link goes down,
+            # which disconnects the peer's UCX endpoints once no request runs on it.
+            self._served.fail(exc)
+            raise
+        except OSError:
+            await self._settle()
+            raise
+
+    async def _run(
+        self, op: str, chunks: list[Chunk], total: int, token: CancelToken, stall: float
+    ) -> int:
+        """Run planned chunks: one small one on the loop, the rest in a worker thread.
+
+        Raises:
+            CopyCancelled, FenceLost, OSError: as :meth:`NixlEndpoint.pump`.
+        """
+        if len(chunks) == 1 and total <= SMALL_BYTES:
+            return await self.ep.run_small(op, chunks[0], token, stall)
+        return int(
+            await anyio.to_thread.run_sync(
+                self.ep.pump, op, chunks, token, stall, limiter=self._served.threads
+            )
+        )
+
+    async def _settle(self) -> None:
+        """A NIXL failure is most often the peer dying: give the link a moment to notice, so
+        the task fails with the link's reason (LLM_LINK_FAILED), not a bare NIXL error."""
+        with anyio.move_on_after(1.0):
+            while self._served.alive:  # noqa: ASYNC110 (the link has no event for this)
+                await anyio.sleep(0.01)
+
+    async def _plan1(self, local: int, remote: int, nbytes: int) -> Chunk | None:
+        """One range of whole units, both sides in known prepared caches: the request, made
+        with plain integers (most small requests); None otherwise."""
+        if nbytes > SMALL_BYTES or self.peer_agent is None:
+            return None
+        rid = find1(*self._lists, remote, nbytes)
+        lid = find1(*self.ep.lists, local, nbytes)
+        rlay, llay = self._remote.get(rid), self.ep.caches.get(lid)
+        if rlay is None or llay is None or rlay.unit != llay.unit:
+            return None
+        ri, li = index1(rlay, remote, nbytes), index1(llay, local, nbytes)
+        if ri is None or li is None:
+            return None
+        k = nbytes // rlay.unit
+        lh = llay.prepped if llay.prepped is not None else await self.ep.prepare(llay, "")
+        rh = rlay.prepped
+        if rh is None:
+            rh = await self.ep.prepare(rlay, self.peer_agent)
+        return Chunk(True, (lh, list(range(li, li + k)), rh, list(range(ri, ri + k))), nbytes)
+
+    async def _plan(
+        self, llay: Layout, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray
+    ) -> list[Chunk]:
+        """Chunks of NIXL requests for one grant: prepared-list indices when both sides are
+        whole units of one cache each, explicit descriptors otherwise."""
+        assert self.peer_agent is not None
+        groups = self._remote_groups(remote)
+        ids = np.unique(groups)
+        n = np.asarray(nbytes, dtype=np.int64)
+        if len(ids) == 1:
+            rlay = self._remote[int(ids[0])]
+            if rlay.unit == llay.unit and rlay.unit > 0:
+                li = llay.indices(local, n)
+                ri = rlay.indices(remote, n) if li is not None else None
+                if li is not None and ri is not None:
+                    lh = await self.ep.prepare(llay, "")
+                    rh = await self.ep.prepare(rlay, self.peer_agent)
+                    per = max(1, CHUNK_BYTES // rlay.unit)
+                    return [
+                        Chunk(
+                            True,
+                            (lh, li[s : s + per], rh, ri[s : s + per]),
+                            min(per, len(li) - s) * rlay.unit,
+                        )
+                        for s in range(0, len(li), per)
+                    ]
+        chunks = []
+        for cid in ids:
+            sel = np.flatnonzero(groups == cid)
+            rlay = self._remote[int(cid)]
+            for lo, hi in cuts(n[sel], CHUNK_BYTES):
+                s = sel[lo:hi]
+                lrows = np.stack(
+                    [
+                        np.asarray(local, U64)[s],
+                        n[s].astype(U64),
+                        np.full(len(s), llay.dev, U64),
+                    ],
+                    axis=1,
+                )
+                rrows = np.stack(
+                    [
+                        np.asarray(remote, U64)[s],
+                        n[s].astype(U64),
+                        np.full(len(s), rlay.dev, U64),
+                    ],
+                    axis=1,
+                )
+                chunks.append(
+                    Chunk(
+                        False, (lrows, llay.mem, rrows, rlay.mem, self.peer_agent), int(n[s].sum())
+                    )
+                )
+        return chunks
+
+    def close(self) -> None:
+        """Drop the peer's prepared lists and metadata (disconnects its UCX endpoints). Called
+        once no request of the link runs any more. Never raises."""
+        if self.closed:
+            return
+        self.closed = True
+        for lay in self._remote.values():
+            if lay.prepped is not None:
+                self.ep.release(lay.prepped)
+                lay.prepped = None
+        self._remote = {}
+        for prepped in self._retired:
+            self.ep.release(prepped)
+        self._retired = []
+        if self.peer_agent is not None:
+            self.ep.forget_peer(self.peer_agent)
+            self.peer_agent = None
+        self.ep.accesses.discard(self)

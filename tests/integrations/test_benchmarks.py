@@ -1,0 +1,126 @@
+"""The benchmark programs' command lines: every option documented, small configurations run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import REPO
+
+BENCH = REPO / "benchmarks"
+
+#: Prints, for every benchmark, each option's (dest, help, default).
+_DESCRIBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+out = {}
+for name in ("plan", "throughput", "layerwise", "nixl_overhead"):
+    mod = __import__(name)
+    p = mod.build_parser()
+    out[name] = [
+        [a.dest, a.help, a.default, p.formatter_class.__name__]
+        for a in p._actions if a.option_strings and a.dest != "help"
+    ]
+print(json.dumps(out))
+"""
+
+
+def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_every_benchmark_option_has_help_and_a_default() -> None:
+    out = _bench("-c", _DESCRIBE, str(BENCH))
+    assert out.returncode == 0, out.stderr
+    described = json.loads(out.stdout)
+    assert set(described) == {"plan", "throughput", "layerwise", "nixl_overhead"}
+    for name, options in described.items():
+        assert {o[0] for o in options} >= {"json", "repeat"}, name
+        for dest, help_text, default, formatter in options:
+            assert help_text, (name, dest)
+            assert default is not None, (name, dest)
+            assert formatter == "ArgumentDefaultsHelpFormatter", name
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--layer-mib", "0"],
+        ["--layers", "-1"],
+        ["--ratios", "1,-2"],
+        ["--transports", "tcp,udp"],
+        ["--repeat", "x"],
+    ],
+)
+def test_bad_layerwise_options_are_usage_errors(args: list[str]) -> None:
+    out = _bench(str(BENCH / "layerwise.py"), *args)
+    assert out.returncode == 2
+    assert "usage:" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_layerwise_helpers() -> None:
+    # The benchmark pins BLAS thread counts in os.environ at import; that must not leak into
+    # later tests' child processes (their numpy would then round differently from this one).
+    saved = dict(os.environ)
+    sys.path.insert(0, str(BENCH))
+    try:
+        import layerwise
+    finally:
+        sys.path.remove(str(BENCH))
+        os.environ.clear()
+        os.environ.update(saved)
+    for mib in (1, 2, 3, 8):
+        blocks = layerwise.layer_blocks(mib)
+        assert blocks >= 1
+        assert 2 * blocks * layerwise.BLOCK == mib << 20  # exactly the asked size
+    with pytest.raises(ValueError):
+        layerwise.layer_blocks(0)
+    assert layerwise.hidden_percent(exposed=3.0, after_prefill=2.0) == 0.0  # not negative
+    assert layerwise.hidden_percent(exposed=0.5, after_prefill=2.0) == 75.0
+    assert layerwise.hidden_percent(exposed=-0.1, after_prefill=2.0) == 100.0
+    assert layerwise.hidden_percent(exposed=1.0, after_prefill=0.0) == 0.0
+
+
+def test_smallest_layerwise_run(tmp_path: Path) -> None:
+    result = tmp_path / "layerwise.json"
+    out = _bench(
+        str(BENCH / "layerwise.py"),
+        *("--layers", "2", "--layer-mib", "1", "--ratios", "0.5"),
+        *("--transports", "tcp", "--repeat", "1", "--json", str(result)),
+    )
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(result.read_text())["rows"]
+    assert row["MiB/layer"] == 1 and row["layers"] == 2
+    assert 0.0 <= row["hidden %"] <= 100.0
+
+
+def test_smallest_peers_run(tmp_path: Path) -> None:
+    # benchmarks/peers.py on tiny sizes: our own row must run; Mooncake's and NIXL's rows run
+    # where they are installed and say "not installed" where they are not.
+    result = tmp_path / "peers.json"
+    out = _bench(
+        str(BENCH / "peers.py"),
+        *("--rounds", "1", "--blocks", "32", "--small", "3", "--concurrency", "2"),
+        *("--per-request", "4", "--waves", "1", "--repeat", "1"),
+        *("--transports", "same-host", "--loops", "asyncio", "--ucx", "cma"),
+        *("--json", str(result)),
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["engine"]: r for r in json.loads(result.read_text())["rows"]}
+    assert set(rows) == {
+        "llmdd-async same-host asyncio",
+        "mooncake tcp",
+        "nixl UCX_TLS=cma,tcp,self",
+    }
+    assert rows["llmdd-async same-host asyncio"]["status"] == "ok"
+    for row in rows.values():
+        assert row["status"] in ("ok", "not installed", "not loadable"), row
+        if row["status"] == "ok":
+            assert row["bulk_gbps"] > 0 and row["p50_us"] > 0 and row["req_per_s"] > 0

@@ -1,0 +1,168 @@
+"""Host memory: the shareable pool allocator, memory objects, views and the copy loop."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import llmdd_async as dd
+from llmdd_async._errors import CopyCancelled
+from llmdd_async._memory import (
+    CancelToken,
+    MemoryPool,
+    PoolConfig,
+    copy_ranges,
+    host_view,
+    resolve_host_memory,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 5 * 4096)), max_size=40))
+def test_pool_allocations_never_overlap_and_all_memory_returns(ops) -> None:
+    pool = MemoryPool(PoolConfig(64 * 4096, 12), "test")
+    try:
+        live = []
+        for is_alloc, size in ops:
+            if is_alloc or not live:
+                try:
+                    a = pool.allocate(size)
+                except dd.LLMException as exc:
+                    assert exc.status_code == dd.LLMStatusCode.LLM_OUT_OF_MEMORY
+                    continue
+                assert a.nbytes >= size and a.nbytes % 4096 == 0
+                assert a.addr == pool.base + a.offset
+                for b in live:
+                    assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset
+                live.append(a)
+            else:
+                pool.free(live.pop(size % len(live)))
+        for a in live:
+            pool.free(a)
+        assert pool.free_bytes == pool.nbytes
+        whole = pool.allocate(pool.nbytes)  # everything merged back into one run
+        assert whole.offset == 0
+    finally:
+        pool.close()
+
+
+def test_pool_exhaustion_is_out_of_memory() -> None:
+    pool = MemoryPool(PoolConfig(1 << 20, 16), "test")
+    pool.allocate(1 << 20)
+    with pytest.raises(dd.LLMException) as err:
+        pool.allocate(1)
+    assert err.value.status_code == dd.LLMStatusCode.LLM_OUT_OF_MEMORY
+    pool.close()
+
+
+def test_pool_pages_are_visible_to_another_process() -> None:
+    """The property same-host transfers rely on: a peer maps the same pages by /proc path."""
+    pool = MemoryPool(PoolConfig(1 << 20, 16), "test")
+    a = pool.allocate(4096)
+    pool.view(a, 0, 5)[:] = np.frombuffer(b"hello", np.uint8)
+    code = textwrap.dedent(
+        f"""
+        import mmap, os
+        fd = os.open("/proc/{os.getpid()}/fd/{pool.fd}", os.O_RDWR)
+        m = mmap.mmap(fd, {pool.nbytes})
+        assert m[{a.offset}:{a.offset + 5}] == b"hello", m[{a.offset}:{a.offset + 5}]
+        m[{a.offset + 5}:{a.offset + 6}] = b"!"
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert bytes(pool.view(a, 0, 6)) == b"hello!"
+    pool.close()
+
+
+def test_pool_close_with_live_views_keeps_them_valid() -> None:
+    pool = MemoryPool(PoolConfig(1 << 20, 16), "test")
+    view = pool.view(pool.allocate(100), 0, 100)
+    view[:] = 7
+    pool.close()
+    assert int(view.sum()) == 700
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.zeros(64, np.uint8),
+        lambda: bytearray(64),
+        lambda: mmap.mmap(-1, 64),
+        lambda: memoryview(bytearray(64)),
+    ],
+    ids=["numpy", "bytearray", "mmap", "memoryview"],
+)
+def test_resolve_objects_keeps_them_alive(make) -> None:
+    obj = make()
+    addr, keep = resolve_host_memory(obj, 64, "addrs[0]")
+    assert keep is not None and keep[0] is obj
+    host_view(addr, 64)[:] = 9
+    assert bytes(memoryview(obj)[:64]) == b"\x09" * 64
+
+
+@pytest.mark.parametrize(
+    ("obj", "nbytes", "exc"),
+    [
+        (0, 8, dd.LLMException),
+        (np.zeros(4, np.uint8), 8, dd.LLMException),  # too small
+        (np.zeros((4, 4), np.uint8)[:, 0], 4, dd.LLMException),  # not contiguous
+        (np.zeros(8, np.uint8).copy().view(), 8, None),
+        (bytes(8), 8, dd.LLMException),  # read-only
+        ("text", 8, TypeError),
+        (3.5, 8, TypeError),
+    ],
+)
+def test_resolve_rejects_bad_memory(obj, nbytes, exc) -> None:
+    if exc is None:
+        assert resolve_host_memory(obj, nbytes, "x")[0] == obj.ctypes.data
+        return
+    with pytest.raises(exc) as err:
+        resolve_host_memory(obj, nbytes, "x")
+    if exc is dd.LLMException:
+        assert err.value.status_code == dd.LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_copy_ranges_copies_in_order_and_stops_when_cancelled() -> None:
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, np.uint8)
+    s0, d0 = src.ctypes.data, dst.ctypes.data
+    descs = np.array([[s0 + i * 2, d0 + 255 - i, 1] for i in range(100)], dtype=np.uint64)
+    n = copy_ranges(descs[:, 0], descs[:, 1], descs[:, 2])
+    assert n == 100
+    assert dst[255 - 99 :].tolist() == [src[(255 - j) * 2] for j in range(255 - 99, 256)]
+    token = CancelToken()
+    token.cancel()
+    dst[:] = 0
+    with pytest.raises(CopyCancelled):
+        copy_ranges(descs[:, 0], descs[:, 1], descs[:, 2], token)
+    assert not dst.any()
+
+
+@pytest.mark.anyio
+async def test_a_copy_cut_across_threads_fails_with_one_exception() -> None:
+    """Parts of one copy run on several threads; their failure is one exception that says
+    what happened (a cancel wins), never an ExceptionGroup that status mapping cannot read."""
+    from llmdd_async._memory import run_parts
+
+    def ok() -> int:
+        return 5
+
+    def cancelled() -> int:
+        raise CopyCancelled
+
+    def fault() -> int:
+        raise OSError(14, "Bad address")
+
+    assert await run_parts([ok, ok, ok], None) == 15
+    with pytest.raises(CopyCancelled):
+        await run_parts([fault, cancelled, ok], None)
+    with pytest.raises(OSError, match="Bad address"):
+        await run_parts([ok, fault, fault], None)

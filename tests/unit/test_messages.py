@@ -1,0 +1,641 @@
+"""The typed wire messages of ``_messages``, tested with bytes alone (no sockets).
+
+Every message goes through the real framer (``encode`` -> bytes -> ``Decoder``) and back:
+``decode(encode(x)) == x``; the bytes are those the wire carried before the messages were
+typed (the old encoders are spelled out here); a malformed field is a ``ProtocolError`` from
+``decode`` and nothing else."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmdd_async._enums import LLMStatusCode
+from llmdd_async._errors import ProtocolError
+from llmdd_async._messages import (
+    FLAG_TO_INITIATOR,
+    MAX_REASON,
+    Abort,
+    Address,
+    By,
+    Bye,
+    CacheInfo,
+    Cap,
+    Challenge,
+    Data,
+    Done,
+    Grant,
+    Hello,
+    Identity,
+    LinkRefused,
+    Mode,
+    Op,
+    Ping,
+    Pong,
+    Request,
+    Result,
+    Shape,
+    Table,
+    TableRequest,
+    Unlink,
+    UnlinkAck,
+    wire_status,
+)
+from llmdd_async._protocol import MT, NEED_DATA, Decoder, Message, encode
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+u64 = st.integers(0, 2**64 - 1)
+i64 = st.integers(-(2**63), 2**63 - 1)
+small = st.integers(0, 1 << 20)
+words = st.text(max_size=12)
+statuses = st.sampled_from(list(LLMStatusCode))
+
+
+def wire(msg: Message) -> Message:
+    """``msg`` as the peer's decoder hands it out (through the bytes)."""
+    d = Decoder()
+    d.receive_data(encode(msg))
+    out = d.next_event()
+    assert isinstance(out, Message)
+    if out.payload_len:
+        d.payload_consumed(out.payload_len)
+    assert d.next_event() is NEED_DATA
+    return out
+
+
+def arrays(min_size: int = 0, max_size: int = 6) -> st.SearchStrategy[np.ndarray]:
+    return st.lists(u64, min_size=min_size, max_size=max_size).map(
+        lambda v: np.array(v, dtype=np.uint64)
+    )
+
+
+def opt(s: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.none() | s
+
+
+ranges = st.builds(lambda a, b: range(a, b), i64, i64)
+triples = st.tuples(small, small, st.booleans())
+
+
+@st.composite
+def addresses(draw: st.DrawFn) -> Address:
+    by = draw(st.sampled_from(list(By)))
+    if by in (By.REQ_KEY, By.PREFIX_KEY):
+        return Address(by, id=draw(i64), model_id=draw(i64))
+    if by is By.BLOCKS_KEY:
+        return Address(by, model_id=draw(i64))
+    if by is By.CACHE_ID:
+        return Address(by, cache_id=draw(i64), index=draw(i64))
+    return Address(by)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> Request:
+    target = draw(addresses())
+    raw_addrs = draw(arrays(1)) if target.by is By.ADDRS else draw(opt(arrays()))
+    return Request(
+        draw(u64),
+        draw(st.sampled_from(list(Op))),
+        target,
+        draw(st.sampled_from(list(Shape))),
+        draw(triples),
+        draw(arrays(1)),
+        caps=draw(st.frozensets(st.sampled_from(list(Cap)))),
+        timeout_ms=draw(st.integers(0, 2**40)),
+        local_slot=draw(i64),
+        size=draw(i64),
+        src_offset=draw(i64),
+        dst_offset=draw(i64),
+        src_range=draw(opt(ranges)),
+        dst_range=draw(opt(ranges)),
+        tensor_num_per_layer=draw(i64),
+        dst_block_bytes=draw(opt(i64)),
+        src_blocks=draw(opt(arrays())),
+        dst_blocks=draw(opt(arrays())),
+        raw=draw(opt(triples)),
+        raw_addrs=raw_addrs,
+    )
+
+
+@st.composite
+def grants(draw: st.DrawFn) -> Grant:
+    if not draw(st.booleans()):
+        status = draw(statuses.filter(lambda s: s != LLMStatusCode.LLM_SUCCESS))
+        return Grant.refusal(draw(u64), status, draw(words))
+    n = draw(st.integers(0, 5))
+    mode = draw(st.sampled_from(list(Mode)))
+    local = np.array(draw(st.lists(u64, min_size=n, max_size=n)), dtype=np.uint64)
+    nbytes = np.array(draw(st.lists(u64, min_size=n, max_size=n)), dtype=np.uint64)
+    remote = np.array(draw(st.lists(u64, min_size=n, max_size=n)), dtype=np.uint64)
+    return Grant(
+        draw(u64),
+        mode=mode,
+        total=draw(opt(u64)),
+        done=draw(st.booleans()),
+        local=local,
+        nbytes=nbytes,
+        remote=remote if mode is Mode.LOCAL else draw(opt(st.just(remote))),
+    )
+
+
+reasons = opt(st.text(max_size=MAX_REASON))
+cache_infos = st.builds(
+    CacheInfo,
+    i64,
+    st.lists(u64, max_size=4).map(tuple),
+    small,
+    small,
+    st.booleans(),
+    i64,
+    st.booleans(),
+)
+tables = st.builds(
+    Table,
+    st.lists(cache_infos, max_size=4).map(tuple),
+    st.dictionaries(st.text(max_size=4), i64, max_size=3),
+    st.lists(st.tuples(words, i64, i64, i64, i64), max_size=3).map(tuple),
+    opt(st.tuples(st.integers(1, 2**64 - 1), u64)),
+    opt(st.dictionaries(st.text(max_size=4), st.text(max_size=8), max_size=3)),
+)
+identities = st.builds(
+    Identity,
+    u64,
+    i64,
+    st.booleans(),
+    st.booleans(),
+    opt(st.dictionaries(st.text(max_size=6), words, max_size=3)),
+    words,
+    opt(words),
+    opt(words),
+)
+each_message = st.one_of(
+    requests(),
+    grants(),
+    st.builds(Data, u64, u64, st.integers(0, 1 << 30), st.booleans()),
+    st.builds(Done, u64, statuses, reasons),
+    st.builds(Result, u64, statuses, reasons),
+    st.builds(Abort, u64, statuses, reasons, st.booleans(), st.booleans()),
+    st.sampled_from([TableRequest(), Ping(), Pong(), Unlink(), UnlinkAck(), Bye()]),
+    tables,
+    st.builds(Hello, words, i64),
+    st.builds(Challenge, words, st.booleans()),
+    identities,
+    st.builds(LinkRefused, statuses, reasons, opt(i64), st.booleans()),
+)
+
+
+def decode_as(x: Any, msg: Message) -> Any:
+    if isinstance(x, Identity):
+        return Identity.decode(msg)
+    return type(x).decode(msg)
+
+
+# ---------------------------------------------------------------------------- round trips
+@SETTINGS
+@given(each_message)
+def test_every_message_survives_the_bytes(x: Any) -> None:
+    assert decode_as(x, wire(x.encode())) == x
+
+
+@SETTINGS
+@given(identities)
+def test_a_successful_link_ack_is_the_identity_after_its_status(x: Identity) -> None:
+    msg = wire(x.encode(MT.LINK_ACK))
+    assert next(iter(msg.fields)) == "status"
+    assert Identity.decode(msg) == x
+    refusal = wire(LinkRefused(LLMStatusCode.LLM_LINK_FAILED).encode())
+    with pytest.raises(ProtocolError):
+        Identity.decode(refusal)
+
+
+def test_the_vocabularies_are_the_wire_strings() -> None:
+    assert [o.value for o in Op] == ["pull", "push"]
+    assert [s.value for s in Shape] == ["slot", "blocks", "slot_to_blocks"]
+    assert [m.value for m in Mode] == ["local", "stream"]
+    assert [b.value for b in By] == ["req_key", "prefix_key", "blocks_key", "cache_id", "addrs"]
+    assert [c.value for c in Cap] == ["inproc", "pools", "pvr", "nixl"]
+    assert Op.PULL == "pull" and str(Shape.SLOT_TO_BLOCKS) == "slot_to_blocks"
+
+
+# ---------------------------------------------------------------------------- the same bytes
+def _old_request(r: Request) -> Message:
+    """XFER_REQ as ``XferSpec.encode`` wrote it before the messages were typed."""
+    tb, count, is_blocks = r.layout
+    defaults: dict[str, Any] = {
+        "local_slot": 0,
+        "size": -1,
+        "src_offset": 0,
+        "dst_offset": 0,
+        "src_range": None,
+        "dst_range": None,
+        "tnpl": 2,
+        "dst_block_bytes": None,
+    }
+
+    def rng(x: range | None) -> list[int] | None:
+        return None if x is None else [x.start, x.stop]
+
+    caps = {"inproc": Cap.INPROC in r.caps, "pools": Cap.POOLS in r.caps}
+    caps |= {"pvr": Cap.PVR in r.caps, "nixl": Cap.NIXL in r.caps}
+    fields: dict[str, Any] = {
+        "op": str(r.op),
+        "target": r.target.encode(),
+        "shape": str(r.shape),
+        "layout": [tb, count, is_blocks],
+        "caps": {k: True for k, v in caps.items() if v is True},
+        "timeout_ms": r.timeout_ms,
+    }
+    for name, value in (
+        ("local_slot", r.local_slot),
+        ("size", r.size),
+        ("src_offset", r.src_offset),
+        ("dst_offset", r.dst_offset),
+        ("src_range", rng(r.src_range)),
+        ("dst_range", rng(r.dst_range)),
+        ("tnpl", r.tensor_num_per_layer),
+        ("dst_block_bytes", r.dst_block_bytes),
+    ):
+        if value != defaults[name]:
+            fields[name] = value
+    if r.raw is not None:
+        fields["raw"] = list(r.raw)
+    arr: dict[str, bytes | memoryview] = {"local_addrs": r.local_addrs.astype("<u8").tobytes()}
+    for name, a in (("src_blocks", r.src_blocks), ("dst_blocks", r.dst_blocks)):
+        if a is not None:
+            arr[name] = a.astype("<u8").tobytes()
+    if r.raw_addrs is not None:
+        arr["raw_addrs"] = r.raw_addrs.astype("<u8").tobytes()
+    return Message(MT.XFER_REQ, r.req_id, fields, arr)
+
+
+@SETTINGS
+@given(requests())
+def test_a_request_is_the_bytes_it_always_was(r: Request) -> None:
+    assert encode(r.encode()) == encode(_old_request(r))
+
+
+def test_targets_are_the_dicts_they_always_were() -> None:
+    assert Address(By.REQ_KEY, id=7, model_id=1).encode() == {
+        "by": "req_key",
+        "id": 7,
+        "model_id": 1,
+    }
+    assert Address(By.BLOCKS_KEY, model_id=3).encode() == {"by": "blocks_key", "model_id": 3}
+    assert Address(By.CACHE_ID, cache_id=4, index=2).encode() == {
+        "by": "cache_id",
+        "cache_id": 4,
+        "index": 2,
+    }
+    assert Address(By.ADDRS).encode() == {"by": "addrs"}
+    # A cache id without an index means slot 0, as it always did.
+    assert Address.decode({"by": "cache_id", "cache_id": 4}) == Address(By.CACHE_ID, cache_id=4)
+
+
+def test_control_frames_are_the_bytes_they_always_were() -> None:
+    local, nbytes, remote = (np.array([1, 2], np.uint64) * k for k in (1, 8, 64))
+    u8 = lambda a: np.ascontiguousarray(a, "<u8").data.cast("B")  # noqa: E731
+    cases = [
+        (
+            Grant(3, mode=Mode.STREAM, total=24, done=False, local=local, nbytes=nbytes),
+            Message(
+                MT.GRANT,
+                3,
+                {"status": 0, "mode": "stream", "total": 24, "done": False},
+                {"local": u8(local), "nbytes": u8(nbytes)},
+            ),
+        ),
+        (
+            Grant(3, mode=Mode.LOCAL, total=24, local=local, nbytes=nbytes, remote=remote),
+            Message(
+                MT.GRANT,
+                3,
+                {"status": 0, "mode": "local", "total": 24},
+                {"local": u8(local), "nbytes": u8(nbytes), "remote": u8(remote)},
+            ),
+        ),
+        (
+            Grant.refusal(5, LLMStatusCode.LLM_LINK_BUSY, "busy"),
+            Message(MT.GRANT, 5, {"status": int(LLMStatusCode.LLM_LINK_BUSY), "message": "busy"}),
+        ),
+        (
+            Data(9, 0, 100, to_initiator=True),
+            Message(MT.DATA, 9, {"off": 0}, payload_len=100, flags=FLAG_TO_INITIATOR),
+        ),
+        (Done(9), Message(MT.DONE, 9, {"status": 0})),
+        (Result(9), Message(MT.RESULT, 9, {"status": 0})),
+        (
+            Abort(9, LLMStatusCode.LLM_TIMEOUT, "late", to_initiator=True),
+            Message(
+                MT.ABORT,
+                9,
+                {"status": int(LLMStatusCode.LLM_TIMEOUT), "message": "late"},
+                flags=FLAG_TO_INITIATOR,
+            ),
+        ),
+        (
+            Abort(9, LLMStatusCode.LLM_LINK_FAILED, "bad mac", broken=True),
+            Message(
+                MT.ABORT,
+                9,
+                {
+                    "status": int(LLMStatusCode.LLM_LINK_FAILED),
+                    "message": "bad mac",
+                    "broken": True,
+                },
+            ),
+        ),
+        (Ping(), Message(MT.PING)),
+        (UnlinkAck(), Message(MT.UNLINK_ACK)),
+        (Hello("ab", 1), Message(MT.HELLO, 0, {"version": 1, "nonce": "ab"})),
+        (Challenge("cd", True), Message(MT.CHALLENGE, 0, {"nonce": "cd", "auth": True})),
+        (
+            LinkRefused(LLMStatusCode.LLM_PARAM_INVALID, "no", 4, yielded=True),
+            Message(
+                MT.LINK_ACK,
+                0,
+                {
+                    "status": int(LLMStatusCode.LLM_PARAM_INVALID),
+                    "message": "no",
+                    "cluster_id": 4,
+                    "yield": True,
+                },
+            ),
+        ),
+        (
+            LinkRefused(LLMStatusCode.LLM_LINK_FAILED),
+            Message(MT.LINK_ACK, 0, {"status": int(LLMStatusCode.LLM_LINK_FAILED)}),
+        ),
+    ]
+    for typed, old in cases:
+        assert encode(typed.encode()) == encode(old), typed
+
+
+def test_an_identity_is_the_handshake_fields_it_always_was() -> None:
+    fields = {
+        "cluster_id": 2,
+        "role": 1,
+        "remote_accessible": False,
+        "payload_auth": True,
+        "host": {"hostname": "h", "boot_id": "b"},
+        "transport": "auto",
+        "uds": None,
+    }
+    x = Identity.decode(Message(MT.LINK_REQ, 0, fields))
+    assert encode(x.encode()) == encode(Message(MT.LINK_REQ, 0, fields))
+    keyed = Identity.decode(Message(MT.LINK_REQ, 0, {**fields, "mac": "00"}))
+    assert encode(keyed.encode()) == encode(Message(MT.LINK_REQ, 0, {**fields, "mac": "00"}))
+    ack = Message(MT.LINK_ACK, 0, {"status": 0, **fields})
+    assert encode(x.encode(MT.LINK_ACK)) == encode(ack)
+
+
+def test_a_table_is_the_registry_table_it_always_was() -> None:
+    cache = {
+        "cache_id": 1,
+        "addrs": [4096, 8192],
+        "tensor_bytes": 64,
+        "count": 1,
+        "is_blocks": False,
+        "placement": 0,
+        "remote_accessible": True,
+    }
+    fields = {
+        "caches": [cache],
+        "blocks_keys": {"0": 1},
+        "slot_keys": [["req", 7, 0, 1, 0]],
+        "epoch": [4096, 3],
+        "nixl": {"md": "AA==", "gen": 1},
+    }
+    t = Table.decode(wire(Message(MT.TABLE, 0, fields)))
+    assert t.caches == (CacheInfo(1, (4096, 8192), 64, 1, False, 0, True),)
+    assert t.epoch == (4096, 3) and t.blocks_keys == {"0": 1}
+    assert encode(t.encode()) == encode(Message(MT.TABLE, 0, fields))
+
+
+# ---------------------------------------------------------------------------- malformed
+#: a request field -> values that must each be refused
+BAD_REQUEST_FIELDS: dict[str, list[Any]] = {
+    "op": [None, "read", 1, ["pull"]],
+    "shape": [None, "slots", 0],
+    "target": [None, "cache_id", {"by": "nope"}, {"by": "cache_id"}, {"by": "req_key", "id": "7"}],
+    "layout": [None, [64, 1], [64, 1, "no"], [-1, 1, False], [1.5, 1, False], "x"],
+    "caps": ["nixl", ["pvr"], 1],
+    "timeout_ms": [-1, "60", 1.0, True],
+    "local_slot": ["0", 0.5, True, 2**64],
+    "size": [None, "big"],
+    "src_offset": [[], False],
+    "src_range": [[1], [0, "1"], "0:1", [0, 1, 2]],
+    "dst_range": [{}, [None, 1]],
+    "tnpl": [None, "2", 2.0],
+    "dst_block_bytes": ["64", [64]],
+    "raw": [[0, 1], [0, 1, 1], "raw"],
+}
+
+
+def _valid_request() -> Message:
+    return Request(
+        1,
+        Op.PULL,
+        Address(By.CACHE_ID, cache_id=1),
+        Shape.BLOCKS,
+        (64, 8, True),
+        np.array([4096], np.uint64),
+        dst_blocks=np.array([1], np.uint64),
+        src_blocks=np.array([2], np.uint64),
+    ).encode()
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"), [(k, v) for k, vs in BAD_REQUEST_FIELDS.items() for v in vs]
+)
+def test_a_malformed_request_field_is_a_protocol_error(name: str, bad: Any) -> None:
+    ok = wire(_valid_request())
+    Request.decode(ok)  # the valid one decodes
+    msg = wire(Message(MT.XFER_REQ, 1, {**ok.fields, name: bad}, dict(ok.arrays)))
+    with pytest.raises(ProtocolError):
+        Request.decode(msg)
+
+
+def test_a_request_without_the_arrays_it_needs_is_a_protocol_error() -> None:
+    ok = wire(_valid_request())
+    with pytest.raises(ProtocolError, match="initiator's layout"):
+        Request.decode(Message(MT.XFER_REQ, 1, ok.fields, {}))
+    by_addr = {**ok.fields, "target": {"by": "addrs"}}
+    with pytest.raises(ProtocolError, match="without addresses"):
+        Request.decode(Message(MT.XFER_REQ, 1, by_addr, dict(ok.arrays)))
+    with pytest.raises(ProtocolError, match="expected XFER_REQ"):
+        Request.decode(Message(MT.GRANT, 1, ok.fields, dict(ok.arrays)))
+
+
+def test_unknown_fields_and_caps_are_ignored() -> None:
+    ok = wire(_valid_request())
+    extra = {**ok.fields, "junk": "x" * 100, "caps": {"pvr": True, "warp": True, "pools": 1}}
+    r = Request.decode(Message(MT.XFER_REQ, 1, extra, dict(ok.arrays)))
+    assert r.caps == frozenset({Cap.PVR})  # only true, known caps
+
+
+@pytest.mark.parametrize(
+    ("fields", "arrays", "why"),
+    [
+        ({"status": 0}, {}, "without a plan"),
+        ({"status": 0, "mode": "stream"}, {"local": b"\0" * 8}, "without a plan"),
+        (
+            {"status": 0, "mode": "stream"},
+            {"local": b"\0" * 16, "nbytes": b"\0" * 8},
+            "without a plan",
+        ),
+        ({"status": 0, "mode": "local"}, {"local": b"\0" * 8, "nbytes": b"\0" * 8}, "remote"),
+        ({"status": 0, "mode": "rdma"}, {"local": b"\0" * 8, "nbytes": b"\0" * 8}, "mode"),
+        ({"status": 0, "mode": "stream", "done": 0}, {"local": b"", "nbytes": b""}, "done"),
+        ({"status": 0, "mode": "stream", "total": -1}, {"local": b"", "nbytes": b""}, "total"),
+        ({"status": 3, "message": 5}, {}, "message"),
+    ],
+)
+def test_a_malformed_grant_is_a_protocol_error(
+    fields: dict[str, Any], arrays: dict[str, bytes], why: str
+) -> None:
+    with pytest.raises(ProtocolError, match=why):
+        Grant.decode(wire(Message(MT.GRANT, 1, fields, arrays)))
+
+
+def test_a_refusal_needs_no_plan_and_a_status_is_read_leniently() -> None:
+    g = Grant.decode(wire(Message(MT.GRANT, 1, {"status": 4})))
+    assert not g.ok and g.message is None and g.local is None
+    for bad in ("0", None, 1.0, True, 10**6):
+        assert Grant.decode(Message(MT.GRANT, 1, {"status": bad})).status == (
+            LLMStatusCode.LLM_FAILED
+        )
+        assert wire_status(Message(MT.DONE, 1, {"status": bad})) == LLMStatusCode.LLM_FAILED
+    assert not Done.decode(Message(MT.DONE, 1, {})).ok
+
+
+def test_a_peers_reason_is_bounded_and_made_a_string() -> None:
+    a = Abort.decode(Message(MT.ABORT, 1, {"status": 2, "message": "x" * 10_000}))
+    assert a.message == "x" * MAX_REASON and not a.broken and not a.to_initiator
+    a = Abort.decode(Message(MT.ABORT, 1, {"message": ["no"], "broken": 1}, flags=1))
+    assert a.message == "['no']" and not a.broken and a.to_initiator
+    assert Abort.decode(Message(MT.ABORT, 1, {"broken": True})).broken
+
+
+@pytest.mark.parametrize("off", [None, -1, "0", 1.0, 2**64])
+def test_a_data_frame_needs_an_offset(off: Any) -> None:
+    with pytest.raises(ProtocolError):
+        Data.decode(Message(MT.DATA, 1, {} if off is None else {"off": off}))
+
+
+def test_bare_frames_ignore_what_a_peer_adds() -> None:
+    junk = {"junk": np.zeros(4, "<u8").tobytes()}
+    assert Ping.decode(wire(Message(MT.PING, 0, {"x": 1}, junk))) == Ping()
+    with pytest.raises(ProtocolError):
+        Pong.decode(Message(MT.PING))
+
+
+@pytest.mark.parametrize(
+    ("cls", "mtype", "fields"),
+    [
+        (Hello, MT.HELLO, {"version": "1", "nonce": "a"}),
+        (Hello, MT.HELLO, {"version": 1}),
+        (Challenge, MT.CHALLENGE, {"nonce": "a", "auth": 1}),
+        (Challenge, MT.CHALLENGE, {"nonce": 5, "auth": True}),
+        (Identity, MT.LINK_REQ, {"cluster_id": -1}),
+        (Identity, MT.LINK_REQ, {"cluster_id": 2**64}),
+        (Identity, MT.LINK_REQ, {"cluster_id": True}),
+    ],
+)
+def test_malformed_handshake_fields_are_protocol_errors(
+    cls: Any, mtype: MT, fields: dict[str, Any]
+) -> None:
+    with pytest.raises(ProtocolError):
+        cls.decode(Message(mtype, 0, fields))
+
+
+def test_a_malformed_identity_field_is_a_protocol_error() -> None:
+    good = {
+        "cluster_id": 2,
+        "role": 1,
+        "remote_accessible": False,
+        "payload_auth": False,
+        "host": None,
+        "transport": "tcp",
+        "uds": None,
+    }
+    Identity.decode(Message(MT.LINK_REQ, 0, good))
+    for name, bad in (
+        ("role", "p"),
+        ("remote_accessible", 1),
+        ("payload_auth", None),
+        ("host", "h"),
+        ("transport", None),
+        ("uds", 3),
+        ("mac", 7),
+    ):
+        with pytest.raises(ProtocolError):
+            Identity.decode(Message(MT.LINK_REQ, 0, {**good, name: bad}))
+
+
+def test_malformed_table_entries_count_as_nothing() -> None:
+    good = CacheInfo(1, (4096,), 64, 1, False, 0, True).encode()
+    fields = {
+        "caches": [good, {**good, "addrs": "x"}, {**good, "tensor_bytes": -1}, 5, {}],
+        "blocks_keys": {"0": 1, "1": "x"},
+        "slot_keys": [["req", 1, 0, 1, 0], ["req", "1"], 3],
+        "epoch": [0, 1],
+        "nixl": "md",
+    }
+    t = Table.decode(wire(Message(MT.TABLE, 0, fields)))
+    assert [c.cache_id for c in t.caches] == [1]
+    assert t.blocks_keys == {"0": 1} and t.slot_keys == (("req", 1, 0, 1, 0),)
+    assert t.epoch is None and t.nixl is None
+    assert Table.decode(Message(MT.TABLE, 0, {"caches": {}})) == Table()
+
+
+junk = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=8,
+)
+
+
+@SETTINGS
+@given(
+    st.sampled_from(
+        [Request, Grant, Data, Done, Result, Abort, Table, Hello, Challenge, LinkRefused]
+    ),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                *("op", "target", "shape", "layout", "caps", "status", "mode", "off", "nonce"),
+                *("version", "auth", "caches", "epoch", "message", "done", "raw", "src_range"),
+            ]
+        ),
+        junk,
+        max_size=6,
+    ),
+    st.dictionaries(
+        st.sampled_from(["local_addrs", "src_blocks", "raw_addrs", "local", "nbytes", "remote"]),
+        st.binary(max_size=32).map(lambda b: b[: len(b) // 8 * 8]),
+        max_size=4,
+    ),
+)
+def test_any_fields_decode_or_raise_protocol_error_and_nothing_else(
+    cls: Any, fields: dict[str, Any], arrays: dict[str, bytes]
+) -> None:
+    mtype = {
+        Request: MT.XFER_REQ,
+        Grant: MT.GRANT,
+        Data: MT.DATA,
+        Done: MT.DONE,
+        Result: MT.RESULT,
+        Abort: MT.ABORT,
+        Table: MT.TABLE,
+        Hello: MT.HELLO,
+        Challenge: MT.CHALLENGE,
+        LinkRefused: MT.LINK_ACK,
+    }[cls]
+    with contextlib.suppress(ProtocolError):  # anything else fails the test
+        cls.decode(wire(Message(mtype, 1, fields, arrays)))
