@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -29,6 +29,9 @@ from ._net.initiator import initiate
 from ._net.link import Link
 from ._synchronizer import AsyncLayerSynchronizer, LayerEvents
 from ._task import LayerTiming, TaskControl
+
+if TYPE_CHECKING:
+    from ._engine import Engine
 
 __all__ = ["Destination", "run_layerwise", "run_request", "run_transfer", "wait_for_layer"]
 
@@ -46,7 +49,7 @@ class Destination:
     make_spec: Callable[[int], TransferRequest]
 
 
-async def wait_for_layer(engine: Any, sync: Any, layer: int, timeout_ms: int | None) -> None:
+async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int | None) -> None:
     """Await ``sync`` for ``layer`` without blocking the loop: ``LayerEvents`` natively,
     ``AsyncLayerSynchronizer`` on the loop, blocking synchronizers in a daemon thread (left
     behind, harmlessly, if the task is cancelled while the callback still blocks).
@@ -88,7 +91,7 @@ async def wait_for_layer(engine: Any, sync: Any, layer: int, timeout_ms: int | N
 
 
 async def run_request(
-    engine: Any,
+    engine: Engine,
     ctl: TaskControl,
     link: Link,
     spec: TransferRequest,
@@ -120,7 +123,7 @@ async def run_request(
 
 
 async def run_transfer(
-    engine: Any,
+    engine: Engine,
     ctl: TaskControl,
     sync: Any,
     dests: list[Destination],
@@ -144,7 +147,7 @@ async def run_transfer(
 
 
 async def run_layerwise(
-    engine: Any,
+    engine: Engine,
     ctl: TaskControl,
     sync: Any,
     dests: list[Destination],

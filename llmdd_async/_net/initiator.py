@@ -75,14 +75,15 @@ async def initiate(
         # Runs in the reader before any DATA of this request can be read: set up where the
         # stream lands, after checking that every range lies inside our own cache.
         grant = Grant.decode(msg)
-        granted.append(grant)
         if not grant.ok:
+            granted.append(grant)
             return
         # Grant.decode: a successful grant has a plan
         assert grant.local is not None
         assert grant.nbytes is not None
         if not grant_within_selection(spec, grant.local, grant.nbytes):
             raise ProtocolError("GRANT points outside what this request selected of our cache")
+        granted.append(grant)  # only a checked grant is ever acted on
         if grant.mode is Mode.STREAM and spec.op == Op.PULL:
             # The reader cannot await here; a staging buffer comes from the adapter's cache
             # after the first transfers.

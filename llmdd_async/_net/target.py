@@ -223,7 +223,13 @@ def serve_now(engine: LinkHost, link: Link, msg: Message) -> bool:
     Nothing of ours is touched once the bytes are in the socket, so the request ends there
     (its GRANT says no DONE is expected).
     """
-    if pieces_bound(msg) > INLINE_PIECES:
+    raw = msg.fields
+    # What most requests that a task serves fail, read before the full decode (hot path).
+    if (
+        raw.get("op") != Op.PULL.value
+        or any(link.caps.trusted(raw.get("caps")).values())
+        or pieces_bound(msg) > INLINE_PIECES
+    ):
         return False
     try:
         request = Request.decode(msg)
