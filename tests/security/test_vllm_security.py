@@ -37,7 +37,7 @@ torch = pytest.importorskip("torch")
 
 from llmdd_async.testing import wait_until  # noqa: E402
 from llmdd_async.vllm import ConnectorConfig  # noqa: E402
-from llmdd_async.vllm._control import ControlClient, ControlServer  # noqa: E402
+from llmdd_async.vllm._control import HANDSHAKE_S, ControlClient, ControlServer  # noqa: E402
 from llmdd_async.vllm._meta import LlmddMetadata  # noqa: E402
 from llmdd_async.vllm._worker import WorkerEngine  # noqa: E402
 
@@ -441,7 +441,8 @@ async def test_silent_connections_never_lock_out_a_decode(
     key: str | None, silent: int, server_loop: bool
 ) -> None:
     """Hundreds of connections that stay open and say nothing (or, keyless, complete the
-    handshake and then say nothing): a legit decode still gets in and served in < 1 s."""
+    handshake and then say nothing): a legit decode still gets in and is served well before a
+    silent connection's handshake deadline."""
     srv = ServerThread(key, server_loop)
     socks: list[socket.socket] = []
     talkers: list[RawControl] = []
@@ -454,7 +455,9 @@ async def test_silent_connections_never_lock_out_a_decode(
                     await c.handshake()
                 talkers.append(c)
         seconds = await srv.legit(key)
-        assert seconds < 1.0, f"legit decode took {seconds:.2f} s"
+        # Locked out, it would wait for a silent connection's handshake deadline (HANDSHAKE_S);
+        # the margin keeps a busy machine from counting as a lockout.
+        assert seconds < 0.8 * HANDSHAKE_S, f"legit decode took {seconds:.2f} s"
         assert srv.errors == []
     finally:
         for s in socks:

@@ -19,6 +19,15 @@ DT = dd.DataType
 
 
 # ------------------------------------------------------------------ option keys
+@pytest.fixture(autouse=True)
+def _engine_logger_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Something earlier in a full run (a `logging.config.dictConfig` with its default
+    # `disable_existing_loggers`) can leave our existing loggers disabled; these tests are about
+    # what the library logs, not about that.
+    for name in ("llmdd_async", "llmdd_async.engine"):
+        monkeypatch.setattr(logging.getLogger(name), "disabled", False)
+
+
 def _option_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.getMessage().startswith("option.unknown")]
 
