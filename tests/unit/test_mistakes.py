@@ -26,6 +26,9 @@ def _engine_logger_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     # what the library logs, not about that.
     for name in ("llmdd_async", "llmdd_async.engine"):
         monkeypatch.setattr(logging.getLogger(name), "disabled", False)
+    monkeypatch.setattr(logging.getLogger("llmdd_async.engine"), "level", logging.NOTSET)
+    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
+    logging.getLogger("llmdd_async").manager._clear_cache()
 
 
 def _option_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
