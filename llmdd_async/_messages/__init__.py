@@ -17,6 +17,7 @@ always were; a peer's published table too (malformed entries count as nothing).
   :class:`Result`, :class:`Abort`;
 * control: :class:`TableRequest`, :class:`Table`, :class:`Ping`, :class:`Pong`,
   :class:`Unlink`, :class:`UnlinkAck`, :class:`Bye`;
+* side channel: :class:`Prove`, :class:`ProveAck`, :class:`ProveFin` (with a :class:`Proof`);
 * handshake: :class:`Hello`, :class:`Challenge`, :class:`Identity` (a LINK_REQ's fields, and a
   successful LINK_ACK's), :class:`LinkRefused` (a LINK_ACK that says no).
 """
@@ -36,9 +37,11 @@ from .control import (
     TableRequest,
     Unlink,
     UnlinkAck,
+    regions_of,
     regions_of_table,
 )
 from .fields import FLAG_TO_INITIATOR, MAX_REASON, By, Cap, Mode, Op, Shape, caps_of, wire_status
+from .side_channel import Proof, Prove, ProveAck, ProveFin, tcp_binding_of
 from .transfer import Abort, Address, Data, Done, Grant, Request, Result
 
 __all__ = [
@@ -61,6 +64,10 @@ __all__ = [
     "Op",
     "Ping",
     "Pong",
+    "Proof",
+    "Prove",
+    "ProveAck",
+    "ProveFin",
     "Request",
     "Result",
     "Shape",
@@ -69,6 +76,8 @@ __all__ = [
     "Unlink",
     "UnlinkAck",
     "caps_of",
+    "regions_of",
     "regions_of_table",
+    "tcp_binding_of",
     "wire_status",
 ]

@@ -5,7 +5,7 @@ PING / PONG, UNLINK / UNLINK_ACK, BYE; HELLO, CHALLENGE, a LINK_REQ's or success
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -155,7 +155,14 @@ class Table:
         Raises:
             ProtocolError: a frame of another type."""
         expect_type(msg, MT.TABLE)
-        f = msg.fields
+        return cls.of(msg.fields)
+
+    @classmethod
+    def of(cls, f: Mapping[str, Any]) -> Table:
+        """A TABLE's fields (a snapshot a link kept of them, or a side-channel proof's);
+        never raises, as :meth:`decode`."""
+        if not isinstance(f, Mapping):
+            return cls()
         caches = f.get("caches")
         infos = tuple(
             i
@@ -213,6 +220,27 @@ def regions_of_table(table: Any) -> tuple[np.ndarray, np.ndarray]:
             if isinstance(a, int) and a > 0 and size > 0 and a + size < 2**64:
                 starts.append(a)
                 ends.append(a + size)
+    if not starts:
+        return _no_regions()
+    order = np.argsort(np.array(starts, dtype=np.uint64), kind="stable")
+    return (
+        np.array(starts, dtype=np.uint64)[order],
+        np.array(ends, dtype=np.uint64)[order],
+    )
+
+
+def regions_of(caches: Iterable[CacheInfo]) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted ``(starts, ends)`` of the tensors of the remote-accessible ``caches`` (a zero
+    address or size, or a tensor past 2**64, counts as nothing)."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for c in caches:
+        if not c.remote_accessible or c.tensor_bytes <= 0:
+            continue
+        for a in c.addrs:
+            if a > 0 and a + c.tensor_bytes < 2**64:
+                starts.append(a)
+                ends.append(a + c.tensor_bytes)
     if not starts:
         return _no_regions()
     order = np.argsort(np.array(starts, dtype=np.uint64), kind="stable")

@@ -8,14 +8,14 @@ resolved against the peer's published table snapshot to a cache id. The one-laye
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException, raise_if_false
-from .._messages import Op, Shape
+from .._messages import By, Op, Shape
 from .._registry import CacheEntry
 from .._types import (
     BlocksCacheKey,
@@ -25,6 +25,7 @@ from .._types import (
     slot_key_of,
 )
 from .grants import TransferRequest
+from .peer_view import typed_table
 
 __all__ = ["layer_spec_factory", "resolve_in_table", "target_of", "with_table"]
 
@@ -40,22 +41,25 @@ def target_of(key: Any) -> dict[str, Any]:
     return {"by": f"{sk[0]}_key", "id": sk[1], "model_id": sk[2]}
 
 
-def resolve_in_table(table: dict[str, Any], target: dict[str, Any], peer: int) -> dict[str, Any]:
-    """Resolve a target against the peer's table snapshot (remote-accessible mode).
+def resolve_in_table(table: Mapping[str, Any], target: dict[str, Any], peer: int) -> dict[str, Any]:
+    """Resolve a target (ours) against the peer's table snapshot (remote-accessible mode);
+    the table's malformed entries count as nothing.
 
     Raises:
         LLMException: LLM_KV_CACHE_NOT_EXIST when the snapshot has no such cache or key;
             LLM_PARAM_INVALID when that cache is not remote accessible.
     """
     by = target["by"]
-    if by == "blocks_key":
-        cid = table.get("blocks_keys", {}).get(str(target["model_id"]))
+    if by == By.BLOCKS_KEY:
+        typed = typed_table(table)
+        cid: int | None = typed.blocks_keys.get(str(target["model_id"]))
         index = 0
-    elif by == "cache_id":
+    elif by == By.CACHE_ID:
+        typed = typed_table(table)
         cid, index = target["cache_id"], target.get("index", 0)
     else:
         return target
-    entry = next((c for c in table.get("caches", []) if c.get("cache_id") == cid), None)
+    entry = next((c for c in typed.caches if c.cache_id == cid), None)
     if cid is None or entry is None:
         raise LLMException(
             f"cluster {peer} published no cache for {target} (its table is snapshotted at the "
@@ -63,13 +67,13 @@ def resolve_in_table(table: dict[str, Any], target: dict[str, Any], peer: int) -
             status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
         )
     raise_if_false(
-        entry.get("remote_accessible"), f"cache {cid} of cluster {peer} is not remote accessible"
+        entry.remote_accessible, f"cache {cid} of cluster {peer} is not remote accessible"
     )
     return {"by": "cache_id", "cache_id": cid, "index": index}
 
 
 def with_table(
-    make: Callable[[int], TransferRequest], table: dict[str, Any], peer: int
+    make: Callable[[int], TransferRequest], table: Mapping[str, Any], peer: int
 ) -> Callable[[int], TransferRequest]:
     """Resolve a keyed destination through the peer's table snapshot once, for every layer.
 
@@ -79,7 +83,7 @@ def with_table(
 
     def make_resolved(layer: int) -> TransferRequest:
         spec = make(layer)
-        if spec.target.get("by") != "addrs":
+        if spec.target.get("by") != By.ADDRS:
             if not resolved:
                 resolved.update(resolve_in_table(table, spec.target, peer))
             spec.target = dict(resolved)

@@ -9,21 +9,39 @@ requests carry and which a peer's requests may use, both by the kind of the link
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException, ProtocolError
-from .._messages import regions_of_table
+from .._messages import CacheInfo, Table, regions_of, regions_of_table
 from .._planner import Layout, check_within
 from .._transports import NO_CAPS, PeerAccess, RegisteredCache
 
-__all__ = ["CapsPolicy", "PeerView"]
+__all__ = ["CapsPolicy", "PeerView", "TableSnapshot", "typed_table"]
 
 #: asks the peer for its table: the table, or None if it did not answer within the timeout
 FetchTable = Callable[[float], Awaitable["dict[str, Any] | None"]]
+
+
+class TableSnapshot(dict[str, Any]):
+    """A peer's TABLE fields as a link keeps them (the dict they always were, for whoever reads
+    them so), with the typed :class:`Table` parsed from them once: keys and ids resolve against
+    it at every transfer of the link, and parsing a table per request would cost the hot path."""
+
+    __slots__ = ("typed",)
+
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        super().__init__(fields)
+        self.typed = Table.of(fields)
+
+
+def typed_table(table: Mapping[str, Any]) -> Table:
+    """The typed form of a peer's table fields (parsed once for a :class:`TableSnapshot`);
+    never raises: malformed entries count as nothing."""
+    return table.typed if isinstance(table, TableSnapshot) else Table.of(table)
 
 
 class PeerView:
@@ -35,7 +53,7 @@ class PeerView:
 
     def __init__(self, fetch: FetchTable) -> None:
         self._fetch = fetch
-        self.table: dict[str, Any] | None = None
+        self.table: TableSnapshot | None = None
         #: the table's caches by id (as the peer described them; checked before any use)
         self.caches: dict[int, dict[str, Any]] = {}
         #: cache id -> (its table entry, the layout parsed from that entry)
@@ -47,7 +65,7 @@ class PeerView:
         #: themselves set it too)
         self.regions: tuple[np.ndarray, np.ndarray] = regions_of_table(None)
 
-    async def fetch_table(self, timeout_s: float) -> dict[str, Any]:
+    async def fetch_table(self, timeout_s: float) -> TableSnapshot:
         """The peer's published cache table, snapshotted on first use for the link's life.
 
         Raises:
@@ -61,8 +79,8 @@ class PeerView:
                     status_code=LLMStatusCode.LLM_TIMEOUT,
                 )
             if self.table is None:
-                self.table = table
-                self.adopt(table)
+                self.table = TableSnapshot(table)
+                self.adopt(self.table)
         return self.table
 
     def layout(self, cache_id: int) -> Layout | None:
@@ -74,39 +92,25 @@ class PeerView:
         if cached is not None and cached[0] is desc:
             return cached[1]
         layout: Layout | None = None
-        if desc is not None and desc.get("remote_accessible") is True:
-            try:
-                layout = Layout.of(
-                    desc["addrs"], desc["tensor_bytes"], desc["count"], desc["is_blocks"]
-                )
-                if layout.num_tensors == 0 or layout.count <= 0 or layout.tensor_bytes <= 0:
-                    layout = None
-            except (KeyError, TypeError, ValueError, OverflowError):
+        info = CacheInfo.decode(desc) if desc is not None else None
+        if info is not None and info.remote_accessible:
+            layout = Layout.of(info.addrs, info.tensor_bytes, info.count, info.is_blocks)
+            if layout.num_tensors == 0 or layout.count <= 0 or layout.tensor_bytes <= 0:
                 layout = None
         if desc is not None:
             self._layouts[cache_id] = (desc, layout)
         return layout
 
-    def adopt(self, table: dict[str, Any]) -> None:
+    def adopt(self, table: Mapping[str, Any]) -> None:
         """What this side knows of the peer's memory, from a copy of its table: the reachable
-        regions, the caches by id and the epoch (one-sided pulls), all from the same copy."""
-        self.regions = regions_of_table(table)
-        caches = table.get("caches")
+        regions, the caches by id and the epoch (one-sided pulls), all from the same copy
+        (malformed entries count as nothing, a malformed epoch as none)."""
+        typed = typed_table(table)
+        self.regions = regions_of(typed.caches)
         self._layouts = {}
-        self.caches = {
-            c["cache_id"]: c
-            for c in (caches if isinstance(caches, list) else [])
-            if isinstance(c, dict) and isinstance(c.get("cache_id"), int)
-        }
-        epoch = table.get("epoch")
-        words: list[Any] = epoch if isinstance(epoch, list) else []
-        valid = (
-            len(words) == 2
-            and all(type(v) is int for v in words)
-            and 0 < words[0] < 2**64
-            and 0 <= words[1] < 2**64
-        )
-        self.epoch = (words[0], words[1]) if valid else None
+        # As the peer described them (dicts: checked again by :meth:`layout` before any use)
+        self.caches = {c.cache_id: c.encode() for c in typed.caches}
+        self.epoch = typed.epoch
 
     async def refresh(self, timeout_s: float) -> bool:
         """Fetch the peer's table again for :meth:`adopt` (the snapshot that resolves keys and

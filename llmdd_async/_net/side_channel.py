@@ -29,8 +29,17 @@ import anyio
 import numpy as np
 
 from .._errors import HandshakeFailed, ProtocolError
+from .._messages import (
+    CacheInfo,
+    Cap,
+    Proof,
+    Prove,
+    ProveAck,
+    ProveFin,
+    tcp_binding_of,
+)
 from .._planner import check_within
-from .._protocol import MT, Decoder, Message
+from .._protocol import MT, Decoder
 from .._transports import PeerAccess, direct_access, transport
 from .handshake import Binding, send_message
 from .host import LinkHost
@@ -151,14 +160,20 @@ class SideChannel:
             "caches": e.published_table()["caches"],
         }
 
-    def _proof_wire(self, to_pid: int) -> tuple[dict[str, Any], list[int]]:
-        """:meth:`_proof` as sent: each pool as ``[base, size]``, its descriptor passed with
+    def _proof_wire(self, to_pid: int) -> tuple[Proof, list[int]]:
+        """:meth:`_proof` as sent: each pool as ``(base, size)``, its descriptor passed with
         the message (same order). This very process gets no descriptors (it has them)."""
         proof = self._proof()
         pools = proof.get("pools") or []
         fds = [int(p[0]) for p in pools] if to_pid != os.getpid() else []
-        proof["pools"] = [[p[1], p[2]] for p in pools] if fds else []
-        return proof, fds
+        probe = proof["probe"]
+        caches = (CacheInfo.decode(c) for c in proof.get("caches") or [])
+        typed = Proof(
+            tuple((int(p[1]), int(p[2])) for p in pools) if fds else (),
+            (int(probe[0]), str(probe[1])),
+            tuple(c for c in caches if c is not None),
+        )
+        return typed, fds
 
     @staticmethod
     def _uid_reason(sock: socket.socket) -> str:
@@ -178,7 +193,7 @@ class SideChannel:
         self,
         pid: int,
         pidfd: int | None,
-        proof: dict[str, Any],
+        proof: Proof,
         fds: list[int],
         own_name: bool,
     ) -> PeerAccess | None:
@@ -193,9 +208,10 @@ class SideChannel:
         starts, ends = self.engine.registry.reachable_regions()
         if not check_within(ranges, nbytes, starts, ends):
             return False
-        if caps.get("inproc") or caps.get("pvr"):
+        # (a dict lookup by the wire's word: this runs for every local-mode grant)
+        if caps.get(Cap.INPROC.value) or caps.get(Cap.PVR.value):
             return True
-        if caps.get("pools"):
+        if caps.get(Cap.POOLS.value):
             pools = [p for p in self.engine.pools.values() if hasattr(p, "fd")]
             if not pools:
                 return False
@@ -265,22 +281,24 @@ class SideChannel:
                 raise ValueError(self._uid_reason(u))  # logged as transport.fallback
             pid, pidfd = peer_process(u)
             nonces, tcp = list(binding.nonces), tcp_binding(binding.sock)
-            fields: dict[str, Any] = {"nonces": nonces, "tcp": tcp}
+            mac = None
             if binding.side_key is not None:
-                fields["mac"] = side_mac(binding.side_key, b"prove", nonces, tcp)
-            await send_message(u, Message(MT.PROVE, 0, fields))
-            ack, fds = await recv_with_fds(u, Decoder(16 << 20), MT.PROVE_ACK)
-            if ack.fields.get("status") != 0:
+                mac = side_mac(binding.side_key, b"prove", nonces, tcp)
+            prove = Prove((nonces[0], nonces[1]), tcp_binding_of(tcp), mac)
+            await send_message(u, prove.encode())
+            raw, fds = await recv_with_fds(u, Decoder(16 << 20), MT.PROVE_ACK)
+            ack = ProveAck.decode(raw)
+            if not ack.ok:
                 return None
             if binding.side_key is not None and not mac_ok(
-                side_mac(binding.side_key, b"ack", nonces, tcp), ack.fields.get("mac")
+                side_mac(binding.side_key, b"ack", nonces, tcp), ack.mac
             ):
                 raise ValueError("the side channel's answer lacks the link key's MAC")
             own = is_own_side_channel(name)
             usable = pid > 0 and (pid != os.getpid() or own)
-            proof, ours = self._proof_wire(pid) if usable else ({}, [])
-            await send_with_fds(u, Message(MT.PROVE_FIN, 0, proof), ours)
-            access = self._access_for(pid, pidfd, ack.fields, fds, own)
+            proof, ours = self._proof_wire(pid) if usable else (None, [])
+            await send_with_fds(u, ProveFin(proof).encode(), ours)
+            access = self._access_for(pid, pidfd, ack.proof or Proof(), fds, own)
             pidfd = None  # taken
             return access
         finally:
@@ -345,43 +363,46 @@ class SideChannel:
                 msg, stray = await recv_with_fds(conn, decoder, MT.PROVE)
                 close_fds(stray)  # a server passes nothing before we answered
                 decoder.set_max_meta(16 << 20)
-                nonces = msg.fields.get("nonces")
-                exp = (
-                    self._expect.get((str(nonces[0]), str(nonces[1])))
-                    if isinstance(nonces, list) and len(nonces) == 2
-                    else None
-                )
+                try:
+                    prove: Prove | None = Prove.decode(msg)
+                except ProtocolError:  # names no handshake of ours: refused like one
+                    prove = None
+                exp = self._expect.get(prove.nonces) if prove is not None else None
                 tcp = tcp_binding(exp.sock, mirrored=True) if exp is not None else None
                 if (
-                    exp is None
+                    prove is None
+                    or exp is None
+                    or tcp is None
                     or exp.done
-                    or msg.fields.get("tcp") != tcp
+                    or prove.tcp != tcp_binding_of(tcp)
                     or (
                         exp.side_key is not None
                         and not mac_ok(
-                            side_mac(exp.side_key, b"prove", nonces, tcp), msg.fields.get("mac")
+                            side_mac(exp.side_key, b"prove", prove.nonces, tcp), prove.mac
                         )
                     )
                 ):
-                    await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 1}))
+                    await send_message(conn, ProveAck(False).encode())
                     return
                 if pid <= 0:  # nothing the kernel vouches for: describe nothing
-                    await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 1}))
+                    await send_message(conn, ProveAck(False).encode())
                     return
                 if not same_user(conn):
                     self.log.info("transport.fallback", reason=self._uid_reason(conn))
-                    await send_message(conn, Message(MT.PROVE_ACK, 0, {"status": 1}))
+                    await send_message(conn, ProveAck(False).encode())
                     return
                 exp.done = True
                 claimed = exp
                 proof, ours = self._proof_wire(pid)
+                mac = None
                 if exp.side_key is not None:
-                    proof["mac"] = side_mac(exp.side_key, b"ack", nonces, tcp)
-                await send_with_fds(conn, Message(MT.PROVE_ACK, 0, {"status": 0, **proof}), ours)
+                    mac = side_mac(exp.side_key, b"ack", prove.nonces, tcp)
+                await send_with_fds(conn, ProveAck(True, proof, mac).encode(), ours)
                 # (the server's LINK_ACK may overtake what follows: the handshake waits for
                 # ``finished``)
-                fin, fds = await recv_with_fds(conn, decoder, MT.PROVE_FIN)
-                access = self._access_for(pid, pidfd, fin.fields, fds, True)
+                raw, fds = await recv_with_fds(conn, decoder, MT.PROVE_FIN)
+                fin = ProveFin.decode(raw)
+                access = self._access_for(pid, pidfd, fin.proof or Proof(), fds, True)
                 pidfd = None  # taken
                 if exp.abandoned:
                     if access is not None:

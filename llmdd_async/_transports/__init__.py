@@ -40,7 +40,7 @@ import numpy as np
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._memory import CancelToken
-from .._messages import regions_of_table
+from .._messages import Proof, regions_of_table
 from .._planner import Plan
 from .._protocol import MT, Message
 
@@ -315,7 +315,7 @@ async def start_endpoint(name: str, host: EndpointHost) -> TransportEndpoint | N
 def direct_access(
     pid: int,
     pidfd: int | None,
-    proof: Mapping[str, Any],
+    proof: Proof,
     fds: Sequence[int],
     own_name: bool,
     copy: CopyRunner,
@@ -342,5 +342,5 @@ def direct_access(
         if found is None:
             return None
         access = found
-    access.regions = regions_of_table(proof)
+    access.regions = proof.regions()
     return access

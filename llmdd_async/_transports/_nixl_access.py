@@ -12,7 +12,7 @@ import numpy as np
 
 from .._errors import FenceLost
 from .._memory import CancelToken
-from .._messages import regions_of_table
+from .._messages import CacheInfo, Table, regions_of
 from .._planner import check_within
 from .._protocol import MT, Message
 from . import NO_CAPS, AccessLink, PeerAccess, RegisteredCache
@@ -115,9 +115,9 @@ class NixlAccess(PeerAccess):
             msg = await self._served.roundtrip(Message(MT.TABLE_REQ), MT.TABLE, timeout_s)
             if msg is None:
                 raise OSError("the peer did not send its cache table in time")
-            table = msg.fields
-            nx = table.get("nixl")
-            if not isinstance(nx, dict) or not isinstance(nx.get("md"), str):
+            table = Table.decode(msg)  # malformed entries count as nothing
+            nx = table.nixl
+            if nx is None or not isinstance(nx.get("md"), str):
                 raise OSError("the peer publishes no NIXL metadata (is it llm.Transport=nixl?)")
             gen = nx.get("gen")
             if gen != self.peer_gen:
@@ -132,29 +132,26 @@ class NixlAccess(PeerAccess):
                         self.ep.forget_peer(name)
                     raise OSError("the link closed")
                 self.peer_agent = name
-                self._load(table, nx.get("mem"))
+                self._load(table.caches, nx.get("mem"))
                 self.peer_gen = gen if isinstance(gen, int) else -1
-            self.regions = regions_of_table(table)
+            self.regions = regions_of(table.caches)
             self._served.view.regions = self.regions
 
-    def _load(self, table: dict[str, Any], mem: Any) -> None:
-        """The peer's NIXL-registered caches from its table; prepared lists of caches that
-        changed are dropped."""
+    def _load(self, caches: tuple[CacheInfo, ...], mem: Any) -> None:
+        """The peer's NIXL-registered caches from its table's entries (and its NIXL entry's
+        memory types); prepared lists of caches that changed are dropped."""
         mem = mem if isinstance(mem, dict) else {}
         fresh: dict[int, Layout] = {}
-        for c in table.get("caches") or []:
-            try:
-                cid = int(c["cache_id"])
-                m = mem.get(str(cid))
-                if not c.get("remote_accessible") or not isinstance(m, list) or len(m) != 2:
-                    continue
-                if m[0] not in ("DRAM", "VRAM"):
-                    continue
-                addrs = np.array([int(a) for a in c["addrs"]], dtype=U64)
-                tb, count = int(c["tensor_bytes"]), int(c["count"])
-                if not len(addrs) or tb <= 0 or count <= 0:
-                    continue
-            except (KeyError, TypeError, ValueError, OverflowError):
+        for c in caches:
+            cid = c.cache_id
+            m = mem.get(str(cid))
+            if not c.remote_accessible or not isinstance(m, list) or len(m) != 2:
+                continue
+            if m[0] not in ("DRAM", "VRAM"):
+                continue
+            addrs = np.array(c.addrs, dtype=U64)
+            tb, count = c.tensor_bytes, c.count
+            if not len(addrs) or tb <= 0 or count <= 0:
                 continue
             old = self._remote.get(cid)
             if (

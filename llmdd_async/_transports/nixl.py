@@ -54,6 +54,7 @@ import numpy as np
 from .._enums import LLMStatusCode
 from .._errors import CopyCancelled, FenceLost, LLMException
 from .._memory import CancelToken
+from .._messages import Cap
 from .._planner import check_within
 from . import EndpointHost, RegisteredCache, TransportEndpoint, installed
 from ._nixl_access import NixlAccess
@@ -256,7 +257,7 @@ class NixlEndpoint(TransportEndpoint):
     def serves(self, caps: Any, ranges: np.ndarray, nbytes: np.ndarray) -> bool | None:
         """A request whose caps ask for NIXL may reach device memory too: whatever is
         registered with the agent (remote-accessible caches only)."""
-        if not isinstance(caps, dict) or caps.get("nixl") is not True:
+        if not isinstance(caps, dict) or caps.get(Cap.NIXL.value) is not True:
             return None
         if not self.covers(ranges, nbytes):
             return False

@@ -21,7 +21,7 @@ import functools
 import mmap
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -29,6 +29,7 @@ import anyio.to_thread
 import numpy as np
 
 from .._memory import CancelToken, run_parts
+from .._messages import Proof
 from .._planner import Plan, split_plan
 from . import CopyRunner, PeerAccess
 from ._pvm import VM_FEW, pidfd_exited, pvr_probe, vm_copy
@@ -255,7 +256,7 @@ class SameHostAccess(PeerAccess):
 def open_access(
     pid: int,
     pidfd: int | None,
-    proof: Mapping[str, Any],
+    proof: Proof,
     fds: Sequence[int],
     copy: CopyRunner,
     log: Any,
@@ -264,20 +265,16 @@ def open_access(
     side-channel ``proof`` and the pool descriptors that came with it (they stay the caller's);
     None, its refusals logged, when neither a pool nor ``process_vm_*`` reaches it. Takes
     ``pidfd``."""
-    claimed = proof.get("pools")
+    claimed = proof.pools  # None: a malformed claim
     pools: list[tuple[int, Any, Any]] = []
-    if (
-        isinstance(claimed, list)
-        and len(claimed) == len(fds)
-        and all(isinstance(p, list) and len(p) == 2 for p in claimed)
-    ):
+    if claimed is not None and len(claimed) == len(fds):
         pools = [(fd, p[0], p[1]) for fd, p in zip(fds, claimed, strict=True)]
-    elif claimed or fds:
+    elif claimed is None or claimed or fds:
         log.info(
             "side_channel.pools_refused",
-            reason=f"{len(fds)} descriptors for {len(claimed or [])} pools",
+            reason=f"{len(fds)} descriptors for {len(claimed or ())} pools",
         )
-    access = SameHostAccess(pid, pidfd, pools, proof.get("probe"), copy)
+    access = SameHostAccess(pid, pidfd, pools, proof.probe, copy)
     if access.refused:
         log.info("side_channel.pools_refused", reason="; ".join(access.refused))
     if not access.pools and not access.pvr:

@@ -37,6 +37,10 @@ from llmdd_async._messages import (
     Op,
     Ping,
     Pong,
+    Proof,
+    Prove,
+    ProveAck,
+    ProveFin,
     Request,
     Result,
     Shape,
@@ -44,6 +48,8 @@ from llmdd_async._messages import (
     TableRequest,
     Unlink,
     UnlinkAck,
+    regions_of,
+    regions_of_table,
     wire_status,
 )
 from llmdd_async._protocol import MT, NEED_DATA, Decoder, Message, encode
@@ -639,3 +645,199 @@ def test_any_fields_decode_or_raise_protocol_error_and_nothing_else(
     }[cls]
     with contextlib.suppress(ProtocolError):  # anything else fails the test
         cls.decode(wire(Message(mtype, 1, fields, arrays)))
+
+
+# ---------------------------------------------------------------------------- side channel
+_CACHE = {
+    "cache_id": 1,
+    "addrs": [4096, 8192],
+    "tensor_bytes": 64,
+    "count": 1,
+    "is_blocks": False,
+    "placement": 0,
+    "remote_accessible": True,
+}
+tcp_ends = st.tuples(st.text(max_size=15), st.integers(0, 65535))
+proofs = st.builds(
+    Proof,
+    st.lists(st.tuples(u64, u64), max_size=3).map(tuple),
+    st.tuples(i64, st.text(max_size=8)),
+    st.lists(cache_infos, max_size=3).map(tuple),
+)
+
+
+@SETTINGS
+@given(
+    st.builds(Prove, st.tuples(words, words), st.tuples(tcp_ends, tcp_ends), opt(words))
+    | st.builds(ProveAck, st.just(True), proofs, opt(words))
+    | st.just(ProveAck(False))
+    | st.builds(ProveFin, opt(proofs))
+)
+def test_every_side_channel_message_survives_the_bytes(x: Any) -> None:
+    assert type(x).decode(wire(x.encode())) == x
+
+
+def test_the_side_channel_messages_are_the_frames_they_always_were() -> None:
+    nonces, tcp = ["ab", "cd"], [["127.0.0.1", 5000], ["127.0.0.1", 6000]]
+    proof = {"pools": [[4096, 1 << 20]], "probe": [123, "00ff"], "caches": [_CACHE]}
+    info = CacheInfo.decode(_CACHE)
+    assert info is not None
+    typed = Proof(((4096, 1 << 20),), (123, "00ff"), (info,))
+    prove = Prove(("ab", "cd"), (("127.0.0.1", 5000), ("127.0.0.1", 6000)))
+    cases = [
+        (prove, Message(MT.PROVE, 0, {"nonces": nonces, "tcp": tcp})),
+        (
+            Prove(prove.nonces, prove.tcp, "m"),
+            Message(MT.PROVE, 0, {"nonces": nonces, "tcp": tcp, "mac": "m"}),
+        ),
+        (ProveAck(False), Message(MT.PROVE_ACK, 0, {"status": 1})),
+        (ProveAck(True, typed), Message(MT.PROVE_ACK, 0, {"status": 0, **proof})),
+        (
+            ProveAck(True, typed, "m"),
+            Message(MT.PROVE_ACK, 0, {"status": 0, **proof, "mac": "m"}),
+        ),
+        (ProveFin(typed), Message(MT.PROVE_FIN, 0, proof)),
+        (ProveFin(None), Message(MT.PROVE_FIN, 0, {})),
+    ]
+    for x, old in cases:
+        assert encode(x.encode()) == encode(old), x
+        assert type(x).decode(wire(old)) == x
+    # what a proof lets the other reach is what regions_of_table always read of it
+    got, want = typed.regions(), regions_of_table(proof)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    assert regions_of(())[0].size == 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"nonces": "ab", "tcp": [["h", 1], ["h", 2]]},
+        {"nonces": ["a", 1], "tcp": [["h", 1], ["h", 2]]},
+        {"nonces": ["a", "b", "c"], "tcp": [["h", 1], ["h", 2]]},
+        {"nonces": ["a", "b"]},
+        {"nonces": ["a", "b"], "tcp": [["h", 1]]},
+        {"nonces": ["a", "b"], "tcp": [["h", "1"], ["h", 2]]},
+        {"nonces": ["a", "b"], "tcp": [["h", 1], ["h", 70000]]},
+        {"nonces": ["a", "b"], "tcp": [[1, 1], ["h", 2]]},
+    ],
+)
+def test_a_malformed_prove_is_a_protocol_error(fields: dict[str, Any]) -> None:
+    with pytest.raises(ProtocolError):
+        Prove.decode(wire(Message(MT.PROVE, 0, fields)))
+
+
+def test_side_channel_answers_are_read_leniently_as_they_always_were() -> None:
+    # any status but 0 is a refusal; a MAC that is not a string is no MAC
+    for status in (1, None, "0", 0.5, True, [0]):
+        assert ProveAck.decode(wire(Message(MT.PROVE_ACK, 0, {"status": status}))) == ProveAck(
+            False
+        )
+    ack = ProveAck.decode(wire(Message(MT.PROVE_ACK, 0, {"status": 0, "mac": 7})))
+    assert ack.ok and ack.mac is None and ack.proof == Proof()
+    prove = Prove.decode(
+        wire(Message(MT.PROVE, 0, {"nonces": ["a", "b"], "tcp": [["h", 1], ["h", 2]], "mac": 5}))
+    )
+    assert prove.mac is None
+    # a proof's malformed parts count as nothing: a malformed pool claim is None (refused)
+    bad = {
+        "pools": [[1, 2], [3, "x"]],
+        "probe": ["x", 1],
+        "caches": [_CACHE, {**_CACHE, "addrs": "x"}, 5],
+    }
+    fin = ProveFin.decode(wire(Message(MT.PROVE_FIN, 0, bad)))
+    assert fin.proof is not None
+    assert fin.proof.pools is None and fin.proof.probe is None
+    assert [c.cache_id for c in fin.proof.caches] == [1]
+    assert Proof.of({"pools": {"a": 1}}).pools is None
+    assert Proof.of({"pools": []}).pools == () and Proof.of({}).pools == ()
+    with pytest.raises(ProtocolError):
+        ProveFin.decode(Message(MT.PROVE_ACK, 0, {}))
+
+
+@SETTINGS
+@given(
+    st.sampled_from([Prove, ProveAck, ProveFin]),
+    st.dictionaries(
+        st.sampled_from(["nonces", "tcp", "mac", "status", "pools", "probe", "caches"]),
+        junk,
+        max_size=5,
+    ),
+)
+def test_any_side_channel_fields_decode_or_raise_protocol_error_and_nothing_else(
+    cls: Any, fields: dict[str, Any]
+) -> None:
+    mtype = {Prove: MT.PROVE, ProveAck: MT.PROVE_ACK, ProveFin: MT.PROVE_FIN}[cls]
+    with contextlib.suppress(ProtocolError):  # anything else fails the test
+        cls.decode(wire(Message(mtype, 0, fields)))
+
+
+# ---------------------------------------------------------------------------- table readers
+hostile_tables = st.dictionaries(
+    st.sampled_from(["caches", "blocks_keys", "slot_keys", "epoch", "nixl"]), junk, max_size=5
+)
+
+
+@SETTINGS
+@given(hostile_tables, st.sampled_from(["blocks_key", "cache_id"]))
+def test_a_hostile_table_resolves_to_a_clean_error_or_a_cache(
+    fields: dict[str, Any], by: str
+) -> None:
+    from llmdd_async._errors import LLMException
+    from llmdd_async._net.addressing import resolve_in_table
+    from llmdd_async._net.peer_view import PeerView, TableSnapshot
+
+    target = {"by": by, "model_id": 0, "cache_id": 1, "index": 0}
+    for table in (fields, TableSnapshot(fields)):
+        try:
+            resolved = resolve_in_table(table, target, 9)
+        except LLMException as exc:  # what an honest table without that cache gets
+            assert exc.status_code in (
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        else:
+            assert resolved["by"] == "cache_id"
+    view = PeerView(lambda timeout_s: None)  # type: ignore[arg-type,return-value]
+    view.adopt(fields)  # never raises: malformed entries count as nothing
+    for cid in list(view.caches):
+        view.layout(cid)
+
+
+def test_a_table_snapshot_is_the_dict_it_always_was_and_resolves_as_before() -> None:
+    from llmdd_async._errors import LLMException
+    from llmdd_async._net.addressing import resolve_in_table
+    from llmdd_async._net.peer_view import PeerView, TableSnapshot
+
+    hidden = {**_CACHE, "cache_id": 2, "remote_accessible": False, "addrs": []}
+    fields = {
+        "caches": [_CACHE, hidden],
+        "blocks_keys": {"5": 1, "6": 2},
+        "slot_keys": [],
+        "epoch": [4096, 3],
+    }
+    snap = TableSnapshot(fields)
+    assert snap == fields and snap["caches"] is fields["caches"]
+    assert resolve_in_table(snap, {"by": "blocks_key", "model_id": 5}, 9) == {
+        "by": "cache_id",
+        "cache_id": 1,
+        "index": 0,
+    }
+    assert resolve_in_table(snap, {"by": "cache_id", "cache_id": 1, "index": 2}, 9)["index"] == 2
+    req = {"by": "req_key", "id": 1, "model_id": 0}
+    assert resolve_in_table(snap, req, 9) is req
+    for target, code in (
+        ({"by": "blocks_key", "model_id": 7}, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
+        ({"by": "cache_id", "cache_id": 3}, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
+        ({"by": "blocks_key", "model_id": 6}, LLMStatusCode.LLM_PARAM_INVALID),
+    ):
+        with pytest.raises(LLMException) as err:
+            resolve_in_table(snap, target, 9)
+        assert err.value.status_code == code
+    view = PeerView(lambda timeout_s: None)  # type: ignore[arg-type,return-value]
+    view.adopt(snap)
+    assert view.epoch == (4096, 3) and sorted(view.caches) == [1, 2]
+    assert view.caches[1] == _CACHE
+    lay = view.layout(1)
+    assert lay is not None and lay.addr_list == [4096, 8192] and view.layout(2) is None
+    assert [r.tolist() for r in view.regions] == [[4096, 8192], [4160, 8256]]
