@@ -188,7 +188,7 @@ def peer_identity(cluster_id: int, **fields: Any) -> dict[str, Any]:
         "cluster_id": cluster_id,
         "role": int(dd.LLMRole.DECODER),
         "remote_accessible": False,
-        "host": host_identity(),
+        "host": host_identity().fields(),
         "transport": "tcp",
         "uds": None,
         **fields,

@@ -15,11 +15,12 @@ always were; a peer's published table too (malformed entries count as nothing).
 
 * transfer: :class:`Request` (XFER_REQ), :class:`Grant`, :class:`Data`, :class:`Done`,
   :class:`Result`, :class:`Abort`;
-* control: :class:`TableRequest`, :class:`Table`, :class:`Ping`, :class:`Pong`,
-  :class:`Unlink`, :class:`UnlinkAck`, :class:`Bye`;
+* control: :class:`TableRequest`, :class:`Table` (with its :class:`NixlInfo`), :class:`Ping`,
+  :class:`Pong`, :class:`Unlink`, :class:`UnlinkAck`, :class:`Bye`;
 * side channel: :class:`Prove`, :class:`ProveAck`, :class:`ProveFin` (with a :class:`Proof`);
 * handshake: :class:`Hello`, :class:`Challenge`, :class:`Identity` (a LINK_REQ's fields, and a
-  successful LINK_ACK's), :class:`LinkRefused` (a LINK_ACK that says no).
+  successful LINK_ACK's, with its :class:`Host`), :class:`LinkRefused` (a LINK_ACK that says
+  no).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from .control import (
     CacheInfo,
     Challenge,
     Hello,
+    Host,
     Identity,
     LinkRefused,
+    NixlInfo,
     Ping,
     Pong,
     Table,
@@ -57,10 +60,12 @@ __all__ = [
     "FLAG_TO_INITIATOR",
     "Grant",
     "Hello",
+    "Host",
     "Identity",
     "LinkRefused",
     "MAX_REASON",
     "Mode",
+    "NixlInfo",
     "Op",
     "Ping",
     "Pong",

@@ -4,6 +4,7 @@ PING / PONG, UNLINK / UNLINK_ACK, BYE; HELLO, CHALLENGE, a LINK_REQ's or success
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -19,6 +20,7 @@ from .fields import (
     bool_field,
     expect_type,
     int_field,
+    opt_int_field,
     opt_str_field,
     reason_field,
     status_field,
@@ -200,6 +202,62 @@ class Table:
         )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class NixlInfo:
+    """A TABLE's NIXL entry (a peer of ``llm.Transport=nixl``, to a peer linked over NIXL):
+    its agent's name, the generation of its metadata (None: unknown, so loaded again each
+    time, as it always was), the metadata (base64, as on the wire: :meth:`metadata` decodes
+    it) and each cache's memory type and device, by cache id as a string."""
+
+    agent: str
+    gen: int | None
+    md: str
+    mem: Mapping[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+
+    def fields(self) -> dict[str, Any]:
+        """The wire's dict (what ``NixlEndpoint.table_entry`` publishes)."""
+        return {
+            "agent": self.agent,
+            "gen": self.gen,
+            "md": self.md,
+            "mem": {k: list(v) for k, v in self.mem.items()},
+        }
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any] | None) -> NixlInfo | None:
+        """A peer's :attr:`Table.nixl` (None: it published none).
+
+        Raises:
+            ProtocolError: a missing or malformed agent name or metadata, a generation that
+                is not an integer, or a memory entry that is not ``[type, device]``."""
+        if raw is None:
+            return None
+        mem = raw.get("mem")
+        if mem is not None and not isinstance(mem, dict):
+            raise bad_field("NIXL memory types", mem)
+        typed: dict[str, tuple[str, int]] = {}
+        for key, m in (mem or {}).items():
+            if not isinstance(key, str) or not isinstance(m, list) or len(m) != 2:
+                raise bad_field("NIXL memory type", m)
+            typed[key] = (str_field(m[0], "NIXL memory type"), int_field(m[1], "NIXL device"))
+        return cls(
+            str_field(raw.get("agent"), "NIXL agent name"),
+            opt_int_field(raw.get("gen"), "NIXL metadata generation"),
+            str_field(raw.get("md"), "NIXL metadata"),
+            typed,
+        )
+
+    def metadata(self) -> bytes:
+        """The agent's metadata.
+
+        Raises:
+            ProtocolError: not base64."""
+        try:
+            return base64.b64decode(self.md, validate=True)
+        except ValueError as exc:
+            raise ProtocolError(f"bad NIXL metadata: {exc}") from None
+
+
 def _no_regions() -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
 
@@ -261,6 +319,12 @@ class Hello:
     def encode(self) -> Message:
         return Message(MT.HELLO, 0, {"version": self.version, "nonce": self.nonce})
 
+    @staticmethod
+    def version_of(msg: Message) -> Any:
+        """The version a HELLO claims, as sent (anything, or None): read before the rest,
+        which a peer of another version may spell otherwise."""
+        return msg.fields.get("version")
+
     @classmethod
     def decode(cls, msg: Message) -> Hello:
         """Raises:
@@ -293,17 +357,78 @@ class Challenge:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Host:
+    """Where an endpoint says it runs (its identity's ``host``): what two processes compare to
+    know they may share a kernel, pid and network namespace. A hint only (a peer may lie):
+    proof comes from the side channel. A part a peer leaves out is None."""
+
+    hostname: str | None = None
+    boot_id: str | None = None
+    pidns: int | None = None
+    netns: int | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The wire's dict (a part that is None is left out, as a peer that never sent it)."""
+        out: dict[str, Any] = {
+            "hostname": self.hostname,
+            "boot_id": self.boot_id,
+            "pidns": self.pidns,
+            "netns": self.netns,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+    @classmethod
+    def of(cls, raw: Any) -> Host | None:
+        """A peer's ``host`` (None or absent: none; unknown keys are ignored).
+
+        Raises:
+            ProtocolError: not a dict, or a part of the wrong type."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise bad_field("host", raw)
+        return cls(
+            opt_str_field(raw.get("hostname"), "host name"),
+            opt_str_field(raw.get("boot_id"), "boot id"),
+            opt_int_field(raw.get("pidns"), "pid namespace"),
+            opt_int_field(raw.get("netns"), "network namespace"),
+        )
+
+    def shares(self, other: Host | None) -> bool:
+        """True if ``other`` claims this kernel (a boot id, the same one) and namespaces."""
+        return (
+            other is not None
+            and bool(self.boot_id)
+            and self.boot_id == other.boot_id
+            and self.pidns == other.pidns
+            and self.netns == other.netns
+        )
+
+
+def _bool_or_false(f: Mapping[str, Any], name: str) -> bool:
+    # absent is False, as it always read (a peer from before llm.PayloadAuth sends no
+    # ``payload_auth``); present, it must be a boolean
+    return False if name not in f else bool_field(f[name], name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Identity:
     """What an endpoint tells a peer about itself in the handshake (a LINK_REQ's fields, and
     a successful LINK_ACK's): nothing about its memory. ``mac``: the transcript's tag on a
-    keyed link (added after the transcript took the frame)."""
+    keyed link (added after the transcript took the frame).
+
+    Read as the handshake always read it, so that a peer of the last release (and older ones
+    of protocol 1) still links: ``remote_accessible`` and ``payload_auth`` left out are
+    False, ``role``, ``host``, ``transport`` and ``uds`` left out are None (``host`` and
+    ``uds`` may also be null, as the last release sends them); a field there of another type
+    is a :class:`ProtocolError`. ``role`` and ``transport`` None are left out again."""
 
     cluster_id: int
-    role: int
+    role: int | None
     remote_accessible: bool
     payload_auth: bool
-    host: Mapping[str, Any] | None
-    transport: str
+    host: Host | None
+    transport: str | None
     uds: str | None
     mac: str | None = None
 
@@ -313,10 +438,13 @@ class Identity:
             "role": self.role,
             "remote_accessible": self.remote_accessible,
             "payload_auth": self.payload_auth,
-            "host": None if self.host is None else dict(self.host),
+            "host": None if self.host is None else self.host.fields(),
             "transport": self.transport,
             "uds": self.uds,
         }
+        for absent in ("role", "transport"):  # as a peer that never sent them
+            if out[absent] is None:
+                del out[absent]
         if self.mac is not None:
             out["mac"] = self.mac
         return out
@@ -328,26 +456,24 @@ class Identity:
 
     @classmethod
     def decode(cls, msg: Message) -> Identity:
-        """A LINK_REQ, or a LINK_ACK that says yes.
+        """A LINK_REQ, or a LINK_ACK that says yes (unknown fields are ignored).
 
         Raises:
-            ProtocolError: a missing or malformed field (a cluster id outside u64 included),
-                or a LINK_ACK that says no (read it with :class:`LinkRefused`)."""
+            ProtocolError: a missing or malformed cluster id (outside u64 included), a
+                malformed field, or a LINK_ACK that says no (read it with
+                :class:`LinkRefused`)."""
         if msg.type not in (MT.LINK_REQ, MT.LINK_ACK):
             raise ProtocolError(f"expected LINK_REQ or LINK_ACK, got {msg.type.name}")
         f = msg.fields
         if msg.type == MT.LINK_ACK and status_field(f.get("status")) != LLMStatusCode.LLM_SUCCESS:
             raise ProtocolError("a refusal is no identity")
-        host = f.get("host")
-        if host is not None and not isinstance(host, dict):
-            raise bad_field("host", host)
         return cls(
             int_field(f.get("cluster_id"), "cluster id", 0),
-            int_field(f.get("role"), "role"),
-            bool_field(f.get("remote_accessible"), "remote_accessible"),
-            bool_field(f.get("payload_auth"), "payload_auth"),
-            host,
-            str_field(f.get("transport"), "transport"),
+            int_field(f["role"], "role") if "role" in f else None,
+            _bool_or_false(f, "remote_accessible"),
+            _bool_or_false(f, "payload_auth"),
+            Host.of(f.get("host")),
+            str_field(f["transport"], "transport") if "transport" in f else None,
             opt_str_field(f.get("uds"), "uds"),
             opt_str_field(f.get("mac"), "mac"),
         )

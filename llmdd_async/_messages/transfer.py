@@ -54,12 +54,12 @@ class Address:
     def encode(self) -> dict[str, Any]:
         by = self.by
         if by is By.REQ_KEY or by is By.PREFIX_KEY:
-            return {"by": by.value, "id": self.id, "model_id": self.model_id}
+            return {"by": by, "id": self.id, "model_id": self.model_id}
         if by is By.BLOCKS_KEY:
-            return {"by": by.value, "model_id": self.model_id}
+            return {"by": by, "model_id": self.model_id}
         if by is By.CACHE_ID:
-            return {"by": by.value, "cache_id": self.cache_id, "index": self.index}
-        return {"by": by.value}
+            return {"by": by, "cache_id": self.cache_id, "index": self.index}
+        return {"by": by}
 
     @classmethod
     def decode(cls, raw: Any) -> Address:
@@ -136,9 +136,9 @@ class Request(ArraysEqual):
     def encode(self) -> Message:
         tb, count, is_blocks = self.layout
         fields: dict[str, Any] = {
-            "op": self.op.value,
+            "op": self.op,
             "target": self.target.encode(),
-            "shape": self.shape.value,
+            "shape": self.shape,
             "layout": [tb, count, is_blocks],
             "caps": self.caps_claimed(),
             "timeout_ms": self.timeout_ms,
@@ -212,7 +212,7 @@ class Request(ArraysEqual):
     def caps_claimed(self) -> dict[str, bool]:
         """The caps as the link's policy reads them (name -> True)."""
         caps = self.caps
-        return {c.value: True for c in CAPS_ORDER if c in caps} if caps else {}
+        return {c: True for c in CAPS_ORDER if c in caps} if caps else {}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -244,7 +244,7 @@ class Grant(ArraysEqual):
         if self.message is not None:
             fields["message"] = self.message
         if self.mode is not None:
-            fields["mode"] = self.mode.value
+            fields["mode"] = self.mode
         if self.total is not None:
             fields["total"] = self.total
         if not self.done:

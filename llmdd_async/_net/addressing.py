@@ -1,9 +1,10 @@
 """How a request names the peer's cache: the wire's addressing format.
 
-A key of the API becomes a *target* (``{"by": ...}``: a req/prefix key, a blocks key's
-model_id, a cache id and slot, or raw tensor addresses); in remote-accessible mode a target is
-resolved against the peer's published table snapshot to a cache id. The one-layer requests of
-``transfer_cache_async`` are built here too, one factory per destination config.
+A key of the API becomes a *target* (an :class:`~.._messages.Address`: a req/prefix key, a
+blocks key's model_id, a cache id and slot, or raw tensor addresses); in remote-accessible
+mode a target is resolved against the peer's published table snapshot to a cache id. The
+one-layer requests of ``transfer_cache_async`` are built here too, one factory per
+destination config.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException, raise_if_false
-from .._messages import By, Op, Shape
+from .._messages import Address, By, Op, Shape
 from .._registry import CacheEntry
 from .._types import (
     BlocksCacheKey,
@@ -30,18 +31,18 @@ from .peer_view import typed_table
 __all__ = ["layer_spec_factory", "resolve_in_table", "target_of", "with_table"]
 
 
-def target_of(key: Any) -> dict[str, Any]:
+def target_of(key: Any) -> Address:
     """The target of an API key (a CacheKey must already be pullable)."""
     if isinstance(key, BlocksCacheKey):
-        return {"by": "blocks_key", "model_id": key.model_id}
+        return Address(By.BLOCKS_KEY, model_id=key.model_id)
     if isinstance(key, CacheKeyByIdAndIndex):
-        return {"by": "cache_id", "cache_id": key.cache_id, "index": key.batch_index}
+        return Address(By.CACHE_ID, cache_id=key.cache_id, index=key.batch_index)
     sk = slot_key_of(key)
     assert sk is not None  # check_pullable ran
-    return {"by": f"{sk[0]}_key", "id": sk[1], "model_id": sk[2]}
+    return Address(By.REQ_KEY if sk[0] == "req" else By.PREFIX_KEY, id=sk[1], model_id=sk[2])
 
 
-def resolve_in_table(table: Mapping[str, Any], target: dict[str, Any], peer: int) -> dict[str, Any]:
+def resolve_in_table(table: Mapping[str, Any], target: Address, peer: int) -> Address:
     """Resolve a target (ours) against the peer's table snapshot (remote-accessible mode);
     the table's malformed entries count as nothing.
 
@@ -49,27 +50,28 @@ def resolve_in_table(table: Mapping[str, Any], target: dict[str, Any], peer: int
         LLMException: LLM_KV_CACHE_NOT_EXIST when the snapshot has no such cache or key;
             LLM_PARAM_INVALID when that cache is not remote accessible.
     """
-    by = target["by"]
-    if by == By.BLOCKS_KEY:
+    by = target.by
+    if by is By.BLOCKS_KEY:
         typed = typed_table(table)
-        cid: int | None = typed.blocks_keys.get(str(target["model_id"]))
+        cid: int | None = typed.blocks_keys.get(str(target.model_id))
         index = 0
-    elif by == By.CACHE_ID:
+    elif by is By.CACHE_ID:
         typed = typed_table(table)
-        cid, index = target["cache_id"], target.get("index", 0)
+        cid, index = target.cache_id, target.index
     else:
         return target
     entry = next((c for c in typed.caches if c.cache_id == cid), None)
     if cid is None or entry is None:
+        what = f"cache id {cid}" if by is By.CACHE_ID else f"blocks key {target.model_id}"
         raise LLMException(
-            f"cluster {peer} published no cache for {target} (its table is snapshotted at the "
+            f"cluster {peer} published no cache for {what} (its table is snapshotted at the "
             "first transfer of a link: register before that, or re-link)",
             status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
         )
     raise_if_false(
         entry.remote_accessible, f"cache {cid} of cluster {peer} is not remote accessible"
     )
-    return {"by": "cache_id", "cache_id": cid, "index": index}
+    return Address(By.CACHE_ID, cache_id=cid, index=index)
 
 
 def with_table(
@@ -79,14 +81,14 @@ def with_table(
 
     The returned factory raises as :func:`resolve_in_table` (at its first layer).
     """
-    resolved: dict[str, Any] = {}
+    resolved: list[Address] = []
 
     def make_resolved(layer: int) -> TransferRequest:
         spec = make(layer)
-        if spec.target.get("by") != By.ADDRS:
+        if spec.target.by is not By.ADDRS:
             if not resolved:
-                resolved.update(resolve_in_table(table, spec.target, peer))
-            spec.target = dict(resolved)
+                resolved.append(resolve_in_table(table, spec.target, peer))
+            spec.target = resolved[0]
         return spec
 
     return make_resolved
@@ -117,7 +119,7 @@ def layer_spec_factory(
             dst_layer = dst_r.start + (layer - src_r.start)
             return TransferRequest(
                 Op.PUSH,
-                dict(target),
+                target,
                 shape,
                 entry,
                 local_slot=src_slot,
@@ -142,7 +144,7 @@ def layer_spec_factory(
         k = 2 * (layer - src_r.start)
         return TransferRequest(
             Op.PUSH,
-            {"by": "addrs"},
+            Address(By.ADDRS),
             shape,
             entry,
             local_slot=src_slot,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -60,11 +60,11 @@ INLINE_PIECES = 1 << 14
 @dataclasses.dataclass
 class TransferRequest:
     """What the initiator asks for, in source/destination terms: the target's cache (as
-    ``target``, the wire's addressing: see :class:`~.._messages.Address`), the selection, and
-    its own cache ``local``. Strings for ``op``/``shape`` are read as their enums."""
+    ``target``, the wire's addressing), the selection, and its own cache ``local``. Strings
+    for ``op``/``shape`` are read as their enums."""
 
     op: Op  # pull: the target is the source; push: the target is the destination
-    target: dict[str, Any]  # how to find the target's cache
+    target: Address  # how to find the target's cache
     shape: Shape
     local: CacheEntry
     local_slot: int = 0
@@ -86,16 +86,12 @@ class TransferRequest:
         self.op, self.shape = Op(self.op), Shape(self.shape)
 
     def to_wire(self, req_id: int, caps: dict[str, bool], timeout_ms: int) -> Request:
-        """The XFER_REQ of this request (``caps``: how this side reaches the peer's memory).
-
-        Raises:
-            ProtocolError: a malformed ``target``.
-        """
+        """The XFER_REQ of this request (``caps``: how this side reaches the peer's memory)."""
         e = self.local
         return Request(
             req_id,
             self.op,
-            Address.decode(self.target),
+            self.target,
             self.shape,
             (e.tensor_bytes, e.count, e.is_blocks),
             e.addrs,

@@ -32,7 +32,7 @@ import anyio
 
 from .._enums import LLMStatusCode
 from .._errors import HandshakeFailed, ProtocolError
-from .._messages import Challenge, Hello, LinkRefused
+from .._messages import Challenge, Hello, Identity, LinkRefused
 from .._protocol import (
     MT,
     NEED_DATA,
@@ -178,15 +178,16 @@ async def client_handshake(
     expected_cluster_id: int,
     nonce_c: str,
     on_binding: Callable[[Binding], None] | None = None,
-) -> tuple[Decoder, dict[str, Any], LinkAuth | None]:
-    """Run the client side; returns the decoder (it may hold read-ahead), the peer identity
+) -> tuple[Decoder, Identity, LinkAuth | None]:
+    """Run the client side; returns the decoder (it may hold read-ahead), the peer's identity
     and, on a keyed link, the frame authenticators. ``nonce_c`` (from :func:`new_nonce`) is
     known before connecting, to settle simultaneous links. ``on_binding`` is told the handshake's
     binding before the server may prove itself on the side channel.
 
     Raises:
         HandshakeFailed: with the code link_clusters reports.
-        OSError / EOFError / ProtocolError: the connection failed.
+        ProtocolError: a malformed frame (a LINK_ACK's identity included).
+        OSError / EOFError: the connection failed.
     """
     key = engine.options.auth_key
     decoder = Decoder(_HANDSHAKE_META)
@@ -208,10 +209,10 @@ async def client_handshake(
         on_binding(Binding(nonce_c, nonce_s, sock, transcript.side_key(key)))
     await send_message(sock, req)
     ack = await recv_message(sock, decoder, MT.LINK_ACK)
-    answer = LinkRefused.decode(ack)  # its status, and why if it says no
-    if "cluster_id" in ack.fields and ack.fields["cluster_id"] != expected_cluster_id:
+    answer = LinkRefused.decode(ack)  # its status, and who refused and why if it says no
+    if answer.cluster_id is not None and answer.cluster_id != expected_cluster_id:
         raise HandshakeFailed(
-            f"the endpoint there is cluster {ack.fields['cluster_id']}, not {expected_cluster_id}"
+            f"the endpoint there is cluster {answer.cluster_id}, not {expected_cluster_id}"
         )
     if answer.status != LLMStatusCode.LLM_SUCCESS:
         raise HandshakeFailed(
@@ -220,12 +221,12 @@ async def client_handshake(
             yielded=answer.yielded,
         )
     transcript.add(ack)
-    peer = ack.fields
-    if key is not None and not _mac_ok(transcript.mac(key, b"server"), peer.get("mac")):
+    peer = Identity.decode(ack)  # a malformed field: ProtocolError
+    if key is not None and not _mac_ok(transcript.mac(key, b"server"), peer.mac):
         raise HandshakeFailed("the peer failed authentication")
-    if peer.get("cluster_id") != expected_cluster_id:
+    if peer.cluster_id != expected_cluster_id:
         raise HandshakeFailed(
-            f"the endpoint there is cluster {peer.get('cluster_id')}, not {expected_cluster_id}"
+            f"the endpoint there is cluster {peer.cluster_id}, not {expected_cluster_id}"
         )
     return decoder, peer, transcript.link_auth(key, client=True) if key is not None else None
 
@@ -233,23 +234,25 @@ async def client_handshake(
 async def server_handshake(
     engine: LinkHost,
     sock: socket.socket,
-    prepare: Callable[[dict[str, Any], Binding], Awaitable[Any]],
+    prepare: Callable[[Identity, Binding], Awaitable[Any]],
     on_hello: Callable[[], None] | None = None,
-) -> tuple[Decoder, dict[str, Any], Any, LinkAuth | None]:
-    """Run the server side; returns the decoder, the peer identity, what ``prepare`` made of
+) -> tuple[Decoder, Identity, Any, LinkAuth | None]:
+    """Run the server side; returns the decoder, the peer's identity, what ``prepare`` made of
     it (awaited before the client is told yes, so a refusal reaches the client; called only
     for a client that proved the key, if there is one) and, on a keyed link, the frame
     authenticators. ``on_hello`` is told once a valid HELLO came in.
 
     Raises:
-        HandshakeFailed: the client was refused (it has been told so).
-        OSError / EOFError / ProtocolError: the connection failed.
+        HandshakeFailed: the client was refused (it has been told so; a malformed LINK_REQ
+            too, with why only where no key is configured: it cannot prove one).
+        ProtocolError: another protocol version, or a malformed HELLO.
+        OSError / EOFError: the connection failed.
     """
     key = engine.options.auth_key
     decoder = Decoder(_HANDSHAKE_META)
     transcript = _Transcript()
     hello = await recv_message(sock, decoder, MT.HELLO)
-    version = hello.fields.get("version")  # checked first: another version may differ in all else
+    version = Hello.version_of(hello)  # checked first: another version may differ in all else
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"client speaks protocol {version}")
     transcript.add(hello)
@@ -262,7 +265,6 @@ async def server_handshake(
     await send_message(sock, ch)
     req = await recv_message(sock, decoder, MT.LINK_REQ)
     transcript.add(req)
-    peer = req.fields
 
     async def refuse(
         code: LLMStatusCode, message: str, tell: bool, yielded: bool = False
@@ -274,22 +276,26 @@ async def server_handshake(
         await send_message(sock, answer.encode())
         return HandshakeFailed(message, status_code=code)
 
-    if key is not None and not _mac_ok(transcript.mac(key, b"client"), peer.get("mac")):
+    try:
+        peer = Identity.decode(req)  # what the last release sends reads as it always did
+    except ProtocolError as exc:
+        # Told why only without a key: a malformed request proves none.
+        code = LLMStatusCode.LLM_PARAM_INVALID if key is None else LLMStatusCode.LLM_LINK_FAILED
+        raise await refuse(code, f"malformed LINK_REQ: {exc}", key is None) from None
+    if key is not None and not _mac_ok(transcript.mac(key, b"client"), peer.mac):
         raise await refuse(LLMStatusCode.LLM_LINK_FAILED, "client failed authentication", False)
-    cid = peer.get("cluster_id")
-    if not isinstance(cid, int) or isinstance(cid, bool) or not 0 <= cid < 2**64:
-        raise ProtocolError(f"bad cluster id {cid!r}")
+    cid = peer.cluster_id
     if cid == engine.cluster_id and engine.options.cache_manager:
         raise await refuse(
             LLMStatusCode.LLM_PARAM_INVALID, f"cluster id {cid} is this endpoint's own id", True
         )
-    if bool(peer.get("remote_accessible")) != engine.options.remote_accessible:
+    if peer.remote_accessible != engine.options.remote_accessible:
         raise await refuse(
             LLMStatusCode.LLM_PARAM_INVALID,
             "llm.EnableRemoteCacheAccessible differs between the two endpoints",
             True,
         )
-    if bool(peer.get("payload_auth")) != engine.options.payload_auth:
+    if peer.payload_auth != engine.options.payload_auth:
         raise await refuse(
             LLMStatusCode.LLM_PARAM_INVALID,
             "llm.PayloadAuth differs between the two endpoints",

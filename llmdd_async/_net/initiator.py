@@ -25,7 +25,7 @@ import numpy as np
 from .._enums import LLMStatusCode
 from .._errors import CopyCancelled, LinkBroken, LLMException, ProtocolError, raise_if_false
 from .._memory import CancelToken
-from .._messages import Address, By, Done, Grant, Mode, Op, Result
+from .._messages import By, Done, Grant, Mode, Op, Result
 from .._planner import Plan, check_within
 from .._protocol import Message
 from .grants import TransferRequest, grant_within_selection, plan_selection
@@ -164,7 +164,6 @@ def _direct_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | 
     Raises:
         LLMException: LLM_PARAM_INVALID / LLM_KV_CACHE_NOT_EXIST for a selection that does not
             fit the peer's published cache, as the peer would answer.
-        ProtocolError: a malformed ``spec.target``.
     """
     access = link.access
     if (
@@ -175,7 +174,7 @@ def _direct_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | 
         or link.view.epoch is None
     ):
         return None
-    target = Address.decode(spec.target)
+    target = spec.target
     if target.by is not By.CACHE_ID or not engine.host_reachable(spec.local.addrs):
         return None
     tgt = link.view.layout(target.cache_id)

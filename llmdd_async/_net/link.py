@@ -36,7 +36,7 @@ from .._errors import (
 )
 from .._log import get_logger
 from .._memory import CancelToken
-from .._messages import FLAG_TO_INITIATOR, Abort, Bye, Data, Ping, TableRequest
+from .._messages import FLAG_TO_INITIATOR, Abort, Bye, Data, Identity, Ping, TableRequest
 from .._phase_lock import PhaseLock
 from .._protocol import (
     MT,
@@ -100,7 +100,7 @@ class Link:
         host: LinkHost,
         sock: socket.socket,
         decoder: Decoder,
-        peer: dict[str, Any],
+        peer: Identity,
         access: PeerAccess | None,
         auth: tuple[FrameAuth, FrameAuth] | None = None,
         outbound: bool = False,
@@ -116,8 +116,8 @@ class Link:
         # The endpoint's meta budget may evict this link's stalled partial frame: then the
         # link breaks at once (its reader would otherwise wait for bytes that never count).
         decoder.on_evict = lambda reason: self.fail(ProtocolError(reason))
-        self.peer = peer
-        self.peer_cluster_id: int = int(peer["cluster_id"])
+        self.peer = peer  # what it said about itself in the handshake
+        self.peer_cluster_id: int = peer.cluster_id
         self.access = access  # None: a plain TCP link (the stream only)
         #: which direct-access caps our requests carry and the peer's may use
         self.caps = CapsPolicy(access)

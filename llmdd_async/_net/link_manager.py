@@ -18,6 +18,7 @@ from .._cluster import LLMClusterInfo, int_to_ip
 from .._enums import LLMStatusCode
 from .._errors import HandshakeFailed, LLMException, ProtocolError
 from .._log import get_logger
+from .._messages import Identity
 from .._protocol import MT, Decoder, Message, MetaBudget
 from .._transports import PeerAccess
 from .._transports.tcp import configure_socket
@@ -113,25 +114,25 @@ class LinkManager:
             "role": int(e.role),
             "remote_accessible": e.options.remote_accessible,
             "payload_auth": e.options.payload_auth,
-            "host": self.side.host,
+            "host": self.side.host.fields(),
             "transport": e.options.transport,
             "uds": self.side.name,
         }
 
-    def _endpoint_access(self, peer: dict[str, Any]) -> PeerAccess | None:
+    def _endpoint_access(self, peer: Identity) -> PeerAccess | None:
         """The transport endpoint's access to ``peer`` (``llm.Transport=nixl`` on both ends),
         else None: the link moves bytes over its stream."""
         endpoint = self.engine.transport_endpoint
         return endpoint.new_access(peer, self.log) if endpoint is not None else None
 
-    async def _server_prepare(self, peer: dict[str, Any], binding: Binding) -> PeerAccess | None:
+    async def _server_prepare(self, peer: Identity, binding: Binding) -> PeerAccess | None:
         """Admit a client's link (never over a live one), then prove both sides' pids on the
         side channel when the client may share this host. Returns the access, or None.
 
         Raises:
             HandshakeFailed: refused (the client is told why).
         """
-        cid = int(peer["cluster_id"])
+        cid = peer.cluster_id
         existing = self.links.get(cid)
         if existing is not None and existing.alive and not await existing.responsive(_HALF_OPEN_S):
             # The peer restarted (or its host died) and our link is half-open: one that does
@@ -277,13 +278,13 @@ class LinkManager:
             phase.deadline = anyio.current_time() + _HELLO_S
             waiting_for[0] = "its LINK_REQ"
 
-        async def prepare(peer: dict[str, Any], binding: Binding) -> PeerAccess | None:
+        async def prepare(peer: Identity, binding: Binding) -> PeerAccess | None:
             # Authenticated (or, without a key, a well-formed request): never evicted now.
             setup.admitted = True
             phase.deadline = started + _ACCEPT_HANDSHAKE_S
             waiting_for[0] = "the rest of its handshake"
             access = await self._server_prepare(peer, binding)
-            admitted.append(int(peer["cluster_id"]))
+            admitted.append(peer.cluster_id)
             prepared.append(access)
             return access
 
@@ -318,7 +319,7 @@ class LinkManager:
         self,
         sock: socket.socket,
         decoder: Decoder,
-        peer: dict[str, Any],
+        peer: Identity,
         access: PeerAccess | None,
         auth: LinkAuth | None,
         outbound: bool,

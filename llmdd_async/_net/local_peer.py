@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 
 from .._errors import ProtocolError
+from .._messages import Host
 from .._protocol import MT, NEED_DATA, Decoder, Message, encode
 from .._transports._pvm import pidfd_exited
 
@@ -34,7 +35,6 @@ __all__ = [
     "host_identity",
     "is_own_side_channel",
     "mac_ok",
-    "on_same_host",
     "peer_pid",
     "peer_process",
     "peer_uid",
@@ -63,27 +63,14 @@ def _ns(name: str) -> int:
         return 0
 
 
-def host_identity() -> dict[str, Any]:
-    """What two processes compare to know they may share a kernel, pid and network namespace.
+def host_identity() -> Host:
+    """What two processes compare to know they may share a kernel, pid and network namespace
+    (:meth:`Host.shares`).
 
     A hint only (a peer may lie): proof comes from :func:`peer_pid` on the side channel.
     """
-    return {
-        "hostname": socket.gethostname(),
-        "boot_id": _read("/proc/sys/kernel/random/boot_id"),
-        "pidns": _ns("pid"),
-        "netns": _ns("net"),
-    }
-
-
-def on_same_host(a: Any, b: Any) -> bool:
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return False
-    return (
-        bool(a.get("boot_id"))
-        and a.get("boot_id") == b.get("boot_id")
-        and a.get("pidns") == b.get("pidns")
-        and a.get("netns") == b.get("netns")
+    return Host(
+        socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), _ns("pid"), _ns("net")
     )
 
 

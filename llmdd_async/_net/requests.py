@@ -28,7 +28,6 @@ __all__ = [
 ]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class TransferRecord:
     """One transfer this side ran on a link (``time.monotonic()`` seconds)."""

@@ -32,6 +32,7 @@ from .._errors import HandshakeFailed, ProtocolError
 from .._messages import (
     CacheInfo,
     Cap,
+    Identity,
     Proof,
     Prove,
     ProveAck,
@@ -49,7 +50,6 @@ from .local_peer import (
     host_identity,
     is_own_side_channel,
     mac_ok,
-    on_same_host,
     peer_pid,
     peer_process,
     peer_uid,
@@ -221,42 +221,39 @@ class SideChannel:
             return check_within(ranges, nbytes, starts, ends)
         return False
 
-    def require_direct(self, peer: dict[str, Any], access: PeerAccess | None) -> None:
+    def require_direct(self, peer: Identity, access: PeerAccess | None) -> None:
         """Raises HandshakeFailed when ``llm.Transport=same-host`` (direct only) meets a peer
         on another host. (A peer on this host that nothing could be proven about moves bytes
         over TCP, and the log says ``transport.fallback``.)"""
         spec = transport(self.engine.options.transport)
         if access is not None or spec is None or not spec.direct_only:
             return
-        host = peer.get("host")
-        if not on_same_host(self.host, host):
-            where = host.get("hostname") if isinstance(host, dict) else "unknown"
+        if not self.host.shares(peer.host):
+            where = peer.host.hostname if peer.host is not None else None
             raise HandshakeFailed(
                 f"llm.Transport={self.engine.options.transport}, but cluster "
-                f"{peer.get('cluster_id')} runs on another host ({where})"
+                f"{peer.cluster_id} runs on another host ({where or 'unknown'})"
             )
 
     # ------------------------------------------------------------------ server side
-    async def prove(self, peer: dict[str, Any], binding: Binding) -> PeerAccess | None:
+    async def prove(self, peer: Identity, binding: Binding) -> PeerAccess | None:
         """The server side, when the client may share this host (its handshake named a side
         channel and did not ask for the stream only): the access to it, or None (logged as
         ``transport.fallback`` when the exchange failed)."""
-        name = peer.get("uds")
-        spec = transport(peer.get("transport"))
+        name = peer.uds
+        spec = transport(peer.transport)
         if (
             not self.allowed()
-            or not isinstance(name, str)
+            or name is None
             or (spec is not None and spec.stream_only)
-            or not on_same_host(self.host, peer.get("host"))
+            or not self.host.shares(peer.host)
         ):
             return None
         try:
             with anyio.fail_after(_PROOF_S):
                 return await self._prove_to(name, binding)
         except (OSError, EOFError, ProtocolError, TimeoutError, ValueError) as exc:
-            self.log.info(
-                "transport.fallback", peer_cluster_id=int(peer["cluster_id"]), reason=str(exc)
-            )
+            self.log.info("transport.fallback", peer_cluster_id=peer.cluster_id, reason=str(exc))
             return None
 
     async def _prove_to(self, name: str, binding: Binding) -> PeerAccess | None:

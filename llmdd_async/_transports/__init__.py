@@ -40,7 +40,7 @@ import numpy as np
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._memory import CancelToken
-from .._messages import Proof, regions_of_table
+from .._messages import Identity, Proof, regions_of_table
 from .._planner import Plan
 from .._protocol import MT, Message
 
@@ -96,6 +96,7 @@ class AccessLink(Protocol):
 
     @property
     def view(self) -> PeerRegions: ...
+
     #: the worker threads this link may hold
     threads: anyio.CapacityLimiter
 
@@ -217,7 +218,7 @@ class TransportEndpoint(ABC):
         return None
 
     @abstractmethod
-    def new_access(self, peer: Mapping[str, Any], log: Any) -> PeerAccess | None:
+    def new_access(self, peer: Identity, log: Any) -> PeerAccess | None:
         """The access for a new link to ``peer`` (its handshake identity), or None when the
         peer does not use this transport (logged as ``transport.fallback``: the link moves
         bytes over its stream)."""

@@ -3,16 +3,16 @@ metadata fetched over the link, grants planned into NIXL requests and run throug
 
 from __future__ import annotations
 
-import base64
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import anyio.to_thread
 import numpy as np
 
-from .._errors import FenceLost
+from .._errors import FenceLost, ProtocolError
 from .._memory import CancelToken
-from .._messages import CacheInfo, Table, regions_of
+from .._messages import CacheInfo, NixlInfo, Table, regions_of
 from .._planner import check_within
 from .._protocol import MT, Message
 from . import NO_CAPS, AccessLink, PeerAccess, RegisteredCache
@@ -116,38 +116,35 @@ class NixlAccess(PeerAccess):
             if msg is None:
                 raise OSError("the peer did not send its cache table in time")
             table = Table.decode(msg)  # malformed entries count as nothing
-            nx = table.nixl
-            if nx is None or not isinstance(nx.get("md"), str):
+            try:
+                nx = NixlInfo.of(table.nixl)  # its entry: every part checked here
+                # a new generation (or none: unknown, loaded again as it always was)
+                md = nx.metadata() if nx is not None and nx.gen != self.peer_gen else None
+            except ProtocolError as exc:
+                raise OSError(f"malformed NIXL metadata: {exc}") from exc
+            if nx is None:
                 raise OSError("the peer publishes no NIXL metadata (is it llm.Transport=nixl?)")
-            gen = nx.get("gen")
-            if gen != self.peer_gen:
-                try:
-                    md = base64.b64decode(nx["md"], validate=True)
-                except ValueError as exc:
-                    raise OSError(f"malformed NIXL metadata: {exc}") from exc
+            if md is not None:
                 held = self.peer_agent is not None
-                name = await self.ep.load_peer(str(nx.get("agent")), md, acquire=not held)
+                name = await self.ep.load_peer(nx.agent, md, acquire=not held)
                 if self.closed:
                     if not held:
                         self.ep.forget_peer(name)
                     raise OSError("the link closed")
                 self.peer_agent = name
-                self._load(table.caches, nx.get("mem"))
-                self.peer_gen = gen if isinstance(gen, int) else -1
+                self._load(table.caches, nx.mem)
+                self.peer_gen = -1 if nx.gen is None else nx.gen
             self.regions = regions_of(table.caches)
             self._served.view.regions = self.regions
 
-    def _load(self, caches: tuple[CacheInfo, ...], mem: Any) -> None:
+    def _load(self, caches: tuple[CacheInfo, ...], mem: Mapping[str, tuple[str, int]]) -> None:
         """The peer's NIXL-registered caches from its table's entries (and its NIXL entry's
         memory types); prepared lists of caches that changed are dropped."""
-        mem = mem if isinstance(mem, dict) else {}
         fresh: dict[int, Layout] = {}
         for c in caches:
             cid = c.cache_id
             m = mem.get(str(cid))
-            if not c.remote_accessible or not isinstance(m, list) or len(m) != 2:
-                continue
-            if m[0] not in ("DRAM", "VRAM"):
+            if not c.remote_accessible or m is None or m[0] not in ("DRAM", "VRAM"):
                 continue
             addrs = np.array(c.addrs, dtype=U64)
             tb, count = c.tensor_bytes, c.count
@@ -163,7 +160,7 @@ class NixlAccess(PeerAccess):
             ):
                 fresh[cid] = old
                 continue
-            fresh[cid] = Layout(cid, addrs, tb, count, str(m[0]), int(m[1]))
+            fresh[cid] = Layout(cid, addrs, tb, count, m[0], m[1])
         for cid, old in self._remote.items():
             if fresh.get(cid) is not old and old.prepped is not None:
                 # A request of this link may still use it: released when the link closes

@@ -44,7 +44,6 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -54,7 +53,7 @@ import numpy as np
 from .._enums import LLMStatusCode
 from .._errors import CopyCancelled, FenceLost, LLMException
 from .._memory import CancelToken
-from .._messages import Cap
+from .._messages import Cap, Identity
 from .._planner import check_within
 from . import EndpointHost, RegisteredCache, TransportEndpoint, installed
 from ._nixl_access import NixlAccess
@@ -509,14 +508,14 @@ class NixlEndpoint(TransportEndpoint):
             self._peer_refs[agent] = self._peer_refs.get(agent, 0) + 1
         return agent
 
-    def new_access(self, peer: Mapping[str, Any], log: Any) -> NixlAccess | None:
+    def new_access(self, peer: Identity, log: Any) -> NixlAccess | None:
         """A NIXL access when the peer asked for ``llm.Transport=nixl`` too, else None (the
         link moves bytes over its stream, and ``log`` says ``transport.fallback``)."""
-        if peer.get("transport") != "nixl":
+        if peer.transport != "nixl":
             log.info(
                 "transport.fallback",
-                peer_cluster_id=peer.get("cluster_id"),
-                reason=f"the peer does not use llm.Transport=nixl ({peer.get('transport')!r})",
+                peer_cluster_id=peer.cluster_id,
+                reason=f"the peer does not use llm.Transport=nixl ({peer.transport!r})",
             )
             return None
         access = NixlAccess(self)

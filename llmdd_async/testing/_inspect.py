@@ -94,7 +94,7 @@ class LinkView:
     @property
     def peer_identity(self) -> dict[str, Any]:
         """What the peer said about itself in the handshake (a copy)."""
-        return dict(self._link.peer)
+        return self._link.peer.fields()
 
     @property
     def peer_pid(self) -> int | None:

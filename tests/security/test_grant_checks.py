@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmdd_async._enums import Placement
+from llmdd_async._messages import Address, By
 from llmdd_async._net.grants import TransferRequest, grant_within_selection
 from llmdd_async._registry import CacheEntry
 
@@ -53,7 +54,9 @@ def cases(draw: st.DrawFn) -> tuple[CacheEntry, list[int], np.ndarray, np.ndarra
 @given(cases())
 def test_few_descriptor_path_matches_the_vectorised_one(case) -> None:  # type: ignore[no-untyped-def]
     e, blocks, local, nbytes = case
-    spec = TransferRequest("pull", {}, "blocks", e, dst_blocks=np.array(blocks, dtype=np.int64))
+    spec = TransferRequest(
+        "pull", Address(By.CACHE_ID), "blocks", e, dst_blocks=np.array(blocks, dtype=np.int64)
+    )
     fast = grant_within_selection(spec, local, nbytes)
     # The same descriptors, repeated past the small-input cut, take the vectorised path.
     reps = 40 // len(local) + 1
@@ -63,7 +66,9 @@ def test_few_descriptor_path_matches_the_vectorised_one(case) -> None:  # type: 
 
 def test_a_range_into_an_unselected_block_is_refused() -> None:
     e = _entry(2)
-    spec = TransferRequest("pull", {}, "blocks", e, dst_blocks=np.array([1, 2], dtype=np.int64))
+    spec = TransferRequest(
+        "pull", Address(By.CACHE_ID), "blocks", e, dst_blocks=np.array([1, 2], dtype=np.int64)
+    )
     a = int(e.addrs[1])
     ok = np.array([a + BLOCK, a + 2 * BLOCK], dtype=np.uint64)
     assert grant_within_selection(spec, ok, np.array([BLOCK, BLOCK], dtype=np.uint64))

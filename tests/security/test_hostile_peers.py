@@ -15,6 +15,7 @@ import pytest
 from helpers import cluster, endpoint_options, link, run_spec
 
 import llmdd_async as dd
+from llmdd_async._messages import Address
 from llmdd_async._net.grants import TransferRequest
 from llmdd_async._net.initiator import initiate
 from llmdd_async._protocol import MT, Message, encode
@@ -60,7 +61,7 @@ async def test_writes_outside_registered_memory_are_refused() -> None:
             for addr in (4096, table_addr + 128, table_addr - 64):
                 spec = TransferRequest(
                     "push",
-                    {"by": "addrs"},
+                    Address.decode({"by": "addrs"}),
                     "slot",
                     engine.registry.entries[src.cache_id],
                     raw_addrs=np.array([addr], np.uint64),
@@ -80,7 +81,7 @@ async def test_writes_outside_registered_memory_are_refused() -> None:
             # ...while the same push to exactly the registered range is accepted.
             spec = TransferRequest(
                 "push",
-                {"by": "addrs"},
+                Address.decode({"by": "addrs"}),
                 "slot",
                 engine.registry.entries[src.cache_id],
                 raw_addrs=np.array([table_addr], np.uint64),
@@ -146,7 +147,7 @@ async def test_negative_block_indices_cannot_reach_outside_a_cache() -> None:
                     blocks = np.array([bad], dtype=np.uint64)
                     spec = TransferRequest(
                         op,
-                        {"by": "cache_id", "cache_id": victim, "index": 0},
+                        Address.decode({"by": "cache_id", "cache_id": victim, "index": 0}),
                         "blocks",
                         entry,
                         src_blocks=blocks if op == "pull" else np.array([0], np.uint64),

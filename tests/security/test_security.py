@@ -6,6 +6,7 @@ real endpoint.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -18,6 +19,7 @@ import pytest
 from helpers import RawPeer, cluster, endpoint_options, link, peer_identity, raw_link, run_spec
 
 import llmdd_async as dd
+from llmdd_async._messages import Address
 from llmdd_async._net.handshake import new_nonce, recv_message, send_message
 from llmdd_async._protocol import MT, Decoder, Message, encode
 from llmdd_async.testing import (
@@ -481,7 +483,7 @@ async def test_repeated_block_indices_cannot_amplify_a_request() -> None:
             engine = engine_of(d)
             spec = TransferRequest(
                 "pull",
-                {"by": "cache_id", "cache_id": victim, "index": 0},
+                Address.decode({"by": "cache_id", "cache_id": victim, "index": 0}),
                 "blocks",
                 engine.registry.entries[mine.cache_id],
                 src_blocks=np.zeros(64, np.uint64),  # block 0, 64 times: 16 x the cache
@@ -552,12 +554,14 @@ async def test_pushes_by_key_outside_remote_accessible_mode_are_refused() -> Non
             mine.tensors[0][...] = 0x41
             entry = engine.registry.entries[mine.cache_id]
             for target in (
-                {"by": "req_key", "id": 7, "model_id": 0},
-                {"by": "cache_id", "cache_id": private.cache_id, "index": 0},
+                Address.decode({"by": "req_key", "id": 7, "model_id": 0}),
+                Address.decode({"by": "cache_id", "cache_id": private.cache_id, "index": 0}),
             ):
                 with pytest.raises(dd.LLMException) as err:
                     await run_spec(
-                        engine, engine.links.get(1), TransferRequest("push", target, "slot", entry)
+                        engine,
+                        engine.links.get(1),
+                        TransferRequest("push", target, "slot", entry),
                     )
                 assert err.value.status_code == S.LLM_PARAM_INVALID
             assert (private.tensors[0] == 9).all()
@@ -598,6 +602,48 @@ async def test_a_grant_for_other_blocks_of_ours_is_refused(
                 await d.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), mine, [0], [0])
             assert err.value.status_code == S.LLM_LINK_FAILED
             assert (mine.tensors[0] == 5).all()  # block 3 untouched
+
+
+async def test_a_second_grant_outside_the_selection_breaks_the_link() -> None:
+    """A target that answers one request with two GRANTs, the first right and the second
+    naming blocks we did not ask for (before its DATA): the second is checked like the first,
+    so the link breaks and not one byte of ours is written."""
+    from llmdd_async._messages import Grant
+
+    opts = endpoint_options("tcp", listen=True)
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        theirs = p.cache_manager.allocate_blocks_cache(
+            dd.CacheDesc(1, [8, 64], dd.DataType.DT_UINT8), dd.BlocksCacheKey(1, 0)
+        )
+        theirs.tensors[0][...] = 7
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options("tcp")) as d:
+            await link(d, 1, p.listen_address)
+            mine = d.cache_manager.allocate_blocks_cache(
+                dd.CacheDesc(1, [8, 64], dd.DataType.DT_UINT8)
+            )
+            mine.tensors[0][...] = 5
+            await d.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), mine, [0], [0])
+            assert (mine.tensors[0][0] == 7).all() and (mine.tensors[0][1:] == 5).all()
+            mine.tensors[0][...] = 5
+            target_side = link_of(p, 2).raw
+            real = target_side.send_soon
+            doubled = []
+
+            def send_soon(frames: list[Message], views: Any, done: Any) -> bool:
+                if frames and frames[0].type == MT.GRANT:
+                    g = Grant.decode(frames[0])
+                    assert g.ok and g.local is not None
+                    shifted = dataclasses.replace(g, local=g.local + np.uint64(3 * 64))
+                    frames = [frames[0], shifted.encode(), *frames[1:]]
+                    doubled.append(g.req_id)
+                return bool(real(frames, views, done))
+
+            target_side.send_soon = send_soon
+            with pytest.raises(dd.LLMException) as err:
+                await d.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), mine, [0], [0])
+            assert doubled, "the target's small path sends no GRANT through send_soon any more"
+            assert err.value.status_code == S.LLM_LINK_FAILED
+            assert (mine.tensors[0] == 5).all()  # neither block 0 nor block 3 written
 
 
 async def test_a_malformed_host_field_only_costs_the_peer_its_link() -> None:

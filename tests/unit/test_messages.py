@@ -31,9 +31,11 @@ from llmdd_async._messages import (
     Done,
     Grant,
     Hello,
+    Host,
     Identity,
     LinkRefused,
     Mode,
+    NixlInfo,
     Op,
     Ping,
     Pong,
@@ -169,14 +171,15 @@ tables = st.builds(
     opt(st.tuples(st.integers(1, 2**64 - 1), u64)),
     opt(st.dictionaries(st.text(max_size=4), st.text(max_size=8), max_size=3)),
 )
+hosts = st.builds(Host, opt(words), opt(words), opt(i64), opt(i64))
 identities = st.builds(
     Identity,
     u64,
-    i64,
+    opt(i64),
     st.booleans(),
     st.booleans(),
-    opt(st.dictionaries(st.text(max_size=6), words, max_size=3)),
-    words,
+    opt(hosts),
+    opt(words),
     opt(words),
     opt(words),
 )
@@ -584,6 +587,231 @@ def test_a_malformed_identity_field_is_a_protocol_error() -> None:
             Identity.decode(Message(MT.LINK_REQ, 0, {**good, name: bad}))
 
 
+junk = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=8,
+)
+
+
+#: a LINK_REQ as the last release (3fdd013, ``_links.LinkManager.identity``) sent it: these
+#: fields, none more (the MAC added on a keyed link)
+LAST_RELEASE_LINK_REQ: dict[str, Any] = {
+    "cluster_id": 7,
+    "role": 1,
+    "remote_accessible": True,
+    "payload_auth": False,
+    "host": {
+        "hostname": "node-3",
+        "boot_id": "0b7e6c9a-4a1f-4c3e-9d2a-5f1e2d3c4b5a",
+        "pidns": 4026531836,
+        "netns": 4026531840,
+    },
+    "transport": "auto",
+    "uds": "llmdd-async/1234/9f8e7d6c",
+}
+
+
+def test_a_last_release_link_req_reads_as_it_always_did() -> None:
+    for fields in (LAST_RELEASE_LINK_REQ, {**LAST_RELEASE_LINK_REQ, "mac": "ab" * 32}):
+        old = encode(Message(MT.LINK_REQ, 0, fields))  # the old encoder: the dict as it was
+        x = Identity.decode(wire(Message(MT.LINK_REQ, 0, fields)))
+        assert x == Identity(
+            7,
+            1,
+            True,
+            False,
+            Host("node-3", "0b7e6c9a-4a1f-4c3e-9d2a-5f1e2d3c4b5a", 4026531836, 4026531840),
+            "auto",
+            "llmdd-async/1234/9f8e7d6c",
+            fields.get("mac"),
+        )
+        assert encode(x.encode()) == old  # and our own identity is those bytes again
+        ack = {"status": 0, **fields}
+        assert Identity.decode(wire(Message(MT.LINK_ACK, 0, ack))) == x
+        assert encode(x.encode(MT.LINK_ACK)) == encode(Message(MT.LINK_ACK, 0, ack))
+    # Its side channel off: no name, as it sent it.
+    x = Identity.decode(wire(Message(MT.LINK_REQ, 0, {**LAST_RELEASE_LINK_REQ, "uds": None})))
+    assert x.uds is None
+
+
+def test_fields_an_older_peer_leaves_out_read_as_the_raw_reads_did() -> None:
+    """Absent is what ``peer.get(...)`` gave: False for the flags (``bool(None)``), None for
+    the rest; a peer from before ``llm.PayloadAuth`` sends no ``payload_auth``."""
+    before_payload_auth = {k: v for k, v in LAST_RELEASE_LINK_REQ.items() if k != "payload_auth"}
+    assert Identity.decode(wire(Message(MT.LINK_REQ, 0, before_payload_auth))).payload_auth is False
+    bare = Identity.decode(wire(Message(MT.LINK_REQ, 0, {"cluster_id": 3})))
+    assert bare == Identity(3, None, False, False, None, None, None)
+    assert encode(bare.encode()) == encode(
+        Message(
+            MT.LINK_REQ,
+            0,
+            {
+                "cluster_id": 3,
+                "remote_accessible": False,
+                "payload_auth": False,
+                "host": None,
+                "uds": None,
+            },
+        )
+    )
+    assert Identity.decode(bare.encode()) == bare
+    partial = Identity.decode(Message(MT.LINK_REQ, 0, {"cluster_id": 3, "host": {"x": 1}}))
+    assert partial.host == Host()  # unknown keys ignored, missing parts None
+    # Unknown fields (a later release's) are ignored.
+    extra = {**LAST_RELEASE_LINK_REQ, "pad": "x" * 100, "pid": 5}
+    assert Identity.decode(Message(MT.LINK_REQ, 0, extra)) == Identity.decode(
+        Message(MT.LINK_REQ, 0, LAST_RELEASE_LINK_REQ)
+    )
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "node-3",
+        ["not", "a", "dict"],
+        5,
+        {"hostname": 5},
+        {"boot_id": ["b"]},
+        {"pidns": "4026531836"},
+        {"netns": True},
+        {"pidns": 2**64},
+    ],
+)
+def test_a_malformed_host_is_a_protocol_error(host: Any) -> None:
+    fields = {**LAST_RELEASE_LINK_REQ, "host": host}
+    with pytest.raises(ProtocolError):
+        Identity.decode(wire(Message(MT.LINK_REQ, 0, fields)))
+    with pytest.raises(ProtocolError):
+        Identity.decode(wire(Message(MT.LINK_ACK, 0, {"status": 0, **fields})))
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("cluster_id", "7"),
+        ("cluster_id", None),
+        ("role", None),
+        ("role", 1.0),
+        ("remote_accessible", "yes"),
+        ("remote_accessible", 0),
+        ("payload_auth", "0"),
+        ("transport", 5),
+        ("uds", ["llmdd-async"]),
+        ("mac", 0),
+    ],
+)
+def test_a_malformed_identity_field_is_a_protocol_error_through_the_bytes(
+    name: str, bad: Any
+) -> None:
+    for mtype, extra in ((MT.LINK_REQ, {}), (MT.LINK_ACK, {"status": 0})):
+        fields = {**extra, **LAST_RELEASE_LINK_REQ, name: bad}
+        with pytest.raises(ProtocolError):
+            Identity.decode(wire(Message(mtype, 0, fields)))
+
+
+def test_a_host_shares_a_kernel_only_with_one_that_claims_its_boot_and_namespaces() -> None:
+    me = Host("a", "boot", 1, 2)
+    assert me.shares(Host("b", "boot", 1, 2))  # the name is a hint for the log only
+    assert not me.shares(None)
+    assert not me.shares(Host("a", "other", 1, 2))
+    assert not me.shares(Host("a", "boot", 3, 2))
+    assert not me.shares(Host("a", "boot", 1, 3))
+    assert not me.shares(Host("a", "boot", 1, None))
+    assert not Host("a", "", 1, 2).shares(Host("a", "", 1, 2))  # no boot id: nothing known
+    assert not Host().shares(Host())
+
+
+def test_the_version_is_read_before_anything_else_of_a_hello() -> None:
+    other = wire(Message(MT.HELLO, 0, {"version": 2, "nonce": 5, "more": []}))
+    assert Hello.version_of(other) == 2  # what the "client speaks protocol 2" error says
+    with pytest.raises(ProtocolError):
+        Hello.decode(other)
+    assert Hello.version_of(wire(Message(MT.HELLO, 0, {}))) is None
+    assert Hello.version_of(wire(Hello("n", 1).encode())) == 1
+
+
+identity_names = st.sampled_from([*LAST_RELEASE_LINK_REQ, "mac", "status"])
+
+
+@SETTINGS
+@given(
+    st.sampled_from([MT.LINK_REQ, MT.LINK_ACK]),
+    st.dictionaries(identity_names, junk, max_size=4),
+    st.lists(identity_names, max_size=3),
+)
+def test_any_identity_decodes_or_raises_protocol_error_and_nothing_else(
+    mtype: MT, changed: dict[str, Any], dropped: list[str]
+) -> None:
+    fields = {"status": 0, **LAST_RELEASE_LINK_REQ, **changed}
+    for name in dropped:
+        fields.pop(name, None)
+    with contextlib.suppress(ProtocolError):  # anything else fails the test
+        x = Identity.decode(wire(Message(mtype, 0, fields)))
+        assert Identity.decode(wire(x.encode(mtype))) == x
+
+
+# ---------------------------------------------------------------------------- NIXL entry
+#: a TABLE's NIXL entry as ``NixlEndpoint.table_entry`` publishes it (last release too)
+NIXL_ENTRY: dict[str, Any] = {
+    "agent": "llmdd-1-abc",
+    "gen": 3,
+    "md": "bWV0YWRhdGE=",
+    "mem": {"1": ["DRAM", 0], "2": ["VRAM", 1]},
+}
+
+
+def test_a_nixl_entry_is_read_once_from_the_table() -> None:
+    table = Table.decode(wire(Message(MT.TABLE, 0, {"caches": [], "nixl": NIXL_ENTRY})))
+    nx = NixlInfo.of(table.nixl)
+    assert nx == NixlInfo("llmdd-1-abc", 3, "bWV0YWRhdGE=", {"1": ("DRAM", 0), "2": ("VRAM", 1)})
+    assert nx.metadata() == b"metadata" and nx.fields() == NIXL_ENTRY
+    assert NixlInfo.of(Table.decode(wire(Table().encode())).nixl) is None  # none published
+    # No generation, no memory types: read as before (loaded each time, nothing registered).
+    assert NixlInfo.of({"agent": "a", "md": ""}) == NixlInfo("a", None, "", {})
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {**NIXL_ENTRY, "md": 5},
+        {k: v for k, v in NIXL_ENTRY.items() if k != "md"},
+        {**NIXL_ENTRY, "agent": None},
+        {k: v for k, v in NIXL_ENTRY.items() if k != "agent"},
+        {**NIXL_ENTRY, "gen": "3"},
+        {**NIXL_ENTRY, "gen": True},
+        {**NIXL_ENTRY, "mem": ["DRAM", 0]},
+        {**NIXL_ENTRY, "mem": {"1": "DRAM"}},
+        {**NIXL_ENTRY, "mem": {"1": ["DRAM"]}},
+        {**NIXL_ENTRY, "mem": {"1": ["DRAM", "0"]}},
+        {**NIXL_ENTRY, "mem": {"1": [0, 0]}},
+    ],
+)
+def test_a_malformed_nixl_entry_is_a_protocol_error(entry: dict[str, Any]) -> None:
+    table = Table.decode(wire(Message(MT.TABLE, 0, {"caches": [], "nixl": entry})))
+    with pytest.raises(ProtocolError):
+        NixlInfo.of(table.nixl)
+
+
+def test_nixl_metadata_that_is_not_base64_is_a_protocol_error() -> None:
+    nx = NixlInfo.of({**NIXL_ENTRY, "md": "not base64!"})
+    assert nx is not None
+    with pytest.raises(ProtocolError):
+        nx.metadata()
+
+
+@SETTINGS
+@given(st.dictionaries(st.sampled_from([*NIXL_ENTRY, "x"]), junk, max_size=5))
+def test_any_nixl_entry_decodes_or_raises_protocol_error_and_nothing_else(
+    changed: dict[str, Any],
+) -> None:
+    table = Table.decode(wire(Message(MT.TABLE, 0, {"nixl": {**NIXL_ENTRY, **changed}})))
+    with contextlib.suppress(ProtocolError):  # anything else fails the test
+        nx = NixlInfo.of(table.nixl)
+        if nx is not None:
+            nx.metadata()
+
+
 def test_malformed_table_entries_count_as_nothing() -> None:
     good = CacheInfo(1, (4096,), 64, 1, False, 0, True).encode()
     fields = {
@@ -598,13 +826,6 @@ def test_malformed_table_entries_count_as_nothing() -> None:
     assert t.blocks_keys == {"0": 1} and t.slot_keys == (("req", 1, 0, 1, 0),)
     assert t.epoch is None and t.nixl is None
     assert Table.decode(Message(MT.TABLE, 0, {"caches": {}})) == Table()
-
-
-junk = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=6),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner),
-    max_leaves=8,
-)
 
 
 @SETTINGS
@@ -787,7 +1008,7 @@ def test_a_hostile_table_resolves_to_a_clean_error_or_a_cache(
     from llmdd_async._net.addressing import resolve_in_table
     from llmdd_async._net.peer_view import PeerView, TableSnapshot
 
-    target = {"by": by, "model_id": 0, "cache_id": 1, "index": 0}
+    target = Address.decode({"by": by, "model_id": 0, "cache_id": 1, "index": 0})
     for table in (fields, TableSnapshot(fields)):
         try:
             resolved = resolve_in_table(table, target, 9)
@@ -797,7 +1018,7 @@ def test_a_hostile_table_resolves_to_a_clean_error_or_a_cache(
                 LLMStatusCode.LLM_PARAM_INVALID,
             )
         else:
-            assert resolved["by"] == "cache_id"
+            assert resolved.by is By.CACHE_ID
     view = PeerView(lambda timeout_s: None)  # type: ignore[arg-type,return-value]
     view.adopt(fields)  # never raises: malformed entries count as nothing
     for cid in list(view.caches):
@@ -818,18 +1039,16 @@ def test_a_table_snapshot_is_the_dict_it_always_was_and_resolves_as_before() -> 
     }
     snap = TableSnapshot(fields)
     assert snap == fields and snap["caches"] is fields["caches"]
-    assert resolve_in_table(snap, {"by": "blocks_key", "model_id": 5}, 9) == {
-        "by": "cache_id",
-        "cache_id": 1,
-        "index": 0,
-    }
-    assert resolve_in_table(snap, {"by": "cache_id", "cache_id": 1, "index": 2}, 9)["index"] == 2
-    req = {"by": "req_key", "id": 1, "model_id": 0}
+    assert resolve_in_table(snap, Address(By.BLOCKS_KEY, model_id=5), 9) == Address(
+        By.CACHE_ID, cache_id=1, index=0
+    )
+    assert resolve_in_table(snap, Address(By.CACHE_ID, cache_id=1, index=2), 9).index == 2
+    req = Address(By.REQ_KEY, id=1, model_id=0)
     assert resolve_in_table(snap, req, 9) is req
     for target, code in (
-        ({"by": "blocks_key", "model_id": 7}, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
-        ({"by": "cache_id", "cache_id": 3}, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
-        ({"by": "blocks_key", "model_id": 6}, LLMStatusCode.LLM_PARAM_INVALID),
+        (Address(By.BLOCKS_KEY, model_id=7), LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
+        (Address(By.CACHE_ID, cache_id=3), LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
+        (Address(By.BLOCKS_KEY, model_id=6), LLMStatusCode.LLM_PARAM_INVALID),
     ):
         with pytest.raises(LLMException) as err:
             resolve_in_table(snap, target, 9)
