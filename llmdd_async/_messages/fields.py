@@ -88,7 +88,7 @@ def caps_of(claimed: Mapping[str, Any] | None) -> frozenset[Cap]:
     """The known caps ``claimed`` sets to True (unknown names and other values: not claimed)."""
     if not claimed:
         return frozenset()
-    return frozenset(c for c in CAPS_ORDER if claimed.get(c.value) is True)
+    return frozenset(c for c in CAPS_ORDER if claimed.get(c) is True)
 
 
 # ====================================================================== field readers

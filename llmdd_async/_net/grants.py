@@ -29,7 +29,6 @@ from .._planner import (
     plan_slots,
     tensor_windows,
 )
-from .._protocol import Message
 from .._registry import CacheEntry
 
 if TYPE_CHECKING:
@@ -518,16 +517,13 @@ def finish(
 
 
 # ====================================================================== shortcuts
-_COUNTED = ("local_addrs", "src_blocks", "dst_blocks")
-
-
-def pieces_bound(msg: Message) -> int:
-    """An upper bound of the ranges a request selects, from its arrays' sizes alone (before
-    it is decoded): at most every tensor of the initiator's cache times its longest block
-    list."""
-    arrays = msg.arrays
-    n = [memoryview(arrays[k]).nbytes // 8 if k in arrays else 0 for k in _COUNTED]
-    return n[0] * max(n[1], n[2], 1)
+def pieces_bound(req: Request) -> int:
+    """An upper bound of the ranges a request selects, from its arrays' sizes alone: at most
+    every tensor of the initiator's cache times its longest block list."""
+    src, dst = req.src_blocks, req.dst_blocks
+    return len(req.local_addrs) * max(
+        0 if src is None else len(src), 0 if dst is None else len(dst), 1
+    )
 
 
 def bound_bytes(req: Request) -> int:

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from .._devices import DeviceAdapter, DevicePool
     from .._enums import LLMRole, LLMStatusCode, Placement
     from .._memory import EpochPage
+    from .._messages import Request as XferRequest
     from .._options import EngineOptions
-    from .._protocol import Message
     from .._registry import CacheEntry, Registry
     from .._transports import TransportEndpoint
     from .._transports.tcp import StreamPlan
@@ -163,14 +163,14 @@ class LinkHost(Protocol):
 class RequestServer(Protocol):
     """The target side of transfers: how a link serves the requests its peer starts."""
 
-    def serve_now(self, link: Link, msg: Message) -> bool:
-        """Serve the request ``msg`` from the link's reader itself, if it is small enough to
-        need no task; False when a task must serve it (then nothing was sent). Never raises
-        for a bad request (the task answers it)."""
+    def serve_now(self, link: Link, request: XferRequest) -> bool:
+        """Serve ``request`` from the link's reader itself, if it is small enough to need no
+        task; False when a task must serve it (then nothing was sent). Never raises for a
+        bad request (the task answers it)."""
         ...
 
-    async def serve_request(self, link: Link, req: Serving, msg: Message) -> None:
-        """Serve the request ``msg`` (recorded as ``req`` in ``link.serving``) in a task of its
+    async def serve_request(self, link: Link, req: Serving, request: XferRequest) -> None:
+        """Serve ``request`` (recorded as ``req`` in ``link.serving``) in a task of its
         own: resolve, check, plan, grant, move, finish. Never raises: failures go back to
         the peer."""
         ...

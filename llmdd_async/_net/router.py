@@ -19,8 +19,9 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from .._enums import LLMStatusCode
-from .._errors import LinkBroken, LLMException, ProtocolError
+from .._errors import LinkBroken, LLMException, ProtocolError, is_caller_facing
 from .._messages import Abort, Grant, Pong, UnlinkAck
+from .._messages import Request as XferRequest
 from .._protocol import MT, UNCHARGED_META, Message
 from .requests import Pending, Request, Serving
 
@@ -155,28 +156,35 @@ class FrameRouter:
                 Grant.refusal(msg.req_id, LLMStatusCode.LLM_LINK_BUSY, busy).encode()
             )
             return
+        try:
+            request = XferRequest.decode(msg)  # the one read of the peer's request
+        except ProtocolError as exc:
+            if charged and budget is not None:
+                budget.release(charged)
+            code = exc.status_code if is_caller_facing(exc) else LLMStatusCode.LLM_PARAM_INVALID
+            await self._owe_reply(Grant.refusal(msg.req_id, code, str(exc)).encode())
+            return
         # The peer's deadline, but never more than this side would give itself: one
         # stalled peer must not hold our workers for longer (upstream: 1800 s).
-        deadline_ms = msg.fields.get("timeout_ms")
         deadline_s = link.host.serve_budget_s(1024)
-        if isinstance(deadline_ms, int) and deadline_ms > 0:
-            deadline_s = min(deadline_s, deadline_ms / 1000)
+        if request.timeout_ms > 0:
+            deadline_s = min(deadline_s, request.timeout_ms / 1000)
         try:
-            served = link.server.serve_now(link, msg)
+            served = link.server.serve_now(link, request)
         except BaseException:
-            if charged and link.decoder.budget is not None:
-                link.decoder.budget.release(charged)
+            if charged and budget is not None:
+                budget.release(charged)
             raise
         if served:
-            if charged and link.decoder.budget is not None:
-                link.decoder.budget.release(charged)
+            if charged and budget is not None:
+                budget.release(charged)
             return
         req = Serving(msg.req_id, time.monotonic() + deadline_s)
         req.meta_bytes = meta_bytes
         req.charged = charged
         link.queued_bytes += meta_bytes
         link.serving[msg.req_id] = req
-        link.host.spawn(link.server.serve_request, link, req, msg)
+        link.host.spawn(link.server.serve_request, link, req, request)
 
     def _aborted(self, msg: Message) -> None:
         """The peer stopped a request (and, with ``broken``, the link)."""

@@ -209,9 +209,9 @@ class SideChannel:
         if not check_within(ranges, nbytes, starts, ends):
             return False
         # (a dict lookup by the wire's word: this runs for every local-mode grant)
-        if caps.get(Cap.INPROC.value) or caps.get(Cap.PVR.value):
+        if caps.get(Cap.INPROC) or caps.get(Cap.PVR):
             return True
-        if caps.get(Cap.POOLS.value):
+        if caps.get(Cap.POOLS):
             pools = [p for p in self.engine.pools.values() if hasattr(p, "fd")]
             if not pools:
                 return False

@@ -21,7 +21,7 @@ import anyio.to_thread
 import numpy as np
 
 from .._enums import LLMStatusCode
-from .._errors import LinkBroken, LLMException, ProtocolError, is_caller_facing
+from .._errors import LinkBroken, LLMException, is_caller_facing
 from .._messages import FLAG_TO_INITIATOR, Data, Done, Grant, Mode, Op, Request, Result
 from .._planner import Plan
 from .._protocol import Message
@@ -72,17 +72,17 @@ async def _resolve_and_plan_async(engine: LinkHost, link: Link, req: Request) ->
     return finish(engine, req, res, planned, link.caps.trusted(req.caps_claimed()))
 
 
-async def serve_request(engine: LinkHost, link: Link, req: Serving, msg: Message) -> None:
-    """Handle one request from the peer: decode, resolve, check, plan, grant, move, finish.
+async def serve_request(engine: LinkHost, link: Link, req: Serving, request: Request) -> None:
+    """Handle one request from the peer: resolve, check, plan, grant, move, finish.
 
     Never raises: failures go back to the initiator (in the GRANT, or as an ABORT later).
     """
     async with link.serving_limiter:
-        if pieces_bound(msg) <= INLINE_PIECES:
-            await _serve(engine, link, req, msg)
+        if pieces_bound(request) <= INLINE_PIECES:
+            await _serve(engine, link, req, request)
             return
         async with _large_limiters(link)[1]:
-            await _serve(engine, link, req, msg)
+            await _serve(engine, link, req, request)
 
 
 #: large requests of one link in flight at once (each holds its plan and, streamed over many
@@ -113,15 +113,14 @@ _LARGE: weakref.WeakKeyDictionary[Link, tuple[anyio.CapacityLimiter, anyio.Capac
 )
 
 
-async def _serve(engine: LinkHost, link: Link, req: Serving, msg: Message) -> None:
+async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -> None:
     registry = engine.registry
     pinned: list[CacheEntry] = []
     granted = False
     t0 = time.monotonic()
     try:
         try:
-            request = Request.decode(msg)
-            if pieces_bound(msg) <= INLINE_PIECES:
+            if pieces_bound(request) <= INLINE_PIECES:
                 entries, plan, slot_info, mode, ntensors = resolve_and_plan(engine, link, request)
             else:
                 async with _large_limiters(link)[0]:
@@ -212,7 +211,7 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, msg: Message) -> No
             registry.unpin(e)
 
 
-def serve_now(engine: LinkHost, link: Link, msg: Message) -> bool:
+def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
     """Serve a small streamed pull from the link's reader itself: planned, granted and sent in
     one non-blocking ``sendmsg``, with no task, thread or serving slot. Returns False when a
     task must serve the request instead: anything else (pushes, direct-access grants, pulls
@@ -223,21 +222,10 @@ def serve_now(engine: LinkHost, link: Link, msg: Message) -> bool:
     Nothing of ours is touched once the bytes are in the socket, so the request ends there
     (its GRANT says no DONE is expected).
     """
-    raw = msg.fields
-    # What most requests that a task serves fail, read before the full decode (hot path).
-    if (
-        raw.get("op") != Op.PULL.value
-        or any(link.caps.trusted(raw.get("caps")).values())
-        or pieces_bound(msg) > INLINE_PIECES
-    ):
-        return False
-    try:
-        request = Request.decode(msg)
-    except ProtocolError:
-        return False  # the task answers with the status
     if (
         request.op is not Op.PULL
         or any(link.caps.trusted(request.caps_claimed()).values())
+        or pieces_bound(request) > INLINE_PIECES
         or bound_bytes(request) > INLINE_BYTES
     ):
         return False
@@ -254,9 +242,9 @@ def serve_now(engine: LinkHost, link: Link, msg: Message) -> bool:
     ):
         return False
     grant = Grant(
-        msg.req_id, mode=mode, total=total, done=False, local=plan.dst, nbytes=plan.nbytes
+        request.req_id, mode=mode, total=total, done=False, local=plan.dst, nbytes=plan.nbytes
     ).encode()
-    data = Data(msg.req_id, 0, total, to_initiator=True).encode()
+    data = Data(request.req_id, 0, total, to_initiator=True).encode()
     registry = engine.registry
     for e in entries:
         registry.pin(e)
@@ -296,10 +284,10 @@ class Target:
     def __init__(self, host: LinkHost) -> None:
         self.host = host
 
-    def serve_now(self, link: Link, msg: Message) -> bool:
+    def serve_now(self, link: Link, request: Request) -> bool:
         """See :func:`serve_now`."""
-        return serve_now(self.host, link, msg)
+        return serve_now(self.host, link, request)
 
-    async def serve_request(self, link: Link, req: Serving, msg: Message) -> None:
+    async def serve_request(self, link: Link, req: Serving, request: Request) -> None:
         """See :func:`serve_request`."""
-        await serve_request(self.host, link, req, msg)
+        await serve_request(self.host, link, req, request)
