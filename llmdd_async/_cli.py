@@ -10,7 +10,10 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; returns the exit status (also used as the process's)."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="llmdd-async", description="llmdd_async tools")
+    parser.add_argument("--version", action="version", version=f"llmdd-async {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     from .demo.runner import build_parser, run
 

@@ -161,10 +161,19 @@ def u64_bytes(arr: np.ndarray) -> memoryview:
     return np.ascontiguousarray(arr, dtype="<u8").data.cast("B")
 
 
+#: the wire's u64 (little-endian) as numpy reads it; native on little-endian hosts, so the
+#: arrays below are read with no conversion (one numpy call per array, on every request)
+_WIRE_U64 = np.dtype("<u8")
+_NATIVE = np.dtype(_U64) == _WIRE_U64
+
+
 def u64_array(msg: Message, name: str) -> np.ndarray | None:
     raw = msg.arrays.get(name)
+    if raw is None:
+        return None
     # A view, not a copy: the decoded frame's bytes are immutable and live as long as it.
-    return None if raw is None else np.frombuffer(raw, dtype="<u8").astype(_U64, copy=False)
+    arr = np.frombuffer(raw, dtype=_WIRE_U64)
+    return arr if _NATIVE else arr.astype(_U64)
 
 
 def expect_type(msg: Message, mtype: MT) -> None:

@@ -123,6 +123,7 @@ class Proof:
             if isinstance(probe, list)
             and len(probe) == 2
             and type(probe[0]) is int
+            and 0 <= probe[0] <= U64_MAX  # an address: numpy refuses others with OverflowError
             and isinstance(probe[1], str)
             else None
         )

@@ -100,6 +100,9 @@ _REQ_DEFAULTS: dict[str, Any] = {
 }
 
 
+_ABSENT = object()
+
+
 def _wire_range(r: range | None) -> list[int] | None:
     return None if r is None else [r.start, r.stop]
 
@@ -186,6 +189,12 @@ class Request(ArraysEqual):
             raise bad_field("caps", caps)
         raw = f.get("raw")
         g = f.get
+
+        def opt(name: str, what: str) -> int:
+            # most fields are left out at their defaults (see _REQ_DEFAULTS)
+            value = g(name, _ABSENT)
+            return _REQ_DEFAULTS[name] if value is _ABSENT else int_field(value, what)
+
         return cls(
             msg.req_id,
             enum_field(Op, g("op"), "op"),
@@ -195,13 +204,13 @@ class Request(ArraysEqual):
             local_addrs,
             caps=caps_of(caps),
             timeout_ms=int_field(g("timeout_ms", 0), "timeout", 0),
-            local_slot=int_field(g("local_slot", 0), "local slot"),
-            size=int_field(g("size", -1), "size"),
-            src_offset=int_field(g("src_offset", 0), "source offset"),
-            dst_offset=int_field(g("dst_offset", 0), "destination offset"),
+            local_slot=opt("local_slot", "local slot"),
+            size=opt("size", "size"),
+            src_offset=opt("src_offset", "source offset"),
+            dst_offset=opt("dst_offset", "destination offset"),
             src_range=range_field(g("src_range"), "source range"),
             dst_range=range_field(g("dst_range"), "destination range"),
-            tensor_num_per_layer=int_field(g("tnpl", 2), "tensors per layer"),
+            tensor_num_per_layer=opt("tnpl", "tensors per layer"),
             dst_block_bytes=opt_int_field(g("dst_block_bytes"), "destination block bytes"),
             src_blocks=u64_array(msg, "src_blocks"),
             dst_blocks=u64_array(msg, "dst_blocks"),

@@ -245,7 +245,7 @@ async def server_handshake(
     Raises:
         HandshakeFailed: the client was refused (it has been told so; a malformed LINK_REQ
             too, with why only where no key is configured: it cannot prove one).
-        ProtocolError: another protocol version, or a malformed HELLO.
+        ProtocolError: another protocol version, a malformed HELLO, or a malformed frame.
         OSError / EOFError: the connection failed.
     """
     key = engine.options.auth_key

@@ -61,7 +61,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     """The bench's options (on ``parser``, e.g. a subcommand's, or a new parser)."""
     p = parser or argparse.ArgumentParser(prog="llmdd-async bench")
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    p.description = p.description or __doc__
+    p.description = p.description or (__doc__ or "").replace("``", "")  # plain --help
     p.add_argument("--block-kib", type=_ints, default=[64], help="block sizes (KiB, K+V)")
     p.add_argument("--blocks", type=_ints, default=[1, 16], help="blocks per request")
     p.add_argument("--concurrency", type=_ints, default=[1, 64], help="requests in flight")

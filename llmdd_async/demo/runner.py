@@ -26,6 +26,7 @@ import anyio
 import numpy as np
 
 from llmdd_async._childproc import ChildProcess, run_on_loop
+from llmdd_async._transports import TRANSPORTS, installed
 from llmdd_async.demo.model import ModelConfig
 
 __all__ = ["DemoConfig", "main", "run_demo"]
@@ -416,14 +417,25 @@ def _png_path(text: str) -> str:
     return text
 
 
+def installed_transport(text: str) -> str:
+    """``--transport``: a known transport whose optional package is installed (else the one
+    line of usage error that says how to install it, before anything starts)."""
+    spec = TRANSPORTS.get(text)
+    if spec is not None and not installed(text):
+        raise argparse.ArgumentTypeError(
+            f"{text} is not installed here: {spec.install_hint.split('  ')[0]}"
+        )
+    return text  # an unknown name: argparse's choices say which are known
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The demo's options (on ``parser``, e.g. a subcommand's, or a new parser).
 
     Invalid values make ``parse_args`` exit with status 2 and a usage message."""
-    p = parser or argparse.ArgumentParser(prog="llmdd-async demo", description=__doc__)
+    p = parser or argparse.ArgumentParser(prog="llmdd-async demo")
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     if p.description is None:
-        p.description = __doc__
+        p.description = (__doc__ or "").replace("``", "")  # --help is plain text
     d = DemoConfig()
     positive = _int_at_least(1)
     p.add_argument("--layers", type=positive, default=d.layers, help="transformer layers")
@@ -447,6 +459,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--transport",
+        type=installed_transport,
         choices=["auto", "tcp", "same-host", "nixl"],
         default=d.transport,
         help="llm.Transport of both endpoints",

@@ -93,7 +93,8 @@ class LinkView:
 
     @property
     def peer_identity(self) -> dict[str, Any]:
-        """What the peer said about itself in the handshake (a copy)."""
+        """What the peer said about itself in the handshake, as its typed identity read it
+        (a copy; fields this side does not know are not kept)."""
         return self._link.peer.fields()
 
     @property

@@ -882,7 +882,7 @@ tcp_ends = st.tuples(st.text(max_size=15), st.integers(0, 65535))
 proofs = st.builds(
     Proof,
     st.lists(st.tuples(u64, u64), max_size=3).map(tuple),
-    st.tuples(i64, st.text(max_size=8)),
+    st.tuples(u64, st.text(max_size=8)),  # a probe address
     st.lists(cache_infos, max_size=3).map(tuple),
 )
 
@@ -971,6 +971,9 @@ def test_side_channel_answers_are_read_leniently_as_they_always_were() -> None:
     assert fin.proof.pools is None and fin.proof.probe is None
     assert [c.cache_id for c in fin.proof.caches] == [1]
     assert Proof.of({"pools": {"a": 1}}).pools is None
+    for addr in (-1, 1 << 64):  # not an address (numpy would raise OverflowError later)
+        assert Proof.of({"probe": [addr, "00ff"]}).probe is None
+    assert Proof.of({"probe": [(1 << 64) - 1, "00ff"]}).probe == ((1 << 64) - 1, "00ff")
     assert Proof.of({"pools": []}).pools == () and Proof.of({}).pools == ()
     with pytest.raises(ProtocolError):
         ProveFin.decode(Message(MT.PROVE_ACK, 0, {}))
