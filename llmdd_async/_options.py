@@ -22,6 +22,12 @@ __all__ = [
     "warn_unknown_options",
 ]
 
+
+#: the bound on one wait for a layer's signal unless ``llm.LayerSyncTimeout`` says otherwise:
+#: a forward pass that never signals a layer fails its transfer (LLM_TIMEOUT) instead of
+#: holding it, its link and its caches for ever
+DEFAULT_LAYER_SYNC_TIMEOUT_MS = 600_000
+
 #: Option keys of upstream (reference §4: emitted by ``LLMConfig``, accepted or derived by
 #: ``init``) and this library's own ``llm.`` options.
 UPSTREAM_OPTIONS = frozenset(
@@ -148,7 +154,7 @@ class EngineOptions:
     local_comm_res: str | None
     transport: str
     auth_key: bytes | None
-    layer_sync_timeout_ms: int | None = None
+    layer_sync_timeout_ms: int | None = DEFAULT_LAYER_SYNC_TIMEOUT_MS
     layer_window: int = 4
     #: legacy mode's KV memory: ge.flowGraphMemMaxSize x llm.MemoryUtilization
     legacy_kv_pool: PoolConfig | None = None
@@ -332,7 +338,7 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         local_comm_res=opts.get("llm.LocalCommRes"),
         transport=transport,
         auth_key=auth.encode() if auth is not None else None,
-        layer_sync_timeout_ms=int(sync_to) if sync_to else None,
+        layer_sync_timeout_ms=int(sync_to) if sync_to else DEFAULT_LAYER_SYNC_TIMEOUT_MS,
         layer_window=int(window),
         legacy_kv_pool=legacy_pool,
         link_total_time_s=int(total_time),

@@ -49,6 +49,27 @@ class Destination:
     make_spec: Callable[[int], TransferRequest]
 
 
+#: a layer-wise transfer that waited this long for one layer's signal says so (once per
+#: layer): a forward pass that never calls ``layer_ready`` is the usual cause of a hang
+LAYER_WAIT_WARN_S = 5.0
+
+
+def _warn_waiting(engine: Engine, layer: int, t0: float, timeout_ms: int | None) -> None:
+    engine.log.warning(
+        "transfer.layer_wait",
+        layer=layer,
+        waited_s=round(time.monotonic() - t0, 1),
+        bound_ms=timeout_ms,
+        hint="the synchronizer has not released this layer (is layer_ready called for it?); "
+        "llm.LayerSyncTimeout bounds the wait",
+    )
+
+
+async def _warn_after(engine: Engine, layer: int, t0: float, timeout_ms: int | None) -> None:
+    await anyio.sleep(LAYER_WAIT_WARN_S)
+    _warn_waiting(engine, layer, t0, timeout_ms)
+
+
 async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int | None) -> None:
     """Await ``sync`` for ``layer`` without blocking the loop: ``LayerEvents`` natively,
     ``AsyncLayerSynchronizer`` on the loop, blocking synchronizers in a daemon thread (left
@@ -58,17 +79,27 @@ async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int 
         SynchronizerAborted: False (LLM_PARAM_INVALID, as upstream), an exception (its code,
             LLM_FAILED by default) or a timeout (LLM_TIMEOUT).
     """
+    t0 = time.monotonic()
     try:
         with anyio.fail_after(None if timeout_ms is None else timeout_ms / 1000):
             if isinstance(sync, LayerEvents):
                 event, wake = engine.threadsafe_event()
                 if not sync.add_waker(layer, wake):
-                    await event.wait()
+                    with anyio.move_on_after(LAYER_WAIT_WARN_S):
+                        await event.wait()
+                    if not event.is_set():
+                        _warn_waiting(engine, layer, t0, timeout_ms)
+                        await event.wait()
                 ok = sync.result(layer)
-            elif isinstance(sync, AsyncLayerSynchronizer):
-                ok = await sync.synchronize_layer(layer, timeout_ms)
             else:
-                ok = await engine.run_blocking(sync.synchronize_layer, layer, timeout_ms)
+                async with anyio.create_task_group() as tg:
+                    # A user's synchronizer cannot be asked twice: a watcher says it is slow.
+                    tg.start_soon(_warn_after, engine, layer, t0, timeout_ms)
+                    if isinstance(sync, AsyncLayerSynchronizer):
+                        ok = await sync.synchronize_layer(layer, timeout_ms)
+                    else:
+                        ok = await engine.run_blocking(sync.synchronize_layer, layer, timeout_ms)
+                    tg.cancel_scope.cancel()
     except TimeoutError:
         raise SynchronizerAborted(
             f"layer {layer} was not ready within {timeout_ms} ms",

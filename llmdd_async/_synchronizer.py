@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import abc
+import operator
 import threading
 from collections.abc import Callable
+from typing import Any
+
+from ._errors import raise_if_false
 
 __all__ = ["AsyncLayerSynchronizer", "LayerEvents", "LayerSynchronizer"]
 
@@ -33,10 +37,20 @@ class LayerEvents(LayerSynchronizer):
     """A ready-made synchronizer that a forward pass signals with :meth:`layer_ready`.
 
     Thread-safe: the compute loop may run in any thread (or on the event loop itself).
-    ``timeout_in_millis`` bounds each wait when given (upstream always passes None).
+    ``num_layers``, when given, is the model's layer count: :meth:`layer_ready` refuses
+    indices outside it. (A transfer bounds each wait by ``llm.LayerSyncTimeout``; the
+    ``timeout_in_millis`` of :meth:`synchronize_layer` is upstream's, which passes None.)
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for a ``num_layers`` below 1.
+        TypeError: a ``num_layers`` that is not an int.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, num_layers: int | None = None) -> None:
+        if num_layers is not None:
+            num_layers = _index(num_layers, "num_layers")
+            raise_if_false(num_layers >= 1, f"num_layers must be at least 1, got {num_layers}")
+        self.num_layers = num_layers
         self._cond = threading.Condition()
         self._ready: set[int] = set()
         self._failed: BaseException | None = None
@@ -44,13 +58,35 @@ class LayerEvents(LayerSynchronizer):
         self._wakers: dict[int, list[Callable[[], None]]] = {}
 
     def layer_ready(self, layer_index: int) -> None:
-        """Mark ``layer_index`` computed; a waiting transfer of that layer starts at once."""
+        """Mark ``layer_index`` computed; a waiting transfer of that layer starts at once.
+
+        Raises:
+            TypeError: an index that is not an int (``bool`` included).
+            LLMException: LLM_PARAM_INVALID for a negative index, or one at or past
+                ``num_layers`` when that was given.
+        """
+        layer_index = self.check_index(layer_index)
         with self._cond:
             self._ready.add(layer_index)
             self._cond.notify_all()
             wakers = self._wakers.pop(layer_index, [])
         for wake in wakers:
             wake()
+
+    def check_index(self, layer_index: int) -> int:
+        """``layer_index`` as an int, if :meth:`layer_ready` would take it.
+
+        Raises:
+            TypeError / LLMException: as :meth:`layer_ready`.
+        """
+        layer_index = _index(layer_index, "layer_index")
+        raise_if_false(layer_index >= 0, f"layer_index must be >= 0, got {layer_index}")
+        n = self.num_layers
+        raise_if_false(
+            n is None or layer_index < n,
+            f"layer_index {layer_index} is outside the {n} layers of this synchronizer",
+        )
+        return layer_index
 
     def abort(self, error: BaseException | None = None) -> None:
         """Make every pending and future wait fail: the transfer task aborts."""
@@ -115,3 +151,16 @@ class LayerEvents(LayerSynchronizer):
         if not ok:
             raise TimeoutError(f"layer {layer_index} was not ready within {timeout_in_millis} ms")
         return self.result(layer_index)
+
+
+def _index(value: Any, name: str) -> int:
+    """An int (numpy's integers too) that is not a bool.
+
+    Raises:
+        TypeError: anything else."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None

@@ -265,3 +265,18 @@ def blocking_peer(role: Any, cluster_id: int, options: dict[str, str]) -> Iterat
         portal.wrap_async_context_manager(PeerProcess.start(role, cluster_id, options)) as p,
     ):
         yield p, portal
+
+
+def library_logs_enabled(monkeypatch: Any) -> None:
+    """Let the library's engine events reach pytest's ``caplog`` for this test.
+
+    Something earlier in a full run (a ``logging.config.dictConfig`` with its default
+    ``disable_existing_loggers``) can leave our existing loggers disabled; tests about what
+    the library logs are not about that."""
+    import logging
+
+    for name in ("llmdd_async", "llmdd_async.engine"):
+        monkeypatch.setattr(logging.getLogger(name), "disabled", False)
+    monkeypatch.setattr(logging.getLogger("llmdd_async.engine"), "level", logging.NOTSET)
+    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
+    logging.getLogger("llmdd_async").manager._clear_cache()

@@ -317,12 +317,18 @@ class TorchLayerEvents(LayerEvents):
     thread, never on the event loop or the compute thread.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, num_layers: int | None = None) -> None:
+        super().__init__(num_layers)
         self._waiter = DeviceEventWaiter()
 
     def record(self, layer_index: int, stream: Any = None) -> None:
-        """Record a device event for ``layer_index`` on ``stream`` (default: current)."""
+        """Record a device event for ``layer_index`` on ``stream`` (default: current).
+
+        Raises:
+            TypeError / LLMException: as :meth:`LayerEvents.layer_ready`, here rather than
+                later in the waiter thread.
+        """
+        self.check_index(layer_index)
         self._waiter.record(lambda: self.layer_ready(layer_index), stream)
 
 

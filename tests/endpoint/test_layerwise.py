@@ -21,6 +21,7 @@ from helpers import (
     cluster,
     endpoint_options,
     expected_tensor,
+    library_logs_enabled,
     link,
 )
 
@@ -309,6 +310,62 @@ async def test_layer_sync_timeout() -> None:
             await task
         assert err.value.status_code == S.LLM_TIMEOUT
         assert await task.get_results() == [S.LLM_TIMEOUT]
+
+
+class _BlockingGate(dd.LayerSynchronizer):
+    """A user's blocking synchronizer, released from the test."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return self.go.wait(30)
+
+
+@pytest.mark.parametrize("kind", ["layer_events", "blocking"])
+async def test_a_long_layer_wait_is_logged_then_the_transfer_goes_on(
+    kind: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A layer whose signal does not come says so (``transfer.layer_wait``, once, naming the
+    layer and the option that bounds it) instead of hanging silently; once it comes, the
+    transfer completes."""
+    import logging
+
+    from llmdd_async import _scheduler
+
+    library_logs_enabled(monkeypatch)
+    monkeypatch.setattr(_scheduler, "LAYER_WAIT_WARN_S", 0.2)
+    async with decoders("tcp") as ([dec], prompt):
+        await dec.request(
+            "register",
+            kind="blocks",
+            num_tensors=2,
+            shape=[4, 64],
+            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
+        )
+        cm = prompt.cache_manager
+        src = cm.allocate_blocks_cache(dd.CacheDesc(2, [4, 64], dd.DataType.DT_UINT8))
+        cfg = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(2, 0), range(0, 1), range(0, 1))
+        events = dd.LayerEvents()
+        gate = _BlockingGate()
+        sync = events if kind == "layer_events" else gate
+        with caplog.at_level(logging.WARNING, logger="llmdd_async.engine"):
+            task = cm.transfer_cache_async(src, sync, [cfg], [0], [0])
+
+            def waits() -> list[logging.LogRecord]:
+                return [r for r in caplog.records if r.getMessage().startswith("transfer.layer")]
+
+            await wait_until(lambda: bool(waits()), 10)
+            assert not task.done()
+            events.layer_ready(0)
+            gate.go.set()
+            with anyio.fail_after(10):
+                await task
+        assert await task.get_results() == [S.LLM_SUCCESS]
+        (record,) = waits()
+        assert record.levelno == logging.WARNING
+        assert record.layer == 0  # type: ignore[attr-defined]
+        assert "llm.LayerSyncTimeout" in record.getMessage()
 
 
 async def test_layer_events_from_a_compute_thread(transport) -> None:

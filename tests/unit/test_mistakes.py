@@ -8,7 +8,7 @@ import mmap
 
 import numpy as np
 import pytest
-from helpers import cm_options
+from helpers import cm_options, library_logs_enabled
 
 import llmdd_async as dd
 from llmdd_async._options import KNOWN_OPTIONS, option_key_hints
@@ -21,14 +21,7 @@ DT = dd.DataType
 # ------------------------------------------------------------------ option keys
 @pytest.fixture(autouse=True)
 def _engine_logger_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Something earlier in a full run (a `logging.config.dictConfig` with its default
-    # `disable_existing_loggers`) can leave our existing loggers disabled; these tests are about
-    # what the library logs, not about that.
-    for name in ("llmdd_async", "llmdd_async.engine"):
-        monkeypatch.setattr(logging.getLogger(name), "disabled", False)
-    monkeypatch.setattr(logging.getLogger("llmdd_async.engine"), "level", logging.NOTSET)
-    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
-    logging.getLogger("llmdd_async").manager._clear_cache()
+    library_logs_enabled(monkeypatch)
 
 
 def _option_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -159,3 +152,31 @@ async def test_torch_tensors_are_checked_by_their_dtype(datadist: dd.LLMDataDist
     cache = cm.register_cache(bf16, [t])  # numpy has no bfloat16: registered as its bytes
     assert cache.tensor_addrs == [t.data_ptr()]
     assert np.array_equal(cache.tensors[0], t.view(torch.uint16).numpy())
+
+
+# ------------------------------------------------------------------ layer signals
+def test_layer_events_check_their_indices() -> None:
+    events = dd.LayerEvents(num_layers=4)
+    events.layer_ready(3)
+    events.layer_ready(np.int64(2))  # numpy's integers are ints
+    for bad in (4, -1):
+        with pytest.raises(dd.LLMException) as err:
+            events.layer_ready(bad)
+        assert err.value.status_code == S.LLM_PARAM_INVALID
+    for wrong in ("a", 1.0, True, None):
+        with pytest.raises(TypeError):
+            events.layer_ready(wrong)  # type: ignore[arg-type]
+    assert events.is_layer_ready(3) and not events.is_layer_ready(4)
+    with pytest.raises(dd.LLMException):
+        dd.LayerEvents(num_layers=0)
+    dd.LayerEvents().layer_ready(10_000)  # no count given: any index >= 0
+    with pytest.raises(dd.LLMException):
+        dd.LayerEvents().layer_ready(-1)
+
+
+def test_the_layer_wait_has_a_default_bound() -> None:
+    from llmdd_async._options import DEFAULT_LAYER_SYNC_TIMEOUT_MS, parse_options
+
+    assert DEFAULT_LAYER_SYNC_TIMEOUT_MS == 600_000
+    assert parse_options(cm_options()).layer_sync_timeout_ms == DEFAULT_LAYER_SYNC_TIMEOUT_MS
+    assert parse_options(cm_options(**{"llm.LayerSyncTimeout": "100"})).layer_sync_timeout_ms == 100
