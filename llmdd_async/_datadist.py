@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._api_checks import check_clusters
 from ._checks import check_int32, check_isinstance, check_uint64
@@ -14,6 +14,11 @@ from ._config import LLMConfig
 from ._enums import LLMRole, LLMStatusCode, RegisterMemStatus
 from ._errors import LLMException, raise_if_false, raise_param
 from ._options import parse_listen, parse_options, warn_unknown_options
+
+if TYPE_CHECKING:
+    from ._cache_manager import CacheManager
+    from ._engine import Engine
+    from ._kv_cache_manager import KvCacheManager
 
 __all__ = ["LLMDataDist"]
 
@@ -34,8 +39,8 @@ class LLMDataDist:
         check_uint64("cluster_id", cluster_id)
         self._role = role
         self._cluster_id = int(cluster_id)
-        self._engine: Any = None
-        self._cache_manager: Any = None
+        self._engine: Engine | None = None
+        self._cache_manager: CacheManager | KvCacheManager | None = None
         self._holder: Any = None
 
     @property
@@ -49,11 +54,12 @@ class LLMDataDist:
     def is_initialized(self) -> bool:
         return self._engine is not None and not self._engine.closed
 
-    def _live_engine(self) -> Any:
-        if not self.is_initialized():
+    def _live_engine(self) -> Engine:
+        engine = self._engine
+        if engine is None or engine.closed:
             raise RuntimeError("llm datadist is not initialized")
-        self._engine.check_thread()
-        return self._engine
+        engine.check_thread()
+        return engine
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -264,7 +270,7 @@ class LLMDataDist:
 
     # ------------------------------------------------------------------ managers
     @property
-    def cache_manager(self) -> Any:
+    def cache_manager(self) -> CacheManager:
         """The :class:`CacheManager` (cache-manager mode only).
 
         Raises:
@@ -277,10 +283,11 @@ class LLMDataDist:
             from ._cache_manager import CacheManager
 
             self._cache_manager = CacheManager(engine)
+        assert isinstance(self._cache_manager, CacheManager)  # the mode is fixed at init
         return self._cache_manager
 
     @property
-    def kv_cache_manager(self) -> Any:
+    def kv_cache_manager(self) -> KvCacheManager:
         """The legacy :class:`KvCacheManager` (cache-manager mode off, the upstream default).
 
         Raises:
@@ -289,10 +296,11 @@ class LLMDataDist:
         engine = self._live_engine()
         if engine.options.cache_manager:
             raise_param("kv_cache_manager is only available when cache-manager mode is off")
-        if self._cache_manager is None:
-            from ._kv_cache_manager import KvCacheManager
+        from ._kv_cache_manager import KvCacheManager
 
+        if self._cache_manager is None:
             self._cache_manager = KvCacheManager(engine, self)
+        assert isinstance(self._cache_manager, KvCacheManager)  # the mode is fixed at init
         return self._cache_manager
 
     async def check_link_status(self, remote_cluster_id: int) -> None:

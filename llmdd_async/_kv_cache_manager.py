@@ -9,7 +9,7 @@ timeout code ``LLM_WAIT_PROCESS_TIMEOUT``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -20,6 +20,10 @@ from ._errors import raise_if_false
 from ._faces import face_of
 from ._task import CacheTask
 from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex
+
+if TYPE_CHECKING:
+    from ._datadist import LLMDataDist
+    from ._engine import Engine
 
 __all__ = ["KvCache", "KvCacheManager", "Tensor", "TensorDesc"]
 
@@ -139,7 +143,7 @@ class Tensor:
 class KvCacheManager:
     """``LLMDataDist.kv_cache_manager`` in legacy mode. Movements return CacheTasks."""
 
-    def __init__(self, engine: Any, datadist: Any) -> None:
+    def __init__(self, engine: Engine, datadist: LLMDataDist) -> None:
         self._cm = CacheManager(engine, cache_cls=KvCache)
         self._engine = engine
         self._datadist = datadist

@@ -483,7 +483,7 @@ class Decoder:
             self._buf, self._pos
         )
         if magic != MAGIC:
-            raise self._fail(f"bad magic {magic:#x}")
+            raise self._fail(f"bad magic {magic:#x}{_guess_protocol(self._buf, self._pos)}")
         if version != PROTOCOL_VERSION:
             raise self._fail(f"unsupported protocol version {version}")
         try:
@@ -539,3 +539,14 @@ class Decoder:
             raise
         self._payload_left = payload_len
         return msg
+
+
+def _guess_protocol(buf: bytes | bytearray | memoryview, pos: int) -> str:
+    """What a peer that does not speak ours seems to speak (for the error message): an
+    HTTP server or proxy, or TLS, answering where an endpoint was expected."""
+    head = bytes(buf[pos : pos + 8])
+    if head.startswith((b"HTTP/", b"GET ", b"POST ", b"PUT ", b"HEAD ")):
+        return " (the peer speaks HTTP: is this address a web server or proxy, not an endpoint?)"
+    if head[:1] == b"\x16" and head[1:2] == b"\x03":
+        return " (the peer speaks TLS: is this address a TLS server, not an endpoint?)"
+    return ""

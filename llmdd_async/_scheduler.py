@@ -102,7 +102,7 @@ async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int 
                     tg.cancel_scope.cancel()
     except TimeoutError:
         raise SynchronizerAborted(
-            f"layer {layer} was not ready within {timeout_ms} ms",
+            f"layer {layer} was not ready within {timeout_ms} ms (llm.LayerSyncTimeout)",
             status_code=LLMStatusCode.LLM_TIMEOUT,
         ) from None
     except anyio.get_cancelled_exc_class():

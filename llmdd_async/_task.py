@@ -200,7 +200,8 @@ class CacheTask:
         ):
             status = self._timeout_code
             self._error = LLMException(
-                f"{self.kind} did not finish within its deadline (sync_kv_timeout)",
+                f"{self.kind} did not finish within its deadline (the option "
+                "llm.SyncKvCacheWaitTime, LLMConfig.sync_kv_timeout; default 1000 ms)",
                 status_code=status,
             )
         elif error is not None:

@@ -182,6 +182,7 @@ class Worker(CommandServer):
         if pull_from is not None:
             assert self.dd is not None
             assert src_table is not None
+            assert self.cache is not None
             nb = len(src_table)
             task = self.dd.cache_manager.pull_blocks(
                 dd.BlocksCacheKey(pull_from, 0), self.cache, src_table, table[:nb]

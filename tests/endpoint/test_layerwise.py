@@ -293,22 +293,31 @@ async def test_async_synchronizer_and_exceptions(transport) -> None:
         assert task.layers_done == 2
 
 
+async def _one_layer_to(
+    dec: PeerProcess, prompt: dd.LLMDataDist
+) -> tuple[dd.CacheManager, dd.Cache, dd.TransferWithCacheKeyConfig]:
+    """A one-layer (two-tensor) blocks cache on each side, and the config that pushes it."""
+    await dec.request(
+        "register",
+        kind="blocks",
+        num_tensors=2,
+        shape=[4, 64],
+        blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
+    )
+    cm = prompt.cache_manager
+    src = cm.allocate_blocks_cache(dd.CacheDesc(2, [4, 64], dd.DataType.DT_UINT8))
+    cfg = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(2, 0), range(0, 1), range(0, 1))
+    return cm, src, cfg
+
+
 async def test_layer_sync_timeout() -> None:
     async with decoders("tcp", **{"llm.LayerSyncTimeout": "100"}) as ([dec], prompt):
-        await dec.request(
-            "register",
-            kind="blocks",
-            num_tensors=2,
-            shape=[4, 64],
-            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-        )
-        cm = prompt.cache_manager
-        src = cm.allocate_blocks_cache(dd.CacheDesc(2, [4, 64], dd.DataType.DT_UINT8))
-        cfg = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(2, 0), range(0, 1), range(0, 1))
+        cm, src, cfg = await _one_layer_to(dec, prompt)
         task = cm.transfer_cache_async(src, dd.LayerEvents(), [cfg], [0], [0])  # never ready
         with anyio.fail_after(5), pytest.raises(dd.LLMException) as err:
             await task
         assert err.value.status_code == S.LLM_TIMEOUT
+        assert "llm.LayerSyncTimeout" in str(err.value)
         assert await task.get_results() == [S.LLM_TIMEOUT]
 
 
@@ -336,16 +345,7 @@ async def test_a_long_layer_wait_is_logged_then_the_transfer_goes_on(
     library_logs_enabled(monkeypatch)
     monkeypatch.setattr(_scheduler, "LAYER_WAIT_WARN_S", 0.2)
     async with decoders("tcp") as ([dec], prompt):
-        await dec.request(
-            "register",
-            kind="blocks",
-            num_tensors=2,
-            shape=[4, 64],
-            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-        )
-        cm = prompt.cache_manager
-        src = cm.allocate_blocks_cache(dd.CacheDesc(2, [4, 64], dd.DataType.DT_UINT8))
-        cfg = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(2, 0), range(0, 1), range(0, 1))
+        cm, src, cfg = await _one_layer_to(dec, prompt)
         events = dd.LayerEvents()
         gate = _BlockingGate()
         sync = events if kind == "layer_events" else gate

@@ -253,6 +253,7 @@ async def test_a_pull_past_its_deadline_times_out_within_the_bound(conformance: 
         with anyio.fail_after(deadline_ms / 1000 + 5), pytest.raises(dd.LLMException) as err:
             await task
         assert err.value.status_code == S.LLM_TIMEOUT, err.value
+        assert "llm.SyncKvCacheWaitTime" in str(err.value)  # names the option to raise
         assert anyio.current_time() - t0 < deadline_ms / 1000 + 5
         assert link_of(near, FAR).alive  # a timeout is the request's, not the link's
 

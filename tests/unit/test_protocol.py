@@ -166,6 +166,8 @@ def meta(js: bytes, tail: bytes = b"") -> bytes:
     ("data", "why"),
     [
         (header(magic=0xDEADBEEF) + meta(b"{}"), "bad magic"),
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"\0" * 32, "the peer speaks HTTP"),
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01" + b"\0" * 32, "the peer speaks TLS"),
         (header(version=9) + meta(b"{}"), "unsupported protocol version"),
         (header(mtype=999) + meta(b"{}"), "unknown message type"),
         (header(meta_len=1 << 30), "exceeds"),
