@@ -279,9 +279,9 @@ class LLMDataDist:
         engine = self._live_engine()
         if not engine.options.cache_manager:
             raise_param("cache_manager needs llm.EnableCacheManager=1 (cache-manager mode)")
-        if self._cache_manager is None:
-            from ._cache_manager import CacheManager
+        from ._cache_manager import CacheManager
 
+        if self._cache_manager is None:
             self._cache_manager = CacheManager(engine)
         assert isinstance(self._cache_manager, CacheManager)  # the mode is fixed at init
         return self._cache_manager

@@ -23,7 +23,8 @@ __all__ = [
 ]
 
 
-#: the bound on one wait for a layer's signal unless ``llm.LayerSyncTimeout`` says otherwise:
+#: the bound on one wait for a layer's signal unless ``llm.LayerSyncTimeout`` says otherwise
+#: (the scheduler's own: a synchronizer is still passed None, as upstream passes it):
 #: a forward pass that never signals a layer fails its transfer (LLM_TIMEOUT) instead of
 #: holding it, its link and its caches for ever
 DEFAULT_LAYER_SYNC_TIMEOUT_MS = 600_000
@@ -154,7 +155,9 @@ class EngineOptions:
     local_comm_res: str | None
     transport: str
     auth_key: bytes | None
-    layer_sync_timeout_ms: int | None = DEFAULT_LAYER_SYNC_TIMEOUT_MS
+    #: as the user set it (None: unset; a user's synchronizer is then passed None, as
+    #: upstream does, and the scheduler bounds the wait by DEFAULT_LAYER_SYNC_TIMEOUT_MS)
+    layer_sync_timeout_ms: int | None = None
     layer_window: int = 4
     #: legacy mode's KV memory: ge.flowGraphMemMaxSize x llm.MemoryUtilization
     legacy_kv_pool: PoolConfig | None = None
@@ -338,7 +341,7 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         local_comm_res=opts.get("llm.LocalCommRes"),
         transport=transport,
         auth_key=auth.encode() if auth is not None else None,
-        layer_sync_timeout_ms=int(sync_to) if sync_to else DEFAULT_LAYER_SYNC_TIMEOUT_MS,
+        layer_sync_timeout_ms=int(sync_to) if sync_to else None,
         layer_window=int(window),
         legacy_kv_pool=legacy_pool,
         link_total_time_s=int(total_time),

@@ -27,6 +27,7 @@ from ._net.addressing import resolve_in_table, with_table
 from ._net.grants import TransferRequest
 from ._net.initiator import initiate
 from ._net.link import Link
+from ._options import DEFAULT_LAYER_SYNC_TIMEOUT_MS
 from ._synchronizer import AsyncLayerSynchronizer, LayerEvents
 from ._task import LayerTiming, TaskControl
 
@@ -80,21 +81,24 @@ async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int 
             LLM_FAILED by default) or a timeout (LLM_TIMEOUT).
     """
     t0 = time.monotonic()
+    # The user's synchronizer gets the user's value (None unless set, as upstream passes it);
+    # the wait itself is always bounded.
+    bound_ms = DEFAULT_LAYER_SYNC_TIMEOUT_MS if timeout_ms is None else timeout_ms
     try:
-        with anyio.fail_after(None if timeout_ms is None else timeout_ms / 1000):
+        with anyio.fail_after(bound_ms / 1000):
             if isinstance(sync, LayerEvents):
                 event, wake = engine.threadsafe_event()
                 if not sync.add_waker(layer, wake):
                     with anyio.move_on_after(LAYER_WAIT_WARN_S):
                         await event.wait()
                     if not event.is_set():
-                        _warn_waiting(engine, layer, t0, timeout_ms)
+                        _warn_waiting(engine, layer, t0, bound_ms)
                         await event.wait()
                 ok = sync.result(layer)
             else:
                 async with anyio.create_task_group() as tg:
                     # A user's synchronizer cannot be asked twice: a watcher says it is slow.
-                    tg.start_soon(_warn_after, engine, layer, t0, timeout_ms)
+                    tg.start_soon(_warn_after, engine, layer, t0, bound_ms)
                     if isinstance(sync, AsyncLayerSynchronizer):
                         ok = await sync.synchronize_layer(layer, timeout_ms)
                     else:
@@ -102,7 +106,7 @@ async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int 
                     tg.cancel_scope.cancel()
     except TimeoutError:
         raise SynchronizerAborted(
-            f"layer {layer} was not ready within {timeout_ms} ms (llm.LayerSyncTimeout)",
+            f"layer {layer} was not ready within {bound_ms} ms (llm.LayerSyncTimeout)",
             status_code=LLMStatusCode.LLM_TIMEOUT,
         ) from None
     except anyio.get_cancelled_exc_class():

@@ -326,8 +326,10 @@ class _BlockingGate(dd.LayerSynchronizer):
 
     def __init__(self) -> None:
         self.go = threading.Event()
+        self.timeouts: list[int | None] = []
 
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        self.timeouts.append(timeout_in_millis)
         return self.go.wait(30)
 
 
@@ -366,6 +368,27 @@ async def test_a_long_layer_wait_is_logged_then_the_transfer_goes_on(
         assert record.levelno == logging.WARNING
         assert record.layer == 0  # type: ignore[attr-defined]
         assert "llm.LayerSyncTimeout" in record.getMessage()
+        # upstream passes the synchronizer None; the bound is the scheduler's own
+        assert gate.timeouts == ([None] if kind == "blocking" else [])
+
+
+async def test_an_unsignalled_layer_fails_at_the_default_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without ``llm.LayerSyncTimeout`` a layer that never comes still ends the transfer, at
+    ``DEFAULT_LAYER_SYNC_TIMEOUT_MS`` (600 s; shortened here), with LLM_TIMEOUT."""
+    from llmdd_async import _scheduler
+    from llmdd_async._options import DEFAULT_LAYER_SYNC_TIMEOUT_MS
+
+    assert DEFAULT_LAYER_SYNC_TIMEOUT_MS == 600_000  # what README's option table says
+    monkeypatch.setattr(_scheduler, "DEFAULT_LAYER_SYNC_TIMEOUT_MS", 300)
+    async with decoders("tcp") as ([dec], prompt):
+        cm, src, cfg = await _one_layer_to(dec, prompt)
+        task = cm.transfer_cache_async(src, dd.LayerEvents(), [cfg], [0], [0])  # never ready
+        with anyio.fail_after(10), pytest.raises(dd.LLMException) as err:
+            await task
+        assert err.value.status_code == S.LLM_TIMEOUT
+        assert "within 300 ms (llm.LayerSyncTimeout)" in str(err.value)
 
 
 async def test_layer_events_from_a_compute_thread(transport) -> None:

@@ -172,11 +172,3 @@ def test_layer_events_check_their_indices() -> None:
     dd.LayerEvents().layer_ready(10_000)  # no count given: any index >= 0
     with pytest.raises(dd.LLMException):
         dd.LayerEvents().layer_ready(-1)
-
-
-def test_the_layer_wait_has_a_default_bound() -> None:
-    from llmdd_async._options import DEFAULT_LAYER_SYNC_TIMEOUT_MS, parse_options
-
-    assert DEFAULT_LAYER_SYNC_TIMEOUT_MS == 600_000
-    assert parse_options(cm_options()).layer_sync_timeout_ms == DEFAULT_LAYER_SYNC_TIMEOUT_MS
-    assert parse_options(cm_options(**{"llm.LayerSyncTimeout": "100"})).layer_sync_timeout_ms == 100
