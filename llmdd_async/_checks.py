@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from ._enums import DataType
 from ._errors import raise_if_false
 
 UINT64_MAX = 2**64 - 1
@@ -138,3 +139,30 @@ def check_list_of(name: str, value: Any, item_types: type | tuple[type, ...]) ->
     for i, item in enumerate(value):
         check_isinstance(f"{name}[{i}]", item, item_types)
     return value
+
+
+def _dtype_name(code: int) -> str:
+    try:
+        return DataType(code).name
+    except ValueError:
+        return f"data type {code}"
+
+
+def check_same_dtype(src: int | None, dst: int | None, what: str) -> None:
+    """Check that a transfer's source and destination caches hold the same element type.
+
+    ``None`` (a peer that does not say, e.g. an older release) and ``DT_UINT8`` (a raw byte
+    cache, which takes any element type) match anything. ``what`` names the two caches.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID naming both data types when they differ.
+    """
+    if src is None or dst is None or src == dst:
+        return
+    raw = DataType.DT_UINT8.value
+    raise_if_false(
+        src == raw or dst == raw,
+        f"data type mismatch: {what}: the source holds {_dtype_name(src)}, the destination "
+        f"{_dtype_name(dst)} (the same bytes would be read as another type; register the caches "
+        "with the same DataType, or DT_UINT8 for raw bytes)",
+    )

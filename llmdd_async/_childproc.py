@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -134,14 +134,17 @@ class ChildProcess:
         loop: str = "asyncio",
         env: dict[str, str] | None = None,
         inherit_stderr: bool = False,
+        prefix: Sequence[str] = (),
     ) -> AsyncIterator[Any]:
         """Start ``python -m module``; on exit ask it to stop, and kill it if it does not.
 
         ``inherit_stderr``: the child writes to this process's stderr (its log lines, say)
-        instead of a pipe."""
+        instead of a pipe. ``prefix``: a command line the interpreter runs under (``ip netns
+        exec NAME``, say); it must exec the interpreter in place, so that :meth:`pause` and
+        :meth:`kill` reach the child itself."""
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", LLMDD_PEER_LOOP=loop, **(env or {}))
         process = await anyio.open_process(
-            [sys.executable, "-m", module],
+            [*prefix, sys.executable, "-m", module],
             env=full_env,
             stderr=None if inherit_stderr else subprocess.PIPE,
         )
@@ -185,10 +188,7 @@ class ChildProcess:
         rid = next(self._ids)
         ev = anyio.Event()
         self._waiters[rid] = ev
-        assert self.process.stdin is not None
-        line = (json.dumps({"id": rid, "op": op, "args": args}) + "\n").encode()
-        async with self._lock:
-            await self.process.stdin.send(line)
+        await self._send(rid, op, args)
         await ev.wait()
         reply = self._results.pop(rid, None)
         if reply is None:
@@ -201,6 +201,12 @@ class ChildProcess:
                 status_code=None if code is None else LLMStatusCode.from_wire(code),
             )
         return reply["result"]
+
+    async def _send(self, rid: int, op: str, args: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        line = (json.dumps({"id": rid, "op": op, "args": args}) + "\n").encode()
+        async with self._lock:
+            await self.process.stdin.send(line)
 
     def pause(self) -> None:
         """SIGSTOP the child: a peer that hangs without closing its sockets."""
@@ -218,7 +224,9 @@ class ChildProcess:
         if self.process.returncode is None:
             with contextlib.suppress(Exception), anyio.move_on_after(5):
                 self.resume()
-                await self.request("exit")
+                # Its exit answers, not its reply: the reader may be cancelled already (the
+                # block that ran the child was).
+                await self._send(next(self._ids), "exit", {})
                 await self.process.wait()
             self.kill()
         with contextlib.suppress(Exception):

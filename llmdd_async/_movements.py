@@ -140,6 +140,9 @@ def start_request(
     timeout, ra = engine.sync_kv_timeout_s, engine.options.remote_accessible
 
     async def run(ctl: TaskControl) -> None:
+        # Registration's page population is waited for before any deadline runs: a pull
+        # right after registering fresh memory must not spend its budget on page faults.
+        await engine.populated(spec.local.addrs)
         await run_request(engine, ctl, link, spec, timeout, steps, ra)
 
     return start_task(engine, kind, [spec.local], run)
@@ -202,6 +205,7 @@ def start_transfer(
     window = engine.options.layer_window
 
     async def run(ctl: TaskControl) -> None:
+        await engine.populated(entry.addrs)  # before any layer's deadline (as start_request)
         await run_transfer(
             engine, ctl, layer_synchronizer, dests, timeout, sync_timeout, window, ra
         )

@@ -77,6 +77,7 @@ class CacheEntry:
             "is_blocks": self.is_blocks,
             "placement": int(self.placement),
             "remote_accessible": self.remote_accessible,
+            "dtype": self.dtype,
         }
 
 

@@ -5,11 +5,14 @@ pulls and pushes, FIFO with layer-wise sends) and its deadline starts once the l
 
 The layer-wise ``transfer_cache_async`` (:func:`run_transfer`): one producer awaits the
 synchronizer for layer ``i`` and hands the layer to every destination whose range holds it;
-each destination sends its layers in order, one request per layer, holding its link's phase
-lock alone (FIFO with pulls and pushes, which share it), while the producer already awaits
-layer ``i + 1``. A bounded channel per destination (the *window*) stops the producer from
-running more than ``window`` layers ahead of the slowest destination, which keeps staging
-memory flat. Different destinations (links) move in parallel.
+each destination sends its layers in order, holding its link's phase lock alone (FIFO with
+pulls and pushes, which share it), while the producer already awaits layer ``i + 1``. The
+layers a destination has been handed and not yet sent go in one request: one layer per
+request while the link keeps up with the synchronizer, all that became ready meanwhile when
+it does not (a request costs round trips whatever its size). A bounded channel per
+destination (the *window*) stops the producer from running more than ``window`` layers ahead
+of the slowest destination, which keeps staging memory flat. Different destinations (links)
+move in parallel.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class Destination:
     slot: int
     link: Link
     layers: list[int]
-    make_spec: Callable[[int], TransferRequest]
+    #: the request of a run of consecutive layers
+    make_spec: Callable[[range], TransferRequest]
 
 
 #: a layer-wise transfer that waited this long for one layer's signal says so (once per
@@ -80,6 +84,8 @@ async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int 
         SynchronizerAborted: False (LLM_PARAM_INVALID, as upstream), an exception (its code,
             LLM_FAILED by default) or a timeout (LLM_TIMEOUT).
     """
+    if isinstance(sync, LayerEvents) and sync.is_layer_ready(layer):
+        return  # signalled already: no event, no scope (the usual case when the link lags)
     t0 = time.monotonic()
     # The user's synchronizer gets the user's value (None unless set, as upstream passes it);
     # the wait itself is always bounded.
@@ -201,43 +207,65 @@ async def run_layerwise(
 
     async def consume(d: Destination, receive: Any) -> None:
         async with receive:
-            async for layer in receive:
-                ctl.start_slot(d.slot)
-                spec = d.make_spec(layer)
+            async for first in receive:
+                # Every layer already handed over goes in the same request: a request costs
+                # a round trip or two whatever its size, so layers that are ready while the
+                # link is busy must not each pay for one (consecutive layers, by the
+                # producer's order; at most the window plus one).
+                layers = [first]
+                while True:
+                    try:
+                        layers.append(receive.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                for run in _runs(layers):
+                    await send_layers(d, run)
+
+    async def send_layers(d: Destination, run: range) -> None:
+        ctl.start_slot(d.slot)
+        spec = d.make_spec(run)
+        budget = timeout_s * len(run)
+        try:
+            async with d.link.transfer_lock.hold(exclusive=True):
+                # The budget starts once the link is ours, sync_kv_timeout per layer (upstream:
+                # one engine call per layer, each bounded by it).
+                deadline = time.monotonic() + budget
+                token = ctl.token.child(deadline)
+                now = ctl.now()
+                for layer in run:
+                    started_at.setdefault(layer, now)
+                d.link.check_alive()
                 try:
-                    async with d.link.transfer_lock.hold(exclusive=True):
-                        # Each layer's budget starts once the link is ours (upstream: one
-                        # engine call per layer, each bounded by sync_kv_timeout).
-                        deadline = time.monotonic() + timeout_s
-                        token = ctl.token.child(deadline)
-                        started_at.setdefault(layer, ctl.now())
-                        d.link.check_alive()
-                        try:
-                            with anyio.fail_after(timeout_s):
-                                moved, descs = await initiate(engine, d.link, spec, token, deadline)
-                        except TimeoutError:
-                            raise LLMException(
-                                f"layer {layer} to cluster {d.link.peer_cluster_id} did not "
-                                f"finish within {timeout_s:.3f} s (sync_kv_timeout)",
-                                status_code=LLMStatusCode.LLM_TIMEOUT,
-                            ) from None
-                except LLMException as exc:
-                    # A stopped copy (CopyCancelled: a cancel, a deadline) is the task's to
-                    # report, not this slot's.
-                    if is_caller_facing(exc):
-                        ctl.set_result(d.slot, exc.status_code)
-                    raise
-                ctl.add(moved, descs)
-                nbytes_at[layer] = nbytes_at.get(layer, 0) + moved
-                remaining[layer] -= 1
-                if remaining[layer] == 0:  # the layer landed everywhere
-                    ctl.layer_done(
-                        LayerTiming(
-                            layer, ready_at[layer], started_at[layer], ctl.now(), nbytes_at[layer]
-                        )
-                    )
-                if layer == last[d.index]:
-                    ctl.set_result(d.slot, LLMStatusCode.LLM_SUCCESS)
+                    with anyio.fail_after(budget):
+                        moved, descs = await initiate(engine, d.link, spec, token, deadline)
+                except TimeoutError:
+                    what = f"layer {run.start}" if len(run) == 1 else f"layers {_span(run)}"
+                    raise LLMException(
+                        f"{what} to cluster {d.link.peer_cluster_id} did not finish within "
+                        f"{budget:.3f} s (sync_kv_timeout per layer)",
+                        status_code=LLMStatusCode.LLM_TIMEOUT,
+                    ) from None
+        except LLMException as exc:
+            # A stopped copy (CopyCancelled: a cancel, a deadline) is the task's to report,
+            # not this slot's.
+            if is_caller_facing(exc):
+                ctl.set_result(d.slot, exc.status_code)
+            raise
+        ctl.add(moved, descs)
+        # The layers of one cache are alike (the same tensors per layer and blocks), so each
+        # moved an equal share.
+        share, extra = divmod(moved, len(run))
+        finished = ctl.now()
+        for i, layer in enumerate(run):
+            nbytes_at[layer] = nbytes_at.get(layer, 0) + share + (extra if i == 0 else 0)
+            remaining[layer] -= 1
+            if remaining[layer] == 0:  # the layer landed everywhere
+                timing = LayerTiming(
+                    layer, ready_at[layer], started_at[layer], finished, nbytes_at[layer]
+                )
+                ctl.layer_done(timing)
+        if last[d.index] in run:
+            ctl.set_result(d.slot, LLMStatusCode.LLM_SUCCESS)
 
     async def produce(sends: dict[int, Any]) -> None:
         try:
@@ -270,6 +298,23 @@ async def run_layerwise(
         tg.start_soon(_first_failure, produce, (sends,), failure, tg)
     if failure:
         raise failure[0]
+
+
+def _runs(layers: list[int]) -> list[range]:
+    """``layers`` (ascending) as runs of consecutive layers."""
+    runs: list[range] = []
+    start = prev = layers[0]
+    for layer in layers[1:]:
+        if layer != prev + 1:
+            runs.append(range(start, prev + 1))
+            start = layer
+        prev = layer
+    runs.append(range(start, prev + 1))
+    return runs
+
+
+def _span(run: range) -> str:
+    return f"{run.start}-{run.stop - 1}"
 
 
 async def _first_failure(

@@ -93,9 +93,11 @@ class CacheInfo:
     is_blocks: bool
     placement: int
     remote_accessible: bool
+    #: a ``DataType`` value; None: the peer did not say (earlier releases)
+    dtype: int | None = None
 
     def encode(self) -> dict[str, Any]:
-        return {
+        out = {
             "cache_id": self.cache_id,
             "addrs": list(self.addrs),
             "tensor_bytes": self.tensor_bytes,
@@ -104,6 +106,9 @@ class CacheInfo:
             "placement": self.placement,
             "remote_accessible": self.remote_accessible,
         }
+        if self.dtype is not None:
+            out["dtype"] = self.dtype
+        return out
 
     @classmethod
     def decode(cls, raw: Any) -> CacheInfo | None:
@@ -120,6 +125,7 @@ class CacheInfo:
                 bool_field(raw["is_blocks"], "is_blocks"),
                 int_field(raw.get("placement", 0), "placement"),
                 raw.get("remote_accessible") is True,
+                opt_int_field(raw.get("dtype"), "data type", 0),
             )
         except (ProtocolError, KeyError, TypeError, AttributeError):
             return None
@@ -403,6 +409,18 @@ class Host:
             and self.pidns == other.pidns
             and self.netns == other.netns
         )
+
+    def difference(self, other: Host | None) -> str:
+        """What keeps ``other`` from sharing this host, in words (for errors and logs)."""
+        if other is None or not other.boot_id:
+            return "it did not say where it runs"
+        if not self.boot_id or self.boot_id != other.boot_id:
+            return f"it runs on another host ({other.hostname or 'unnamed'})"
+        if self.netns != other.netns:
+            return "it runs in another network namespace of this host"
+        if self.pidns != other.pidns:
+            return "it runs in another pid namespace of this host"
+        return "it shares this host"
 
 
 def _bool_or_false(f: Mapping[str, Any], name: str) -> bool:

@@ -135,6 +135,9 @@ class Request(ArraysEqual):
     dst_blocks: np.ndarray | None = None
     raw: tuple[int, int, bool] | None = None
     raw_addrs: np.ndarray | None = None
+    #: the initiator's cache's element type (a ``DataType`` value); None: not said (earlier
+    #: releases leave it out), then the target does not check it
+    dtype: int | None = None
 
     def encode(self) -> Message:
         tb, count, is_blocks = self.layout
@@ -160,6 +163,8 @@ class Request(ArraysEqual):
                 fields[name] = value
         if self.raw is not None:
             fields["raw"] = list(self.raw)
+        if self.dtype is not None:
+            fields["dtype"] = self.dtype
         arrays: dict[str, bytes | memoryview] = {"local_addrs": u64_bytes(self.local_addrs)}
         for name, arr in (
             ("src_blocks", self.src_blocks),
@@ -216,6 +221,7 @@ class Request(ArraysEqual):
             dst_blocks=u64_array(msg, "dst_blocks"),
             raw=None if raw is None else layout_field(raw, "raw layout"),
             raw_addrs=raw_addrs,
+            dtype=opt_int_field(g("dtype"), "data type", 0),
         )
 
     def caps_claimed(self) -> dict[str, bool]:

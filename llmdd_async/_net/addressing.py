@@ -75,16 +75,16 @@ def resolve_in_table(table: Mapping[str, Any], target: Address, peer: int) -> Ad
 
 
 def with_table(
-    make: Callable[[int], TransferRequest], table: Mapping[str, Any], peer: int
-) -> Callable[[int], TransferRequest]:
+    make: Callable[[range], TransferRequest], table: Mapping[str, Any], peer: int
+) -> Callable[[range], TransferRequest]:
     """Resolve a keyed destination through the peer's table snapshot once, for every layer.
 
-    The returned factory raises as :func:`resolve_in_table` (at its first layer).
+    The returned factory raises as :func:`resolve_in_table` (at its first layers).
     """
     resolved: list[Address] = []
 
-    def make_resolved(layer: int) -> TransferRequest:
-        spec = make(layer)
+    def make_resolved(layers: range) -> TransferRequest:
+        spec = make(layers)
         if spec.target.by is not By.ADDRS:
             if not resolved:
                 resolved.append(resolve_in_table(table, spec.target, peer))
@@ -103,9 +103,10 @@ def layer_spec_factory(
     dst_b: np.ndarray | None,
     dbm: int | None,
     tnpl: int = 2,
-) -> Callable[[int], TransferRequest]:
-    """The one-layer push of ``config`` for a source layer: by key (its ``dst_layer_range``
-    maps relative to ``src_r``) or to the raw addresses of a ``TransferConfig``.
+) -> Callable[[range], TransferRequest]:
+    """The push of ``config`` for a run of consecutive source layers (one request for all of
+    them): by key (its ``dst_layer_range`` maps relative to ``src_r``) or to the raw addresses
+    of a ``TransferConfig``.
 
     ``shape``, the block lists ``src_b`` / ``dst_b``, the destination block bytes ``dbm`` and
     ``tnpl`` (tensors per layer) are the transfer's, the same for every config.
@@ -115,16 +116,16 @@ def layer_spec_factory(
         dst_r = config.dst_layer_range
         target = target_of(config.cache_key)
 
-        def keyed(layer: int) -> TransferRequest:
-            dst_layer = dst_r.start + (layer - src_r.start)
+        def keyed(layers: range) -> TransferRequest:
+            dst_layer = dst_r.start + (layers.start - src_r.start)
             return TransferRequest(
                 Op.PUSH,
                 target,
                 shape,
                 entry,
                 local_slot=src_slot,
-                src_range=range(layer, layer + 1),
-                dst_range=range(dst_layer, dst_layer + 1),
+                src_range=layers,
+                dst_range=range(dst_layer, dst_layer + len(layers)),
                 tensor_num_per_layer=tnpl,
                 src_blocks=src_b,
                 dst_blocks=dst_b,
@@ -140,20 +141,21 @@ def layer_spec_factory(
     else:
         raw_tb, raw_count, raw_blocks = entry.stride, 1, False
 
-    def raw(layer: int) -> TransferRequest:
-        k = 2 * (layer - src_r.start)
+    def raw(layers: range) -> TransferRequest:
+        # two addresses (K and V) per layer of the config, from its first layer on
+        k = 2 * (layers.start - src_r.start)
         return TransferRequest(
             Op.PUSH,
             Address(By.ADDRS),
             shape,
             entry,
             local_slot=src_slot,
-            src_range=range(layer, layer + 1),
-            dst_range=range(0, 1),
+            src_range=layers,
+            dst_range=range(0, len(layers)),
             src_blocks=src_b,
             dst_blocks=dst_b,
             dst_block_bytes=unit if dst_b is not None else None,
-            raw_addrs=addrs[k : k + 2],
+            raw_addrs=addrs[k : k + 2 * len(layers)],
             raw_tensor_bytes=raw_tb,
             raw_count=raw_count,
             raw_is_blocks=raw_blocks,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._checks import check_same_dtype
 from .._enums import LLMStatusCode
 from .._errors import ProtocolError, raise_if_false
 from .._messages import Address, By, Mode, Op, Request, Shape, caps_of
@@ -112,6 +113,7 @@ class TransferRequest:
                 else (self.raw_tensor_bytes, self.raw_count, self.raw_is_blocks)
             ),
             raw_addrs=self.raw_addrs,
+            dtype=e.dtype,
         )
 
 
@@ -363,6 +365,12 @@ def resolve(engine: LinkHost, req: Request) -> Resolved:
             entry.remote_accessible,
             f"cache {entry.cache_id} of cluster {engine.cluster_id} is not remote accessible",
         )
+    if entry is not None:
+        ours = f"cache {entry.cache_id} of cluster {engine.cluster_id}"
+        if req.op is Op.PULL:
+            check_same_dtype(entry.dtype, req.dtype, f"pull from {ours} into the peer's cache")
+        else:
+            check_same_dtype(req.dtype, entry.dtype, f"push from the peer's cache into {ours}")
     # Claimed sizes first: nothing is built from an array before its length is known to fit.
     n_local = _count(req.local_addrs, MAX_TENSORS, "tensors of its own cache")
     units = max(

@@ -22,6 +22,7 @@ import time
 import anyio
 import numpy as np
 
+from .._checks import check_same_dtype
 from .._enums import LLMStatusCode
 from .._errors import CopyCancelled, LinkBroken, LLMException, ProtocolError, raise_if_false
 from .._memory import CancelToken
@@ -49,14 +50,14 @@ async def initiate(
     engine: LinkHost, link: Link, spec: TransferRequest, token: CancelToken, deadline: float | None
 ) -> tuple[int, int]:
     """Run one request to completion; returns ``(bytes, descriptors)``. The caller holds the
-    link's transfer lock and a pin on ``spec.local``; ``token`` stops the workers (its own
-    deadline included) and ``deadline`` (monotonic) is sent to the target.
+    link's transfer lock and a pin on ``spec.local`` (and awaited its population); ``token``
+    stops the workers (its own deadline included) and ``deadline`` (monotonic) is sent to the
+    target.
 
     Raises:
         LLMException: the target refused (its status code), the link failed
             (LLM_LINK_FAILED / LLM_NOT_YET_LINK), or the transfer was stopped.
     """
-    await engine.populated(spec.local.addrs)
     req = link.open_pending(deadline)
     req.token = token
     try:
@@ -185,6 +186,12 @@ def _direct_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | 
         0 <= slot < (1 if tgt.is_blocks else tgt.count),
         f"batch index {slot} is outside cache {target.cache_id}",
         LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+    )
+    check_same_dtype(
+        link.view.dtype(target.cache_id),
+        spec.local.dtype,
+        f"pull from cache {target.cache_id} of cluster {link.peer_cluster_id} into cache "
+        f"{spec.local.cache_id} of cluster {engine.cluster_id}",
     )
     plan, _, _ = plan_selection(
         Op.PULL,

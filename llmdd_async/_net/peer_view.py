@@ -56,8 +56,8 @@ class PeerView:
         self.table: TableSnapshot | None = None
         #: the table's caches by id (as the peer described them; checked before any use)
         self.caches: dict[int, dict[str, Any]] = {}
-        #: cache id -> (its table entry, the layout parsed from that entry)
-        self._layouts: dict[int, tuple[dict[str, Any], Layout | None]] = {}
+        #: cache id -> (its table entry, the layout and the data type parsed from that entry)
+        self._layouts: dict[int, tuple[dict[str, Any], Layout | None, int | None]] = {}
         #: (address, value) of the peer's epoch counter as of that view (one-sided pulls)
         self.epoch: tuple[int, int] | None = None
         #: (starts, ends) of the peer's memory that it let us reach directly, refreshed from
@@ -87,19 +87,28 @@ class PeerView:
         """The layout of the peer's remote-accessible cache ``cache_id`` as this view of its
         table describes it, parsed once per view; None when it is not published as reachable
         or its entry is malformed."""
+        return self._parsed(cache_id)[0]
+
+    def dtype(self, cache_id: int) -> int | None:
+        """The data type (a ``DataType`` value) the peer published for ``cache_id``; None when
+        it did not say (earlier releases) or the entry is missing or malformed."""
+        return self._parsed(cache_id)[1]
+
+    def _parsed(self, cache_id: int) -> tuple[Layout | None, int | None]:
         desc = self.caches.get(cache_id)
         cached = self._layouts.get(cache_id)
         if cached is not None and cached[0] is desc:
-            return cached[1]
+            return cached[1], cached[2]
         layout: Layout | None = None
         info = CacheInfo.decode(desc) if desc is not None else None
         if info is not None and info.remote_accessible:
             layout = Layout.of(info.addrs, info.tensor_bytes, info.count, info.is_blocks)
             if layout.num_tensors == 0 or layout.count <= 0 or layout.tensor_bytes <= 0:
                 layout = None
+        dtype = info.dtype if info is not None else None
         if desc is not None:
-            self._layouts[cache_id] = (desc, layout)
-        return layout
+            self._layouts[cache_id] = (desc, layout, dtype)
+        return layout, dtype
 
     def adopt(self, table: Mapping[str, Any]) -> None:
         """What this side knows of the peer's memory, from a copy of its table: the reachable

@@ -229,10 +229,9 @@ class SideChannel:
         if access is not None or spec is None or not spec.direct_only:
             return
         if not self.host.shares(peer.host):
-            where = peer.host.hostname if peer.host is not None else None
             raise HandshakeFailed(
-                f"llm.Transport={self.engine.options.transport}, but cluster "
-                f"{peer.cluster_id} runs on another host ({where or 'unknown'})"
+                f"llm.Transport={self.engine.options.transport} needs a peer on this host, but "
+                f"cluster {peer.cluster_id} cannot share it: {self.host.difference(peer.host)}"
             )
 
     # ------------------------------------------------------------------ server side

@@ -17,13 +17,16 @@ so tests can compute the expected bytes without moving them through the test har
 :func:`wait_until` waits for a condition with a deadline; :func:`free_ports` finds unused ports.
 :func:`link_of`, :func:`links_of` and the other accessors of ``_inspect`` show an endpoint's
 links, caches and options to tests without reaching into its internals.
+:class:`NetnsBed` (root only) runs hosts in network namespaces joined by a bridge, each with
+an address of its own, to run peers as if on separate machines (:meth:`NetnsHost.peer`);
+:func:`netns_unavailable` says why it cannot run here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +51,7 @@ from ._inspect import (
     wait_link_listed,
 )
 from ._loop_lag import LoopLagProbe
+from ._netns import NetnsBed, NetnsHost, netns_unavailable
 from ._pair import DEFAULT_OPTIONS, linked_pair
 from ._wait import wait_until
 
@@ -55,6 +59,8 @@ __all__ = [
     "DEFAULT_OPTIONS",
     "LinkView",
     "LoopLagProbe",
+    "NetnsBed",
+    "NetnsHost",
     "PeerError",
     "PeerProcess",
     "cache_entries",
@@ -68,6 +74,7 @@ __all__ = [
     "link_of",
     "linked_pair",
     "links_of",
+    "netns_unavailable",
     "options_of",
     "pattern",
     "pool_of",
@@ -143,15 +150,22 @@ class PeerProcess(ChildProcess):
     @classmethod
     @contextlib.asynccontextmanager
     async def start(
-        cls, role: dd.LLMRole, cluster_id: int, options: dict[str, str], loop: str = "asyncio"
+        cls,
+        role: dd.LLMRole,
+        cluster_id: int,
+        options: dict[str, str],
+        loop: str = "asyncio",
+        *,
+        prefix: Sequence[str] = (),
     ) -> AsyncIterator[PeerProcess]:
         """Start the child (its event loop: ``asyncio``, ``uvloop`` or ``trio``), initialise
-        its endpoint, and stop it on exit.
+        its endpoint, and stop it on exit. ``prefix``: a command line the child runs under,
+        which execs it in place (:attr:`NetnsHost.prefix`: in a host of a :class:`NetnsBed`).
 
         Raises:
             PeerError: the endpoint failed to start.
         """
-        async with cls.spawn("llmdd_async.testing._peer_main", loop) as peer:
+        async with cls.spawn("llmdd_async.testing._peer_main", loop, prefix=prefix) as peer:
             listen = await peer.request(
                 "start", role=int(role), cluster_id=cluster_id, options=options
             )

@@ -10,6 +10,7 @@ import hashlib
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 
 import llmdd_async as dd
@@ -152,6 +153,63 @@ class Peer(CommandServer):
         """
         assert self.dd is not None
         await wait_link_down(self.dd, cluster_id, timeout_s)
+
+    async def link_statistics(self, cluster_id: int) -> dict[str, Any]:
+        """The link's transport, transfer count, bytes and recent transfers (each ``op``,
+        ``mode``, ``nbytes`` and ``seconds``).
+
+        Raises:
+            LLMException: LLM_NOT_YET_LINK without a link to ``cluster_id``.
+        """
+        s = self.dd.link_statistics(cluster_id)  # type: ignore[union-attr]
+        recent = [
+            {"op": r.op, "mode": r.mode, "nbytes": r.nbytes, "seconds": r.finished - r.started}
+            for r in s.recent
+        ]
+        return {
+            "transport": s.transport,
+            "transfers": s.transfers,
+            "bytes": s.bytes,
+            "recent": recent,
+        }
+
+    async def link_failure(self, cluster_id: int) -> str | None:
+        """Why the last link to ``cluster_id`` failed or broke, or None."""
+        return self.dd.link_failure(cluster_id)  # type: ignore[union-attr]
+
+    async def transfer_layers(
+        self,
+        cache_id: int,
+        blocks_key: list[Any],
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        fill_seed: int | None = None,
+    ) -> dict[str, Any]:
+        """``transfer_cache_async`` of every layer (K and V: 2 tensors) of a blocks cache to
+        the peer's ``blocks_key``, signalled through ``LayerEvents`` layer by layer as a
+        forward pass would; with ``fill_seed``, layer ``i``'s tensors are filled from it just
+        before layer ``i`` is signalled (so only a layer-wise send can carry those bytes).
+        Its status code (0 on success), per-config results and the layers moved."""
+        cache = self.caches[cache_id]
+        layers = len(cache.tensors) // 2
+        cfg = dd.TransferWithCacheKeyConfig(decode_key(blocks_key), range(layers), range(layers))
+        events = dd.LayerEvents()
+        cm = self.dd.cache_manager  # type: ignore[union-attr]
+        task = cm.transfer_cache_async(cache, events, [cfg], src_blocks, dst_blocks)
+        for layer in range(layers):
+            if fill_seed is not None:
+                for t in (2 * layer, 2 * layer + 1):
+                    arr = cache.tensors[t].reshape(-1).view(np.uint8)
+                    arr[:] = pattern(fill_seed + t, arr.nbytes)
+            events.layer_ready(layer)
+            await anyio.lowlevel.checkpoint()  # the next layer computes while this one moves
+        status = await _status_of(task)
+        results = await task.get_results()
+        return {
+            "status": status,
+            "results": [None if r is None else int(r) for r in results],
+            "layers": [lt.layer for lt in task.statistics().layers],
+        }
 
     async def wait_task(self, task: int) -> int:
         return await _status_of(self.tasks.pop(task))

@@ -455,6 +455,55 @@ async def test_the_next_layer_is_awaited_while_one_is_in_flight() -> None:
         assert sync.calls == list(range(10))
 
 
+@pytest.mark.parametrize("transport", ["tcp", "same-host"], indirect=True)
+async def test_layers_ready_while_the_link_is_busy_go_in_one_request(transport) -> None:
+    """A request costs round trips whatever its size: the layers that became ready while one
+    was in flight leave together, byte-exact, each still counted in the statistics."""
+    layers, shape = 10, (8, 1024)
+    async with decoders(
+        transport, **{"llm.LayerWindow": "16", "llm.SyncKvCacheWaitTime": "20000"}
+    ) as ([dec], prompt):
+        dst = await dec.request(
+            "register",
+            kind="blocks",
+            num_tensors=2 * layers,
+            shape=list(shape),
+            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
+        )
+        cm = prompt.cache_manager
+        desc = dd.CacheDesc(2 * layers, list(shape), dd.DataType.DT_UINT8)
+        src = cm.allocate_blocks_cache(desc)
+        fill_src(src, 68)
+        cfg = dd.TransferWithCacheKeyConfig(
+            dd.BlocksCacheKey(2, 0), range(0, layers), range(0, layers)
+        )
+        await cm.transfer_cache_async(src, Always(), [cfg], [0], [0])  # snapshot the table
+        before = len(prompt.link_statistics(2).recent)
+        ready = dd.LayerEvents()
+        for i in range(layers):
+            ready.layer_ready(i)
+        dec.pause()  # the first request stalls; every other layer queues meanwhile
+        try:
+            task = cm.transfer_cache_async(src, ready, [cfg], [1, 2, 3], [6, 5, 4])
+            await anyio.sleep(0.3)
+        finally:
+            dec.resume()
+        await task
+        assert await task.get_results() == [S.LLM_SUCCESS]
+        pushes = [r for r in prompt.link_statistics(2).recent[before:] if r.op == "push"]
+        assert 1 <= len(pushes) <= 2  # one per layer before
+        assert sum(r.nbytes for r in pushes) == 2 * layers * 3 * shape[1]
+        for t in range(2 * layers):
+            got = await peer_tensor(dec, dst, t, shape)
+            want = expected_tensor(68, t, shape)
+            assert np.array_equal(got[[6, 5, 4]], want[[1, 2, 3]])
+            assert not got[[1, 2, 3, 7]].any()  # (block 0: the snapshot transfer)
+        stats = task.statistics()
+        assert [lt.layer for lt in stats.layers] == list(range(layers))
+        assert [lt.nbytes for lt in stats.layers] == [2 * 3 * shape[1]] * layers
+        assert stats.bytes == 2 * layers * 3 * shape[1]
+
+
 # ------------------------------------------------------------------ fencing and links
 @pytest.mark.parametrize("transport", ["tcp", TRANSPORTS[2]], indirect=True)
 async def test_cancel_fences_a_layerwise_transfer(transport) -> None:
@@ -534,9 +583,12 @@ async def test_pulls_and_layerwise_on_one_link_never_interleave_and_queue_fifo(t
             for t in range(4):
                 assert np.array_equal(dst.tensors[t][:32], expected_tensor(66, t, shape)[:32])
         recent = sorted(prompt.link_statistics(2).recent[before:], key=lambda r: r.started)
-        # FIFO: layer 0 right after the first pull, then the two later pulls (side by side),
-        # then layer 1 (which asked only once layer 0 had landed).
-        assert [r.op for r in recent] == ["pull", "push", "pull", "pull", "push"]
+        # FIFO: the layer-wise transfer right after the first pull, then the two later pulls
+        # (side by side). Both layers were ready at the call: they leave in one request, or
+        # layer 1 alone after the pulls if it was handed over only once layer 0 was on its way.
+        ops = [r.op for r in recent]
+        assert ops in (["pull", "push", "pull", "pull"], ["pull", "push", "pull", "pull", "push"])
+        assert sum(r.nbytes for r in recent if r.op == "push") == 2 * 2 * 32 * shape[1]
         for a, b in itertools.pairwise(recent):
             if "push" in (a.op, b.op):
                 assert b.started >= a.finished  # a layer has the link to itself

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import numpy as np
@@ -22,7 +24,7 @@ from helpers import (
 )
 
 import llmdd_async as dd
-from llmdd_async.testing import PeerProcess, encode_key, link_of
+from llmdd_async.testing import DEFAULT_OPTIONS, PeerProcess, encode_key, link_of, linked_pair
 
 pytestmark = pytest.mark.anyio
 
@@ -652,3 +654,31 @@ async def test_a_lying_table_never_steers_a_one_sided_pull() -> None:
         for t in range(2):
             assert np.array_equal(dst.tensors[t][1:5], want[t][1:5])
             assert not dst.tensors[t][[0, 5, 6, 7]].any()  # nothing else was written
+
+
+@pytest.mark.parametrize("transport", ["tcp", "same-host"])
+async def test_the_deadline_starts_once_registrations_pages_are_populated(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registration faults a fresh cache's pages in (in a thread); a pull issued right after
+    waits for that, and only then does its llm.SyncKvCacheWaitTime start."""
+    from llmdd_async import _engine
+
+    original = _engine.populate
+
+    def slow_populate(addrs: Any, nbytes: int) -> int:
+        time.sleep(0.6)  # three deadlines' worth: a pull counting it would time out
+        return original(addrs, nbytes)
+
+    opts = {**DEFAULT_OPTIONS, "llm.Transport": transport, "llm.SyncKvCacheWaitTime": "200"}
+    async with linked_pair(opts) as (prompt, decoder):
+        desc = dd.CacheDesc(1, [4, 4096], dd.DataType.DT_UINT8)
+        src = np.arange(4 * 4096, dtype=np.uint32).astype(np.uint8).reshape(4, 4096)
+        prompt.cache_manager.register_blocks_cache(desc, [src], dd.BlocksCacheKey(1, 0))
+        monkeypatch.setattr(_engine, "populate", slow_populate)
+        dst = np.zeros((4, 4096), dtype=np.uint8)
+        cache = decoder.cache_manager.register_blocks_cache(desc, [dst])
+        t0 = time.monotonic()
+        await decoder.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), cache, [0, 3], [1, 2])
+        assert time.monotonic() - t0 >= 0.6  # it did wait for the population
+        assert np.array_equal(dst[[1, 2]], src[[0, 3]])

@@ -1,0 +1,355 @@
+"""Two endpoints on two "hosts": network namespaces of a ``NetnsBed`` (root only).
+
+Both endpoints are ``PeerProcess`` children, each in its own namespace (this process cannot
+be in one): they share this kernel but no network, so no loopback shortcut and no same-host
+path can hide what a second machine would show. Without root (or ``ip netns``) the tests
+skip with the reason, except under ``CI=true``, where they fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import numpy as np
+import pytest
+from helpers import expected_tensor
+
+import llmdd_async as dd
+from llmdd_async.testing import (
+    NetnsBed,
+    PeerProcess,
+    encode_key,
+    netns_unavailable,
+    wait_until,
+)
+
+WHY = netns_unavailable()
+WHY_RATE = netns_unavailable(rate=True)
+CI = os.environ.get("CI") == "true"
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(WHY is not None and not CI, reason=f"no network namespaces: {WHY}"),
+]
+needs_rate = pytest.mark.skipif(
+    WHY_RATE is not None and not CI, reason=f"no rate shaping: {WHY_RATE}"
+)
+
+S = dd.LLMStatusCode
+PROMPT, DECODER = 1, 2
+SHAPE = (64, 16384)  # 64 blocks of 16 KiB: 1 MiB a tensor
+TENSORS = 4  # 2 layers of K and V: 4 MiB a cache
+BLOCKS = list(range(SHAPE[0]))
+SHUFFLED = [int(b) for b in np.random.default_rng(3).permutation(SHAPE[0])]
+
+
+# Reached only where the skip marks did not apply: under CI a missing bed is a failure.
+@pytest.fixture(autouse=True)
+def _bed_can_run() -> None:
+    if WHY is not None:
+        pytest.fail(f"CI=true, but the multi-host bed cannot run here: {WHY}")
+
+
+@pytest.fixture
+def shaping() -> None:
+    """Tests that shape links: under CI, ``tc ... tbf`` must work."""
+    if WHY_RATE is not None:
+        pytest.fail(f"CI=true, but links cannot be shaped here: {WHY_RATE}")
+
+
+@pytest.fixture
+def child_loop(anyio_backend: Any) -> str:
+    """The children run the test's own loop: asyncio, uvloop or trio."""
+    name, options = anyio_backend
+    return "uvloop" if options.get("use_uvloop") else str(name)
+
+
+def digests(
+    seed: int, src_blocks: Sequence[int] = BLOCKS, dst_blocks: Sequence[int] = BLOCKS
+) -> list[str]:
+    """SHA-256 of each tensor of a zeroed cache whose ``dst_blocks`` got ``src_blocks`` of a
+    peer cache filled with ``seed`` (what the child's ``digest`` command must answer)."""
+    out = []
+    for t in range(TENSORS):
+        got = np.zeros(SHAPE, np.uint8)
+        got[list(dst_blocks)] = expected_tensor(seed, t, SHAPE)[list(src_blocks)]
+        out.append(hashlib.sha256(got.tobytes()).hexdigest())
+    return out
+
+
+def blocks_key(cluster_id: int, model_id: int = 0) -> dict[str, Any]:
+    return {"key": encode_key(dd.BlocksCacheKey(cluster_id, model_id))}
+
+
+async def link(d: PeerProcess, p: PeerProcess, cluster_id: int, timeout_ms: int = 3000) -> int:
+    """Link ``d`` to ``p`` (listening as ``cluster_id``); the overall status code."""
+    assert p.listen is not None
+    ip, port = p.listen
+    code, _ = await d.request(
+        "link", cluster_id=cluster_id, ip=ip, port=port, timeout_ms=timeout_ms
+    )
+    return int(code)
+
+
+async def source(p: PeerProcess, seed: int | None, model_id: int = 0) -> int:
+    """A blocks cache of ``p``'s pool under ``BlocksCacheKey(PROMPT, model_id)``."""
+    return int(
+        await p.request(
+            "alloc",
+            kind="blocks",
+            num_tensors=TENSORS,
+            shape=list(SHAPE),
+            blocks_key=blocks_key(PROMPT, model_id)["key"],
+            seed=seed,
+        )
+    )
+
+
+async def target(d: PeerProcess, model_id: int | None = None) -> int:
+    """A zeroed, registered blocks cache of ``d`` (keyed ``BlocksCacheKey(DECODER, model_id)``
+    for pushes when ``model_id`` is given)."""
+    key = None if model_id is None else blocks_key(DECODER, model_id)["key"]
+    return int(
+        await d.request(
+            "register", kind="blocks", num_tensors=TENSORS, shape=list(SHAPE), blocks_key=key
+        )
+    )
+
+
+@contextlib.asynccontextmanager
+async def two_hosts(
+    loop: str, options: dict[str, str] | None = None
+) -> AsyncIterator[tuple[NetnsBed, PeerProcess, PeerProcess]]:
+    """A bed of two hosts: the prompt in the first, the decoder in the second (not linked)."""
+    async with NetnsBed.create(2) as bed:
+        a, b = bed.hosts
+        async with (
+            a.peer(dd.LLMRole.PROMPT, PROMPT, options, loop) as p,
+            b.peer(dd.LLMRole.DECODER, DECODER, options, loop) as d,
+        ):
+            yield bed, p, d
+
+
+def netns_names() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, check=True, text=True)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+def root_links() -> set[str]:
+    out = subprocess.run(["ip", "-j", "link", "show"], capture_output=True, check=True)
+    return {link["ifname"] for link in json.loads(out.stdout)}
+
+
+def processes_in(inodes: set[int]) -> list[int]:
+    """Processes whose network namespace is one of ``inodes``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ns = os.readlink(proc / "ns" / "net")  # "net:[4026532281]"
+        except OSError:  # gone meanwhile, or a zombie
+            continue
+        if int(ns[5:-1]) in inodes:
+            found.append(int(proc.name))
+    return found
+
+
+# ------------------------------------------------------------------ the bed itself
+@needs_rate
+@pytest.mark.parametrize("ending", ["normal", "error", "cancel"])
+@pytest.mark.usefixtures("shaping")
+async def test_the_bed_leaves_nothing_behind(ending: str, child_loop: str) -> None:
+    links_before = root_links()
+    seen: dict[str, Any] = {}
+    strays: list[anyio.abc.Process] = []
+
+    async def body() -> None:
+        async with NetnsBed.create(2, rate="100mbit") as bed:
+            seen["names"] = set(bed.namespaces)
+            assert seen["names"] <= netns_names()
+            seen["inodes"] = {os.stat(f"/run/netns/{n}").st_ino for n in bed.namespaces}
+            for h in bed.hosts:
+                addr = (await h.run("ip", "-o", "-4", "addr", "show", "dev", h.device)).decode()
+                assert f"inet {h.address}/24" in addr
+                qdisc = (await h.run("tc", "qdisc", "show", "dev", h.device)).decode()
+                assert "tbf" in qdisc and "100Mbit" in qdisc, qdisc
+                # started behind the bed's back: removing the bed must still kill it
+                strays.append(await anyio.open_process([*h.prefix, "sleep", "60"]))
+            # (until `ip netns exec` has entered the namespace, a stray is still outside it)
+            await wait_until(lambda: len(processes_in(seen["inodes"])) == 2, 5)
+            if ending == "cancel":
+                # (no peer here: a PeerProcess takes 5 s to close under cancellation, as its
+                # reply reader is cancelled too and the "exit" reply never read)
+                scope.cancel()
+                await anyio.sleep(30)
+            async with bed.hosts[0].peer(dd.LLMRole.PROMPT, PROMPT, loop=child_loop) as p:
+                seen["peer"] = p.process.pid
+                assert p.listen is not None and p.listen[0] == bed.hosts[0].address
+                if ending == "error":
+                    raise LookupError("boom")
+
+    with anyio.CancelScope() as scope:
+        if ending == "error":
+            with pytest.raises(LookupError, match="boom"):  # as itself, not in a group
+                await body()
+        else:
+            await body()
+    assert scope.cancelled_caught == (ending == "cancel")
+
+    assert not seen["names"] & netns_names()
+    assert root_links() == links_before  # nothing of the bed was ever in this namespace
+    assert processes_in(seen["inodes"]) == []
+    if ending != "cancel":
+        with pytest.raises(ProcessLookupError):  # stopped and reaped by its own context
+            os.kill(seen["peer"], 0)
+    for stray in strays:
+        with anyio.fail_after(5):
+            assert await stray.wait() == -signal.SIGKILL
+        await stray.aclose()
+
+
+async def test_a_bed_needs_one_host_at_least() -> None:
+    with pytest.raises(ValueError, match="n_hosts"):
+        async with NetnsBed.create(0):
+            pass
+
+
+# ------------------------------------------------------------------ transfers between hosts
+async def test_a_pull_over_tcp_between_hosts_is_byte_exact(child_loop: str) -> None:
+    async with two_hosts(child_loop, {"llm.Transport": "tcp"}) as (bed, p, d):
+        assert d.listen is not None and d.listen[0] == bed.hosts[1].address
+        await source(p, seed=21)
+        dst = await target(d)
+        assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+        code = await d.call("pull_blocks", blocks_key(PROMPT), {"cache": dst}, BLOCKS, SHUFFLED)
+        assert code == S.LLM_SUCCESS
+        assert await d.request("digest", cache_id=dst) == digests(21, BLOCKS, SHUFFLED)
+        stats = await d.request("link_statistics", cluster_id=PROMPT)
+        assert stats["transport"] == "tcp"
+        assert stats["bytes"] == TENSORS * SHAPE[0] * SHAPE[1]
+
+
+async def test_auto_takes_no_same_host_path_between_hosts(child_loop: str) -> None:
+    """``llm.Transport=auto`` (the default) between hosts moves bytes over TCP; the same
+    check between two endpoints of one host sees the same-host path (so it can fail)."""
+    async with two_hosts(child_loop) as (bed, p, d):
+        await source(p, seed=22)
+        dst = await target(d)
+        assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+        code = await d.call("pull_blocks", blocks_key(PROMPT), {"cache": dst}, SHUFFLED, BLOCKS)
+        assert code == S.LLM_SUCCESS
+        assert await d.request("digest", cache_id=dst) == digests(22, SHUFFLED, BLOCKS)
+        assert (await d.request("link_statistics", cluster_id=PROMPT))["transport"] == "tcp"
+        assert (await p.request("link_statistics", cluster_id=DECODER))["transport"] == "tcp"
+
+        async with bed.hosts[0].peer(dd.LLMRole.DECODER, 3, loop=child_loop) as neighbour:
+            near = await target(neighbour)
+            assert await link(neighbour, p, PROMPT) == S.LLM_SUCCESS
+            code = await neighbour.call(
+                "pull_blocks", blocks_key(PROMPT), {"cache": near}, SHUFFLED, BLOCKS
+            )
+            assert code == S.LLM_SUCCESS
+            assert await neighbour.request("digest", cache_id=near) == digests(22, SHUFFLED)
+            stats = await neighbour.request("link_statistics", cluster_id=PROMPT)
+            assert stats["transport"] != "tcp", stats
+
+
+async def test_push_and_layerwise_transfer_between_hosts(child_loop: str) -> None:
+    async with two_hosts(child_loop) as (_, p, d):
+        src = await source(p, seed=23)
+        streamed = await source(p, seed=None, model_id=1)
+        pushed_to, streamed_to = await target(d, model_id=0), await target(d, model_id=1)
+        assert await link(d, p, PROMPT) == S.LLM_SUCCESS  # the prompt pushes over it
+
+        code = await p.call("push_blocks", blocks_key(DECODER, 0), {"cache": src}, SHUFFLED, BLOCKS)
+        assert code == S.LLM_SUCCESS
+        assert await d.request("digest", cache_id=pushed_to) == digests(23, SHUFFLED, BLOCKS)
+
+        # the layers are filled just before each is signalled: only a layer-wise send has them
+        result = await p.request(
+            "transfer_layers",
+            cache_id=streamed,
+            blocks_key=blocks_key(DECODER, 1)["key"],
+            src_blocks=BLOCKS,
+            dst_blocks=SHUFFLED,
+            fill_seed=24,
+        )
+        assert result == {"status": 0, "results": [S.LLM_SUCCESS], "layers": [0, 1]}
+        assert await d.request("digest", cache_id=streamed_to) == digests(24, BLOCKS, SHUFFLED)
+        assert (await p.request("link_statistics", cluster_id=DECODER))["transport"] == "tcp"
+
+
+async def test_same_host_transport_is_refused_between_hosts(child_loop: str) -> None:
+    async with two_hosts(child_loop, {"llm.Transport": "same-host"}) as (_, p, d):
+        assert await link(d, p, PROMPT) == S.LLM_LINK_FAILED
+        why = await d.request("link_failure", cluster_id=PROMPT)
+        assert why is not None and "another network namespace" in why, why
+
+
+# ------------------------------------------------------------------ faults of the network
+async def test_a_host_whose_interface_is_down_or_cable_unplugged_cannot_link(
+    child_loop: str,
+) -> None:
+    async with two_hosts(child_loop, {"llm.Transport": "tcp"}) as (bed, p, d):
+        a, b = bed.hosts
+        await b.set_link(False)  # the decoder's own interface: its connect fails at once
+        with anyio.fail_after(2):
+            assert await link(d, p, PROMPT, timeout_ms=1500) == S.LLM_LINK_FAILED
+        await b.set_link(True)
+        assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+        code, _ = await d.request("unlink", cluster_id=PROMPT)
+        assert code == S.LLM_SUCCESS
+
+        await a.set_cable(False)  # the prompt's: the decoder's SYNs are dropped silently
+        assert await link(d, p, PROMPT, timeout_ms=300) == S.LLM_LINK_FAILED
+        await a.set_cable(True)
+        assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+        await source(p, seed=25)
+        dst = await target(d)
+        code = await d.call("pull_blocks", blocks_key(PROMPT), {"cache": dst}, BLOCKS, BLOCKS)
+        assert code == S.LLM_SUCCESS
+        assert await d.request("digest", cache_id=dst) == digests(25)
+
+
+# ------------------------------------------------------------------ shaped links (slow)
+@pytest.mark.slow
+@needs_rate
+@pytest.mark.usefixtures("shaping")
+async def test_a_link_shaped_to_1gbit_carries_that_rate(child_loop: str) -> None:
+    """Bulk TCP goodput on a link shaped to 1 Gbit/s is within 10% of it (headers cost ~4%)."""
+    big = (64, 1 << 20)  # 64 MiB a tensor, two tensors
+    opts = {
+        "llm.Transport": "tcp",
+        "llm.MemPoolConfig": json.dumps({"memory_size": 256 << 20}),
+        "llm.SyncKvCacheWaitTime": "30000",
+    }
+    async with NetnsBed.create(2, rate="1gbit") as bed:
+        a, b = bed.hosts
+        async with (
+            a.peer(dd.LLMRole.PROMPT, PROMPT, opts, child_loop) as p,
+            b.peer(dd.LLMRole.DECODER, DECODER, opts, child_loop) as d,
+        ):
+            key = blocks_key(PROMPT)["key"]
+            await p.request(
+                "alloc", kind="blocks", num_tensors=2, shape=list(big), blocks_key=key, seed=26
+            )
+            dst = await d.request("alloc", kind="blocks", num_tensors=2, shape=list(big))
+            assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+            blocks = list(range(big[0]))
+            code = await d.call("pull_blocks", blocks_key(PROMPT), {"cache": dst}, blocks, blocks)
+            assert code == S.LLM_SUCCESS
+            record = (await d.request("link_statistics", cluster_id=PROMPT))["recent"][-1]
+            assert record["nbytes"] == 2 * big[0] * big[1]
+            bits_per_s = 8 * record["nbytes"] / record["seconds"]
+            assert 0.9e9 <= bits_per_s <= 1.1e9, f"{bits_per_s / 1e9:.3f} Gbit/s"
