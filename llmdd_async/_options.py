@@ -29,6 +29,11 @@ __all__ = [
 #: holding it, its link and its caches for ever
 DEFAULT_LAYER_SYNC_TIMEOUT_MS = 600_000
 
+#: llm.LayerWindow's default: layers a layer-wise transfer may run ahead of its slowest
+#: destination. The layers waiting there leave in one request, so the window also bounds
+#: how many a request carries (staging stays one chunk whatever the request's size).
+DEFAULT_LAYER_WINDOW = 16
+
 #: Option keys of upstream (reference §4: emitted by ``LLMConfig``, accepted or derived by
 #: ``init``) and this library's own ``llm.`` options.
 UPSTREAM_OPTIONS = frozenset(
@@ -158,7 +163,7 @@ class EngineOptions:
     #: as the user set it (None: unset; a user's synchronizer is then passed None, as
     #: upstream does, and the scheduler bounds the wait by DEFAULT_LAYER_SYNC_TIMEOUT_MS)
     layer_sync_timeout_ms: int | None = None
-    layer_window: int = 4
+    layer_window: int = DEFAULT_LAYER_WINDOW
     #: legacy mode's KV memory: ge.flowGraphMemMaxSize x llm.MemoryUtilization
     legacy_kv_pool: PoolConfig | None = None
     link_total_time_s: int = 0
@@ -325,7 +330,7 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         legacy_pool = PoolConfig(max(1 << 16, int(total * util)), 16)
     total_time = opts.get("llm.LinkTotalTime", "0")
     raise_if_false(total_time.isdigit(), f"llm.LinkTotalTime must be seconds, got {total_time!r}")
-    window = opts.get("llm.LayerWindow", "4")
+    window = opts.get("llm.LayerWindow", str(DEFAULT_LAYER_WINDOW))
     raise_if_false(
         window.isdigit() and 1 <= int(window) <= 1024,
         f"llm.LayerWindow must be 1..1024, got {window!r}",

@@ -30,7 +30,7 @@ from ._net.addressing import resolve_in_table, with_table
 from ._net.grants import TransferRequest
 from ._net.initiator import initiate
 from ._net.link import Link
-from ._options import DEFAULT_LAYER_SYNC_TIMEOUT_MS
+from ._options import DEFAULT_LAYER_SYNC_TIMEOUT_MS, DEFAULT_LAYER_WINDOW
 from ._synchronizer import AsyncLayerSynchronizer, LayerEvents
 from ._task import LayerTiming, TaskControl
 
@@ -38,9 +38,6 @@ if TYPE_CHECKING:
     from ._engine import Engine
 
 __all__ = ["Destination", "run_layerwise", "run_request", "run_transfer", "wait_for_layer"]
-
-DEFAULT_WINDOW = 4
-
 
 @dataclasses.dataclass
 class Destination:
@@ -194,7 +191,7 @@ async def run_layerwise(
     dests: list[Destination],
     timeout_s: float,
     sync_timeout_ms: int | None,
-    window: int = DEFAULT_WINDOW,
+    window: int = DEFAULT_LAYER_WINDOW,
 ) -> None:
     """Run every destination's layers; raises the first failure (after recording it)."""
     all_layers = sorted({layer for d in dests for layer in d.layers})
