@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Destination", "run_layerwise", "run_request", "run_transfer", "wait_for_layer"]
 
+
 @dataclasses.dataclass
 class Destination:
     """One transfer config: where its layers go and which result slot it reports into."""
