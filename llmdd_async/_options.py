@@ -6,9 +6,11 @@ import dataclasses
 import difflib
 import ipaddress
 import json
+import socket
 from collections.abc import Mapping
 from typing import Any
 
+from ._cluster import address_of, split_host
 from ._errors import raise_if_false, raise_param
 from ._memory import PoolConfig
 
@@ -173,22 +175,35 @@ class EngineOptions:
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    """Split ``"ip:port"``.
+    """Split ``"host:port"`` (an IPv6 host written ``[addr]:port``); a host name is resolved
+    here, once, to the address the endpoint then binds exactly (its first IPv4 address, else
+    its first IPv6 one).
 
     Raises:
-        LLMException: LLM_PARAM_INVALID unless it is one IPv4 ``ip:port`` with a valid port.
+        LLMException: LLM_PARAM_INVALID unless it is one ``host:port`` with a valid port and a
+            host that is an address or resolves to one.
     """
     raise_if_false(
-        isinstance(value, str) and value.count(":") == 1 and ";" not in value,
+        isinstance(value, str) and ";" not in value,
         f"llm.listenIpInfo must be a single 'ip:port', got {value!r}",
     )
-    ip, _, port_s = value.partition(":")
     try:
-        ipaddress.IPv4Address(ip)
-    except ValueError:
-        raise_param(f"llm.listenIpInfo has an invalid IPv4 address: {ip!r}")
+        host, port_s = split_host(value, "llm.listenIpInfo")
+    except ValueError as exc:
+        raise_param(str(exc))
     raise_if_false(port_s.isdigit() and 0 <= int(port_s) <= 65535, f"bad port in {value!r}")
-    return ip, int(port_s)
+    try:
+        return str(ipaddress.ip_address(host)), int(port_s)
+    except ValueError:
+        pass
+    try:
+        address_of(host)  # the same words as an LLMClusterInfo address
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (RuntimeError, OSError) as exc:
+        raise_param(f"llm.listenIpInfo has a host that is no address and does not resolve: {exc}")
+    addrs = [str(info[4][0]) for info in infos]
+    v4 = [a for a in addrs if ":" not in a]
+    return (v4 or addrs)[0], int(port_s)
 
 
 def parse_pool(key: str, value: str) -> PoolConfig | None:

@@ -37,7 +37,7 @@ _OK = LLMStatusCode.LLM_SUCCESS
 
 
 # ====================================================================== links
-def _device_cluster(c: LLMClusterInfo, local: tuple[int, int] | None, remote: Any) -> Any:
+def _device_cluster(c: LLMClusterInfo, local: tuple[int | str, int] | None, remote: Any) -> Any:
     one = LLMClusterInfo()
     assert c.remote_cluster_id is not None
     one.remote_cluster_id = c.remote_cluster_id

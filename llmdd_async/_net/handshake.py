@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
 import socket
@@ -117,23 +118,50 @@ async def recv_message(sock: socket.socket, decoder: Decoder, expect: MT) -> Mes
         decoder.receive_data(memoryview(buf)[:n])
 
 
-async def connect_socket(ip: str, port: int) -> socket.socket:
-    """Non-blocking TCP connect (the caller bounds it with a timeout).
+async def connect_socket(host: str, port: int) -> socket.socket:
+    """Non-blocking TCP connect to ``host`` (an IPv4 or IPv6 address, or a name resolved here,
+    once, trying its addresses in the resolver's order); the caller bounds it with a timeout.
 
     Raises:
-        OSError: the connection was refused or failed.
+        OSError: the name did not resolve, or every connection was refused or failed.
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        literal = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        try:
+            infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise OSError(f"cannot resolve {host!r}: {exc.strerror or exc}") from None
+        found: list[tuple[int, tuple[Any, ...]]] = [
+            (family, address) for family, _, _, _, address in infos
+        ]
+    else:  # no resolver, no thread: a literal is its own address
+        if literal.version == 4:
+            found = [(socket.AF_INET, (host, port))]
+        else:
+            found = [(socket.AF_INET6, (host, port, 0, 0))]
+    last: OSError | None = None
+    for family, address in found:
+        try:
+            return await _connect(family, address, host, port)
+        except OSError as exc:
+            last = exc
+    raise last or OSError(f"{host!r} resolved to no address")
+
+
+async def _connect(family: int, address: tuple[Any, ...], host: str, port: int) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         sock.setblocking(False)
-        err = sock.connect_ex((ip, port))
+        err = sock.connect_ex(address)
         if err not in (0, 115, 36):  # EINPROGRESS on Linux / macOS
-            raise OSError(err, f"connect to {ip}:{port} failed")
+            raise OSError(err, f"connect to {where} failed")
         if err:
             await anyio.wait_writable(sock)
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
-                raise OSError(err, f"connect to {ip}:{port} failed")
+                raise OSError(err, f"connect to {where} failed")
         return sock
     except BaseException:
         sock.close()

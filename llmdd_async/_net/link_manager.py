@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from .._cluster import LLMClusterInfo, int_to_ip
+from .._cluster import LLMClusterInfo, host_text
 from .._enums import LLMStatusCode
 from .._errors import HandshakeFailed, LLMException, ProtocolError
 from .._log import get_logger
@@ -441,7 +441,7 @@ class LinkManager:
         existing = self.links.get(cid)
         if existing is not None and existing.alive:
             return await self._adopt(cid, deadline)
-        ip, port = int_to_ip(remotes[0][0]), remotes[0][1]
+        ip, port = host_text(remotes[0][0]), remotes[0][1]
         sock: socket.socket | None = None
         nonces: list[tuple[str, str]] = []
 

@@ -150,16 +150,24 @@ def bind_listener(address: tuple[str, int], backlog: int, purpose: str) -> socke
     Raises:
         LLMException: LLM_LINK_FAILED when the address cannot be bound.
     """
-    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    lsock = socket.socket(family, socket.SOCK_STREAM)
     try:
         lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # exactly this address: never the IPv4 ones too
+            lsock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         lsock.bind(address)
         lsock.listen(backlog)
         lsock.setblocking(False)
     except OSError as exc:
         lsock.close()
         raise LLMException(
-            f"cannot listen on {address[0]}:{address[1]}{purpose}: {exc.strerror or exc}",
+            f"cannot listen on {_host_port(address)}{purpose}: {exc.strerror or exc}",
             status_code=LLMStatusCode.LLM_LINK_FAILED,
         ) from None
     return lsock
+
+
+def _host_port(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

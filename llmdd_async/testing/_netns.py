@@ -12,11 +12,11 @@
             await decoder.request("link", cluster_id=1, ip=ip, port=port)
 
 Each host is a network namespace with loopback up and one veth interface (``eth0``,
-``10.213.0.<i + 1>/24``) whose other end is a port of one bridge. The bridge has a namespace
-of its own, so nothing of the bed is ever in the caller's namespace and two beds never see
-each other. Two processes on two hosts share a kernel but no network: what a transport sees
-between them is what a second machine would show (no loopback, no abstract unix socket, no
-same-host proof).
+``10.213.0.<i + 1>/24`` and ``fd00:10:213::<i + 1>/64``) whose other end is a port of one
+bridge. The bridge has a namespace of its own, so nothing of the bed is ever in the caller's
+namespace and two beds never see each other. Two processes on two hosts share a kernel but
+no network: what a transport sees between them is what a second machine would show (no
+loopback, no abstract unix socket, no same-host proof).
 
 ``rate`` shapes every link in both directions with a token bucket (``tc ... tbf``: the
 kernel may have no ``netem``). Leaving the block, normally, by an exception or by
@@ -55,6 +55,9 @@ TC = shutil.which("tc") or "/usr/sbin/tc"
 #: the hosts' subnet (RFC 1918); host ``i`` is ``.i + 1``, inside the bed's namespaces only
 SUBNET = "10.213.0"
 PREFIX_LEN = 24
+#: the hosts' IPv6 subnet (a unique local one, RFC 4193); host ``i`` is ``::i + 1``
+SUBNET6 = "fd00:10:213::"
+PREFIX_LEN6 = 64
 MAX_HOSTS = 250
 #: the host side of each host's veth (in the host's namespace, so every host has its own)
 DEVICE = "eth0"
@@ -155,6 +158,8 @@ class NetnsHost:
         self.netns = f"{bed.name}-{index}"
         #: this host's address on the bridge
         self.address = f"{SUBNET}.{index + 1}"
+        #: and its IPv6 address there
+        self.address6 = f"{SUBNET6}{index + 1:x}"
         #: the interface that holds :attr:`address` (in this host's namespace)
         self.device = DEVICE
         #: the bridge's port of this host's veth (in the bed's bridge namespace)
@@ -306,6 +311,9 @@ class NetnsBed:
             await _run(IP, "-n", br, "link", "set", h.port, "master", BRIDGE, "up")
             cidr = f"{h.address}/{PREFIX_LEN}"
             await _run(IP, "-n", h.netns, "addr", "add", cidr, "dev", h.device)
+            # nodad: usable at once (duplicate detection would hold it for a second or two)
+            cidr6 = f"{h.address6}/{PREFIX_LEN6}"
+            await _run(IP, "-n", h.netns, "addr", "add", cidr6, "dev", h.device, "nodad")
             await _run(IP, "-n", h.netns, "link", "set", h.device, "up")
             if rate is not None:
                 await h.set_rate(rate)

@@ -78,6 +78,33 @@ async def test_listener_binds_exactly_the_configured_address() -> None:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
+async def test_host_names_where_upstream_takes_ipv4() -> None:
+    """``localhost`` as the listen address (resolved once: 127.0.0.1, bound exactly) and as
+    the remote address (resolved when linking); a name that does not resolve fails that
+    cluster's link with the name in the reason."""
+    opts = endpoint_options(**{"llm.listenIpInfo": "localhost:0"})
+    async with (
+        dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p,
+        dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d,
+    ):
+        assert p.listen_address is not None and p.listen_address[0] == "127.0.0.1"
+        port = p.listen_address[1]
+        named = dd.LLMClusterInfo()
+        named.remote_cluster_id = 1
+        named.append_local_ip_info("localhost", 0)
+        named.append_remote_ip_info("localhost", port)
+        assert named.remote_ip_info_list == [("localhost", port)]
+        assert await d.link_clusters([named]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert has_link(d, 1)
+        nowhere = dd.LLMClusterInfo()
+        nowhere.remote_cluster_id = 3
+        nowhere.append_local_ip_info("127.0.0.1", 0)
+        nowhere.append_remote_ip_info("nothing.invalid", port)
+        assert await d.link_clusters([nowhere]) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        why = d.link_failure(3)
+        assert why is not None and "cannot resolve 'nothing.invalid'" in why, why
+
+
 async def test_listen_failure_is_reported_at_init() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -240,6 +240,28 @@ async def test_a_pull_over_tcp_between_hosts_is_byte_exact(child_loop: str) -> N
         assert stats["bytes"] == TENSORS * SHAPE[0] * SHAPE[1]
 
 
+async def test_a_pull_over_ipv6_between_hosts_is_byte_exact(child_loop: str) -> None:
+    """IPv6 literals where upstream takes IPv4: the listen address (``[addr]:port``) and the
+    cluster info's remote address."""
+    async with NetnsBed.create(2) as bed:
+        a, b = bed.hosts
+        opts = {"llm.Transport": "tcp"}
+        async with (
+            a.peer(
+                dd.LLMRole.PROMPT, PROMPT, {**opts, "llm.listenIpInfo": f"[{a.address6}]:0"},
+                child_loop,
+            ) as p,
+            b.peer(dd.LLMRole.DECODER, DECODER, opts, child_loop) as d,
+        ):  # fmt: skip
+            assert p.listen is not None and p.listen[0] == a.address6
+            await source(p, seed=25)
+            dst = await target(d)
+            assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+            code = await d.call("pull_blocks", blocks_key(PROMPT), {"cache": dst}, BLOCKS, SHUFFLED)
+            assert code == S.LLM_SUCCESS
+            assert await d.request("digest", cache_id=dst) == digests(25, BLOCKS, SHUFFLED)
+
+
 async def test_auto_takes_no_same_host_path_between_hosts(child_loop: str) -> None:
     """``llm.Transport=auto`` (the default) between hosts moves bytes over TCP; the same
     check between two endpoints of one host sees the same-host path (so it can fail)."""
