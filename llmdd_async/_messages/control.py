@@ -439,8 +439,7 @@ class Identity:
     of protocol 1) still links: ``remote_accessible`` and ``payload_auth`` left out are
     False, ``role``, ``host``, ``transport`` and ``uds`` left out are None (``host`` and
     ``uds`` may also be null, as the last release sends them); a field there of another type
-    is a :class:`ProtocolError`. ``role`` and ``transport`` None are left out again, and so is
-    ``target_writes`` False."""
+    is a :class:`ProtocolError`. ``role`` and ``transport`` None are left out again."""
 
     cluster_id: int
     role: int | None
@@ -450,9 +449,6 @@ class Identity:
     transport: str | None
     uds: str | None
     mac: str | None = None
-    #: it answers every pull that offers ``Cap.TARGET_WRITES``, also one it was told to stop
-    #: (left out: False, as earlier releases, which ignore the offer)
-    target_writes: bool = False
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -467,8 +463,6 @@ class Identity:
         for absent in ("role", "transport"):  # as a peer that never sent them
             if out[absent] is None:
                 del out[absent]
-        if self.target_writes:
-            out["target_writes"] = True
         if self.mac is not None:
             out["mac"] = self.mac
         return out
@@ -500,7 +494,6 @@ class Identity:
             str_field(f["transport"], "transport") if "transport" in f else None,
             opt_str_field(f.get("uds"), "uds"),
             opt_str_field(f.get("mac"), "mac"),
-            _bool_or_false(f, "target_writes"),
         )
 
 

@@ -54,9 +54,6 @@ class Mode(_Words):
 
     LOCAL = "local"  # the initiator copies straight from/to the target's memory
     STREAM = "stream"  # DATA frames on the link
-    #: a pull the target copied straight into the initiator's memory before it granted (the
-    #: initiator offered ``Cap.TARGET_WRITES``): the bytes are there
-    WRITTEN = "written"
 
 
 class By(_Words):
@@ -77,9 +74,6 @@ class Cap(_Words):
     POOLS = "pools"  # its shared pools
     PVR = "pvr"  # any of it (process_vm_readv)
     NIXL = "nixl"  # what is registered with its NIXL agent
-    #: the other way round: the target may copy a pull straight into the initiator's
-    #: destination with its own access to the initiator (a ``Mode.WRITTEN`` grant)
-    TARGET_WRITES = "target_writes"
 
 
 #: each vocabulary by its wire strings

@@ -26,7 +26,7 @@ from .._checks import check_same_dtype
 from .._enums import LLMStatusCode
 from .._errors import CopyCancelled, LinkBroken, LLMException, ProtocolError, raise_if_false
 from .._memory import CancelToken
-from .._messages import By, Cap, Done, Grant, Mode, Op, Result
+from .._messages import By, Done, Grant, Mode, Op, Result
 from .._planner import Plan, check_within
 from .._protocol import Message
 from .grants import TransferRequest, grant_within_selection, plan_selection
@@ -92,14 +92,6 @@ async def initiate(
 
     req.on_grant = on_grant
     caps = engine.request_caps(link, spec.local)
-    # Where this side reaches the peer's memory directly, the peer most likely reaches ours:
-    # it may then copy a pull straight into our destination itself (one copy, no stream),
-    # even where we may not reach its cache (one that is not remote accessible). Only a peer
-    # that answers every such request, stopped or not, is asked: this side must know when
-    # nobody writes into its memory any more.
-    writes_offered = spec.op == Op.PULL and link.peer.target_writes and any(caps.values())
-    if writes_offered:
-        caps = {**caps, Cap.TARGET_WRITES: True}
     t_start = time.monotonic()
     timeout_ms = max(1, int((deadline - time.monotonic()) * 1000)) if deadline else 0
     try:
@@ -125,12 +117,6 @@ async def initiate(
             except CopyCancelled:
                 raise req.error or CopyCancelled() from None
             await link.send(Done(req.req_id).encode())
-        elif grant.mode is Mode.WRITTEN:
-            if not writes_offered:
-                raise ProtocolError("the peer wrote into our memory unasked (a WRITTEN grant)")
-            link.stats_bytes += total
-            if grant.done:
-                await link.send(Done(req.req_id).encode())
         elif spec.op == Op.PULL:
             await req.wait_data()
             if grant.done:
@@ -154,8 +140,6 @@ async def initiate(
             await link.release(req)  # fence: no worker touches our memory after this
             if not isinstance(exc, LinkBroken):
                 await link.abort(req.req_id, exc)
-            if writes_offered and req.grant is None:
-                await _peer_stopped_writing(engine, link, req)
         if isinstance(exc, ProtocolError):
             link.fail(exc)
             raise LinkBroken(f"peer sent an invalid answer: {exc}") from exc
@@ -167,17 +151,6 @@ async def initiate(
         link.close_pending(req)
         if req.stream is not None:
             req.stream.close()
-
-
-async def _peer_stopped_writing(engine: LinkHost, link: Link, req: Pending) -> None:
-    """The fence of a pull the peer may be writing into our memory (it was offered
-    ``Cap.TARGET_WRITES`` and has not answered): it answers once it stopped, whatever it was
-    told; a peer that says nothing within the stall timeout loses the link (its side of it
-    stops the copy when the link goes)."""
-    with anyio.move_on_after(engine.stall_timeout_s):
-        await req.grant_event.wait()
-    if not req.grant_event.is_set():
-        link.fail(TimeoutError("the peer did not say it stopped writing into our memory"))
 
 
 def _direct_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | None:

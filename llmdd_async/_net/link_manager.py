@@ -117,7 +117,6 @@ class LinkManager:
             "host": self.side.host.fields(),
             "transport": e.options.transport,
             "uds": self.side.name,
-            "target_writes": True,
         }
 
     def _endpoint_access(self, peer: Identity) -> PeerAccess | None:

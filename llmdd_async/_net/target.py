@@ -22,7 +22,7 @@ import numpy as np
 
 from .._enums import LLMStatusCode
 from .._errors import LinkBroken, LLMException, is_caller_facing
-from .._messages import FLAG_TO_INITIATOR, Cap, Data, Done, Grant, Mode, Op, Request, Result
+from .._messages import FLAG_TO_INITIATOR, Data, Done, Grant, Mode, Op, Request, Result
 from .._planner import Plan
 from .._protocol import Message
 from .._registry import CacheEntry
@@ -137,8 +137,6 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
         if req.deadline is not None:
             req.deadline = min(req.deadline, t0 + engine.serve_budget_s(ntensors))
         pull = request.op == Op.PULL
-        if mode is Mode.STREAM and pull and _may_write_into(engine, link, request, plan):
-            mode = Mode.WRITTEN
         local_side, target_side = (plan.dst, plan.src) if pull else (plan.src, plan.dst)
         if mode is Mode.STREAM and not pull:
             req.stream = await engine.open_stream(plan.dst, plan.nbytes, link.threads)
@@ -151,11 +149,10 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
 
             req.on_done = consume
         streamed_pull = mode is Mode.STREAM and pull
-        written = mode is Mode.WRITTEN
-        # A streamed (or written) pull is done here once its bytes are sent: nothing of ours
-        # is touched after that, so unless the initiator's DONE has an effect (consuming a
-        # key) it sends none and the request is one round trip.
-        wants_done = not (streamed_pull or written) or req.on_done is not None
+        # A streamed pull is done here once its bytes are sent: nothing of ours is touched
+        # after that, so unless the initiator's DONE has an effect (consuming a key) it sends
+        # none and the request is one round trip.
+        wants_done = not streamed_pull or req.on_done is not None
         grant = Grant(
             req.req_id,
             mode=mode,
@@ -165,25 +162,12 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
             nbytes=plan.nbytes,
             remote=target_side if mode is Mode.LOCAL else None,
         ).encode()
-        if not streamed_pull and not written:
+        if not streamed_pull:
             await link.send(grant)
-        # (a WRITTEN pull's initiator waits for an answer whatever happens: granted or not,
-        # a failure goes back to it)
         granted = True
         remaining = max(0.0, (req.deadline or 0) - time.monotonic())
         with anyio.move_on_after(remaining) as budget:
-            if written:
-                assert link.access is not None  # _may_write_into
-                # The copy stops at the request's deadline or the initiator's ABORT, and
-                # returns only once nothing touches either side's memory any more.
-                await link.access.write(
-                    plan.src, plan.dst, plan.nbytes, req.token.child(req.deadline)
-                )
-                link.stats_bytes += plan.total_bytes
-                await link.send(grant)
-                if wants_done:
-                    await req.done_event.wait()
-            elif streamed_pull:
+            if streamed_pull:
                 out = await engine.open_stream(plan.src, plan.nbytes, link.threads)
                 try:
                     # The GRANT leads the data: a small pull is one syscall and one wake-up.
@@ -225,21 +209,6 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
             req.stream.close()
         for e in pinned:
             registry.unpin(e)
-
-
-def _may_write_into(engine: LinkHost, link: Link, request: Request, plan: Plan) -> bool:
-    """Whether to copy a pull straight into the initiator's destination (``Mode.WRITTEN``):
-    it offered it, our own memory is host memory, and this link's access reaches every
-    destination range without the initiator's help (the kernel-proven process of the same
-    user for the same-host access: it could write there itself). Its word alone grants
-    nothing: the ranges are those of the plan, checked against what it said of its cache."""
-    access = link.access
-    return (
-        Cap.TARGET_WRITES in request.caps
-        and access is not None
-        and engine.host_reachable(plan.src)
-        and access.reaches(plan.dst, plan.nbytes)
-    )
 
 
 def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
