@@ -18,7 +18,7 @@ import numpy as np
 from .._checks import check_same_dtype
 from .._enums import LLMStatusCode
 from .._errors import ProtocolError, raise_if_false
-from .._messages import Address, By, Mode, Op, Request, Shape, caps_of
+from .._messages import Address, By, Cap, Mode, Op, Request, Shape, caps_of
 from .._planner import (
     MAX_PIECES,
     MAX_TENSORS,
@@ -519,9 +519,25 @@ def finish(
     slot_info = None
     if entry is not None and op == Op.PULL and not entry.is_blocks:
         slot_info = (src_slot, src_idx)
-    reachable = engine.reachable_by_peer(caps, target_side, plan.nbytes)
+    reachable = engine.reachable_by_peer(caps, target_side, plan.nbytes) or (
+        op == Op.PULL and entry is not None and _reads_itself(engine, by, caps, target_side)
+    )
     mode = Mode.LOCAL if reachable else Mode.STREAM
     return entries, plan, slot_info, mode, len(src_idx)
+
+
+def _reads_itself(engine: LinkHost, by: By, caps: dict[str, bool], ranges: np.ndarray) -> bool:
+    """A pull by key of a cache that is not remote accessible may still be copied by the
+    initiator itself (a LOCAL grant: one copy instead of the stream, its own fence and
+    deadline) when the link is one the kernel proved to join two processes of the same user
+    and the initiator reads any of our memory with ``process_vm_readv`` (or shares our
+    process): a peer that could read these bytes without us anyway, and whom the key grants
+    them. Its grant names only the ranges the key gives, pinned until its DONE."""
+    return (
+        by in (By.REQ_KEY, By.PREFIX_KEY, By.BLOCKS_KEY)
+        and bool(caps.get(Cap.PVR) or caps.get(Cap.INPROC))
+        and engine.host_reachable(ranges)
+    )
 
 
 # ====================================================================== shortcuts

@@ -37,6 +37,8 @@ from .requests import Pending, TransferRecord
 __all__ = ["initiate"]
 
 _U64 = np.uint64
+#: how a pull names a cache by the key that grants it
+_KEYS = (By.REQ_KEY, By.PREFIX_KEY, By.BLOCKS_KEY)
 
 
 def _raise_unless_ok(answer: Grant | Result, default: str) -> None:
@@ -107,8 +109,12 @@ async def initiate(
             remote = grant.remote
             if remote is None or link.access is None:
                 raise ProtocolError("local-mode GRANT without remote ranges")
-            # The peer's word is not enough to touch its memory: only what it published.
-            await link.view.check_remote(remote, nbytes, engine.sync_kv_timeout_s)
+            # The peer's word is not enough to touch its memory: only what it published, or,
+            # for a pull by key, what our access reads in its process without its help (its
+            # own memory, proven its own: a key may grant a cache it does not publish).
+            by_key = spec.op == Op.PULL and spec.target.by in _KEYS
+            if not (by_key and link.access.reaches(remote, nbytes)):
+                await link.view.check_remote(remote, nbytes, engine.sync_kv_timeout_s)
             try:
                 if spec.op == Op.PULL:
                     await link.access.read(remote, local, nbytes, token)

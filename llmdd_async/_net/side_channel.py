@@ -202,7 +202,8 @@ class SideChannel:
 
     def reachable_by_peer(self, caps: Any, ranges: np.ndarray, nbytes: np.ndarray) -> bool:
         """Can the initiator that sent ``caps`` copy these ranges of ours directly? Only
-        memory of remote-accessible caches is ever reached directly."""
+        memory of remote-accessible caches is reached directly this way (a pull by key of
+        another cache: see ``grants._reads_itself``)."""
         if not isinstance(caps, dict):
             return False
         starts, ends = self.engine.registry.reachable_regions()

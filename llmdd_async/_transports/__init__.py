@@ -185,8 +185,9 @@ class PeerAccess(ABC):
         return self.caps() if host_reachable else dict(NO_CAPS)
 
     def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
-        """True if every range of the peer's memory can be copied without the peer's help.
-        Default: False (see :attr:`one_sided`)."""
+        """True if every range of the peer's memory can be copied without the peer's help
+        (one-sided pulls, and local grants of caches the peer does not publish). Default:
+        False."""
         return False
 
     def read_word(self, addr: int) -> int | None:
