@@ -74,6 +74,9 @@ class Cap(_Words):
     POOLS = "pools"  # its shared pools
     PVR = "pvr"  # any of it (process_vm_readv)
     NIXL = "nixl"  # what is registered with its NIXL agent
+    #: it takes a local grant of what a key grants in a cache the target does not publish,
+    #: where it reaches the target's process itself (releases before this one refuse one)
+    KEY_READS = "key_reads"
 
 
 #: each vocabulary by its wire strings

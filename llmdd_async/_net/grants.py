@@ -532,9 +532,11 @@ def _reads_itself(engine: LinkHost, by: By, caps: dict[str, bool], ranges: np.nd
     deadline) when the link is one the kernel proved to join two processes of the same user
     and the initiator reads any of our memory with ``process_vm_readv`` (or shares our
     process): a peer that could read these bytes without us anyway, and whom the key grants
-    them. Its grant names only the ranges the key gives, pinned until its DONE."""
+    them. Its grant names only the ranges the key gives, pinned until its DONE. Only an
+    initiator that says it takes such a grant (``Cap.KEY_READS``) gets one."""
     return (
         by in (By.REQ_KEY, By.PREFIX_KEY, By.BLOCKS_KEY)
+        and bool(caps.get(Cap.KEY_READS))
         and bool(caps.get(Cap.PVR) or caps.get(Cap.INPROC))
         and engine.host_reachable(ranges)
     )

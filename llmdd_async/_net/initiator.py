@@ -26,7 +26,7 @@ from .._checks import check_same_dtype
 from .._enums import LLMStatusCode
 from .._errors import CopyCancelled, LinkBroken, LLMException, ProtocolError, raise_if_false
 from .._memory import CancelToken
-from .._messages import By, Done, Grant, Mode, Op, Result
+from .._messages import By, Cap, Done, Grant, Mode, Op, Result
 from .._planner import Plan, check_within
 from .._protocol import Message
 from .grants import TransferRequest, grant_within_selection, plan_selection
@@ -94,6 +94,12 @@ async def initiate(
 
     req.on_grant = on_grant
     caps = engine.request_caps(link, spec.local)
+    if (
+        spec.op == Op.PULL
+        and spec.target.by in _KEYS
+        and (caps.get(Cap.PVR) or caps.get(Cap.INPROC))
+    ):
+        caps = {**caps, Cap.KEY_READS: True}  # see grants._reads_itself
     t_start = time.monotonic()
     timeout_ms = max(1, int((deadline - time.monotonic()) * 1000)) if deadline else 0
     try:

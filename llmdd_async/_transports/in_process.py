@@ -17,7 +17,7 @@ class InProcessAccess(PeerAccess):
     """Initiator-side access to a peer endpoint of the same process."""
 
     name: ClassVar[str] = "in-process"
-    peer_caps: ClassVar[tuple[str, ...]] = ("inproc", "pools", "pvr")
+    peer_caps: ClassVar[tuple[str, ...]] = ("inproc", "pools", "pvr", "key_reads")
 
     def __init__(self, copy: CopyRunner) -> None:
         super().__init__()

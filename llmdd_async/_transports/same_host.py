@@ -94,7 +94,7 @@ class SameHostAccess(PeerAccess):
     """Initiator-side access to a peer process on this host, whose pid the kernel proved."""
 
     name: ClassVar[str] = "same-host"
-    peer_caps: ClassVar[tuple[str, ...]] = ("pools", "pvr")
+    peer_caps: ClassVar[tuple[str, ...]] = ("pools", "pvr", "key_reads")
     one_sided: ClassVar[bool] = True
 
     def __init__(

@@ -137,3 +137,30 @@ async def test_a_cancelled_local_pull_lands_nothing_after_the_cancel_returns() -
             assert np.array_equal(dst, landed), f"bytes landed after the cancel ({delay} s)"
         await d.cache_manager.pull_blocks(KEY, cache, src[:4], src[:4])
         assert np.array_equal(dst[:4], pattern(9, 4 * block).reshape(4, block))
+
+
+async def test_an_initiator_that_does_not_take_such_grants_gets_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An initiator of an earlier release claims ``pvr`` but not ``key_reads``: it would
+    refuse a local grant of memory the peer does not publish (and break the link), so it
+    gets the stream."""
+    from llmdd_async._net import initiator
+
+    real_caps = initiator.Cap
+
+    class OldCaps:  # what an earlier release's initiator knew
+        PVR, INPROC = real_caps.PVR, real_caps.INPROC
+        KEY_READS = "not_sent"
+
+    blocks, block = 8, 4096
+    async with pair("same-host", blocks, block) as (_, d, _cid):
+        cache, dst = _blocks_cache(d, blocks, block)
+        monkeypatch.setattr(initiator, "Cap", OldCaps)
+        await d.cache_manager.pull_blocks(KEY, cache, [1, 2], [3, 4])
+        assert d.link_statistics(PROMPT).recent[-1].mode == "stream"
+        monkeypatch.undo()
+        await d.cache_manager.pull_blocks(KEY, cache, [5], [6])
+        assert d.link_statistics(PROMPT).recent[-1].mode == "local"
+        want = pattern(9, blocks * block).reshape(blocks, block)
+        assert np.array_equal(dst[[3, 4, 6]], want[[1, 2, 5]])

@@ -228,7 +228,7 @@ def test_the_vocabularies_are_the_wire_strings() -> None:
     assert [s.value for s in Shape] == ["slot", "blocks", "slot_to_blocks"]
     assert [m.value for m in Mode] == ["local", "stream"]
     assert [b.value for b in By] == ["req_key", "prefix_key", "blocks_key", "cache_id", "addrs"]
-    assert [c.value for c in Cap] == ["inproc", "pools", "pvr", "nixl"]
+    assert [c.value for c in Cap] == ["inproc", "pools", "pvr", "nixl", "key_reads"]
     assert Op.PULL == "pull" and str(Shape.SLOT_TO_BLOCKS) == "slot_to_blocks"
 
 
