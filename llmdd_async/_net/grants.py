@@ -530,14 +530,16 @@ def _reads_itself(engine: LinkHost, by: By, caps: dict[str, bool], ranges: np.nd
     """A pull by key of a cache that is not remote accessible may still be copied by the
     initiator itself (a LOCAL grant: one copy instead of the stream, its own fence and
     deadline) when the link is one the kernel proved to join two processes of the same user
-    and the initiator reads any of our memory with ``process_vm_readv`` (or shares our
-    process): a peer that could read these bytes without us anyway, and whom the key grants
-    them. Its grant names only the ranges the key gives, pinned until its DONE. Only an
-    initiator that says it takes such a grant (``Cap.KEY_READS``) gets one."""
+    (``caps`` hold only what the link's kind lets a peer claim) and the initiator says its
+    ``process_vm_readv`` reaches any of our memory (its own probe of us): a peer that could
+    read these bytes without us anyway, and whom the key grants them. Its grant names only the
+    ranges the key gives, pinned until its DONE. Only an initiator that says it takes such a
+    grant (``Cap.KEY_READS``) gets one. A same-user process that claims the probe falsely
+    learns those ranges' addresses and cannot read them (it could read our
+    ``/proc/<pid>/maps``)."""
     return (
         by in (By.REQ_KEY, By.PREFIX_KEY, By.BLOCKS_KEY)
-        and bool(caps.get(Cap.KEY_READS))
-        and bool(caps.get(Cap.PVR) or caps.get(Cap.INPROC))
+        and bool(caps.get(Cap.KEY_READS) and caps.get(Cap.PVR))
         and engine.host_reachable(ranges)
     )
 

@@ -60,8 +60,33 @@ async def initiate(
         LLMException: the target refused (its status code), the link failed
             (LLM_LINK_FAILED / LLM_NOT_YET_LINK), or the transfer was stopped.
     """
+    failed_read: list[OSError] = []
+    try:
+        return await _initiate(engine, link, spec, token, deadline, failed_read)
+    except OSError as exc:
+        if not failed_read or failed_read[0] is not exc:
+            raise
+        engine.log.info("transfer.fallback", reason=f"reading the peer failed: {exc}")
+    # A copy of what a key grants failed where the stream did not use to (memory the kernel
+    # cannot pin for process_vm_readv): the request was aborted there, unconsumed; stream it.
+    return await _initiate(engine, link, spec, token, deadline, None)
+
+
+async def _initiate(
+    engine: LinkHost,
+    link: Link,
+    spec: TransferRequest,
+    token: CancelToken,
+    deadline: float | None,
+    failed_read: list[OSError] | None,
+) -> tuple[int, int]:
+    """:func:`initiate`, once; a failed copy of a local grant by key is put in
+    ``failed_read`` (None: ask for no such grant) before it is raised."""
+    key_reads = failed_read is not None
     req = link.open_pending(deadline)
-    req.token = token
+    # Its own token on a first try: a failed try is stopped (its token cancelled) without
+    # stopping the retry; the caller's cancel and deadline still reach both.
+    req.token = token.child() if key_reads else token
     try:
         # Tracked like any request: a link going down cancels the copy, and its mappings stay
         # until the copy has stopped.
@@ -94,12 +119,12 @@ async def initiate(
 
     req.on_grant = on_grant
     caps = engine.request_caps(link, spec.local)
-    if (
-        spec.op == Op.PULL
-        and spec.target.by in _KEYS
-        and (caps.get(Cap.PVR) or caps.get(Cap.INPROC))
-    ):
-        caps = {**caps, Cap.KEY_READS: True}  # see grants._reads_itself
+    # (see grants._reads_itself; the retry after a failed such copy asks for the stream)
+    key_reads = key_reads and spec.op == Op.PULL and spec.target.by in _KEYS
+    if key_reads and caps.get(Cap.PVR) and link.access is not None and link.access.one_sided:
+        caps = {**caps, Cap.KEY_READS: True}
+    else:
+        key_reads = False
     t_start = time.monotonic()
     timeout_ms = max(1, int((deadline - time.monotonic()) * 1000)) if deadline else 0
     try:
@@ -128,6 +153,10 @@ async def initiate(
                     await link.access.write(local, remote, nbytes, token)
             except CopyCancelled:
                 raise req.error or CopyCancelled() from None
+            except OSError as exc:
+                if key_reads and failed_read is not None and link.alive:
+                    failed_read.append(exc)
+                raise
             await link.send(Done(req.req_id).encode())
         elif spec.op == Op.PULL:
             await req.wait_data()

@@ -17,7 +17,7 @@ class InProcessAccess(PeerAccess):
     """Initiator-side access to a peer endpoint of the same process."""
 
     name: ClassVar[str] = "in-process"
-    peer_caps: ClassVar[tuple[str, ...]] = ("inproc", "pools", "pvr", "key_reads")
+    peer_caps: ClassVar[tuple[str, ...]] = ("inproc", "pools", "pvr")
 
     def __init__(self, copy: CopyRunner) -> None:
         super().__init__()
@@ -25,11 +25,6 @@ class InProcessAccess(PeerAccess):
 
     def caps(self) -> dict[str, bool]:
         return {"inproc": True, "pools": True, "pvr": True}
-
-    def reaches(self, remote: np.ndarray, nbytes: np.ndarray) -> bool:
-        """Every range: the peer's memory is this process's (not :attr:`one_sided` all the
-        same: there is no epoch word to read, so remote-accessible pulls go to the peer)."""
-        return True
 
     async def read(
         self, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, token: CancelToken

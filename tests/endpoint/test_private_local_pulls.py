@@ -164,3 +164,86 @@ async def test_an_initiator_that_does_not_take_such_grants_gets_the_stream(
         assert d.link_statistics(PROMPT).recent[-1].mode == "local"
         want = pattern(9, blocks * block).reshape(blocks, block)
         assert np.array_equal(dst[[3, 4, 6]], want[[1, 2, 5]])
+
+
+async def test_a_failed_copy_of_what_a_key_grants_falls_back_to_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Memory ``process_vm_readv`` cannot reach (a mapping the kernel cannot pin) fails the
+    copy: the request is aborted there, unconsumed, and streamed instead."""
+    from llmdd_async._transports.same_host import SameHostAccess
+
+    shape = (2, 4096)
+    failures: list[int] = []
+    real_read = SameHostAccess.read
+
+    async def read_fails_once(self: SameHostAccess, *args: object) -> int:
+        if not failures:
+            failures.append(1)
+            raise OSError(14, "process_vm_readv: Bad address")
+        return await real_read(self, *args)  # type: ignore[arg-type]
+
+    async with PeerProcess.start(
+        dd.LLMRole.PROMPT, PROMPT, endpoint_options("same-host", listen=True)
+    ) as p:
+        await p.request(
+            "alloc",
+            kind="cache",
+            num_tensors=2,
+            shape=list(shape),
+            placement="HOST",
+            keys=[encode_key(dd.CacheKey(PROMPT, 7))],
+            seed=41,
+        )
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, DECODER).running(
+            endpoint_options("same-host")
+        ) as d:
+            assert p.listen is not None
+            await link(d, PROMPT, p.listen)
+            monkeypatch.setattr(SameHostAccess, "read", read_fails_once)
+            cm = d.cache_manager
+            dst = cm.allocate_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
+            await cm.pull_cache(dd.CacheKey(PROMPT, 7), dst)
+            assert failures == [1]
+            assert d.link_statistics(PROMPT).recent[-1].mode == "stream"
+            for t in range(2):
+                assert np.array_equal(dst.tensors[t][0], expected_tensor(41, t, shape)[0])
+            with pytest.raises(dd.LLMException) as err:  # consumed once, by the stream
+                await cm.pull_cache(dd.CacheKey(PROMPT, 7), dst)
+            assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+
+
+async def test_a_tcp_peer_that_claims_it_reads_our_memory_gets_the_stream() -> None:
+    """Over TCP (nothing proven) the caps a peer claims count for nothing: it never gets a
+    local grant, nor the addresses it would name."""
+    from helpers import raw_link
+
+    from llmdd_async._messages import Address, By, Cap, Grant, Mode, Op, Request, Shape
+    from llmdd_async._protocol import MT
+
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, PROMPT).running(
+        endpoint_options("tcp", listen=True)
+    ) as p:
+        src = np.full((4, 4096), 5, np.uint8)
+        p.cache_manager.register_blocks_cache(
+            dd.CacheDesc(1, [4, 4096], dd.DataType.DT_UINT8), [src], KEY, remote_accessible=False
+        )
+        assert p.listen_address is not None
+        peer = await raw_link(p.listen_address, DECODER)
+        try:
+            request = Request(
+                1,
+                Op.PULL,
+                Address(By.BLOCKS_KEY, model_id=0),
+                Shape.BLOCKS,
+                (4 * 4096, 4, True),
+                np.array([1 << 30], np.uint64),
+                caps=frozenset({Cap.PVR, Cap.INPROC, Cap.POOLS, Cap.KEY_READS}),
+                src_blocks=np.array([1], np.uint64),
+                dst_blocks=np.array([2], np.uint64),
+            )
+            await peer.send(request.encode())
+            grant = Grant.decode(await peer.recv(MT.GRANT))
+            assert grant.ok and grant.mode is Mode.STREAM and grant.remote is None
+        finally:
+            peer.close()
