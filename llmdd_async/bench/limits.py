@@ -1,8 +1,11 @@
 """The machine's own limits, measured in the same run as a benchmark so results are ratios:
-``numpy.copyto`` (memcpy) and a raw blocking loopback TCP stream between two processes."""
+``numpy.copyto`` (memcpy), a raw blocking loopback TCP stream between two processes, and a
+raw blocking request/response between two processes (the floor of one small request); and
+how much memory a run may take."""
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import subprocess
@@ -13,7 +16,30 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["median_time", "memcpy_gbps", "raw_socket_gbps"]
+__all__ = [
+    "MEMORY_FRACTION",
+    "available_memory",
+    "median_time",
+    "memcpy_gbps",
+    "raw_rpc_us",
+    "raw_socket_gbps",
+]
+
+#: the most of the machine's available memory a bench run takes (both processes, all buffers)
+MEMORY_FRACTION = 0.5
+
+
+def available_memory() -> int:
+    """Bytes of memory the kernel says are available now (``MemAvailable``; free pages where
+    that is not known)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def median_time(fn: Callable[[], Any], repeat: int) -> float:
@@ -76,3 +102,49 @@ def raw_socket_gbps(nbytes: int, repeat: int = 3, chunk: int = 4 << 20) -> float
         sender.wait(timeout=60)
         listener.close()
     return nbytes / statistics.median(results[1:]) / 1e9
+
+
+_RPC_SERVER = """
+import socket, sys
+import numpy as np
+port, size = map(int, sys.argv[1:])
+payload = memoryview(np.ones(size, np.uint8))
+with socket.create_connection(("127.0.0.1", port)) as s:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        req = s.recv(8)
+        if len(req) < 8:
+            break
+        s.sendall(payload)
+"""
+
+
+def raw_rpc_us(size: int, n: int = 500) -> tuple[float, float]:
+    """A raw blocking request/response between two processes over loopback TCP (an 8-byte
+    request, a ``size``-byte reply into a numpy buffer): p50 and p99 in microseconds, the
+    floor of one request of that size."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    child = subprocess.Popen([sys.executable, "-c", _RPC_SERVER, str(port), str(size)])
+    view = np.empty(size, np.uint8).data
+    lat = []
+    try:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            for i in range(n + 20):
+                t0 = time.perf_counter()
+                conn.sendall(b"\0" * 8)
+                got = 0
+                while got < size:
+                    k = conn.recv_into(view[got:], size - got)
+                    if k == 0:
+                        raise RuntimeError("raw request/response: the server closed")
+                    got += k
+                if i >= 20:  # warm-up
+                    lat.append(time.perf_counter() - t0)
+    finally:
+        listener.close()
+        child.wait(timeout=30)
+    lat.sort()
+    return lat[len(lat) // 2] * 1e6, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6

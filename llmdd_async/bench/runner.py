@@ -1,29 +1,43 @@
 """``llmdd-async bench``: pulls and pushes against a real peer process, swept over block size,
 blocks per request, requests in flight, operation, transport and event loop.
 
-Every row comes with the machine's limit measured in the same run (memcpy for same-host, a raw
-two-process loopback socket for TCP), so figures are also ratios. Memory is what a framework
-would register: user-allocated numpy arrays, blocks in shuffled order. The table goes to
-stdout, progress to stderr, all rows to ``--json``; ``--plot`` draws requests/s (needs
-matplotlib, the ``demo`` extra).
+Every row comes with the machine's limits measured in the same run: for one request at a time
+its latency against a raw two-process request/response of the same size (the floor), for
+requests in flight or bulk ones their bandwidth against memcpy (same-host) or a raw
+two-process loopback socket (TCP). Memory is what a framework would register: user-allocated
+numpy arrays, blocks in shuffled order; a sweep that would take more than half the memory
+available is refused before it starts. The table goes to stdout, a progress bar with its ETA
+to stderr (on a terminal only); ``--json PATH`` writes every row with the run's version, host,
+loops and time (``-``: to stdout, the table then to stderr); ``--plot PNG`` draws latency and
+throughput (needs matplotlib, the ``demo`` extra). Nothing is written unless asked.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
+import os
+import platform
+import socket
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 import anyio
 import numpy as np
 
 import llmdd_async as dd
 from llmdd_async._childproc import run_on_loop
-from llmdd_async.bench.limits import memcpy_gbps, raw_socket_gbps
+from llmdd_async.bench.limits import (
+    MEMORY_FRACTION,
+    available_memory,
+    memcpy_gbps,
+    raw_rpc_us,
+    raw_socket_gbps,
+)
 from llmdd_async.testing import PeerProcess, encode_key
 
 __all__ = ["build_parser", "run"]
@@ -75,8 +89,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--requests", type=_ints, default=[200], help="requests per measurement (first value)"
     )
-    p.add_argument("--json", metavar="PATH", default="llmdd-bench.json", help="results file")
-    p.add_argument("--plot", metavar="PNG", default=None, help="draw requests/s (matplotlib)")
+    p.add_argument(
+        "--json", metavar="PATH", default=None, help="write the results there ('-': stdout)"
+    )
+    p.add_argument(
+        "--plot", metavar="PNG", default=None, help="draw latency and throughput (matplotlib)"
+    )
     return p
 
 
@@ -181,78 +199,211 @@ async def _point(
         "p50_us": lat[n // 2] * 1e6,
         "p99_us": lat[min(n - 1, int(n * 0.99))] * 1e6,
         "req_per_s": n / elapsed,
-        "gbps": n * per * block / elapsed / 1e9,
+        "gb_per_s": n * per * block / elapsed / 1e9,
+    }
+
+
+#: requests of at most this size, one at a time, are latency-bound: their ratio is to the
+#: floor of a request/response of their size; larger ones, or many in flight, to bandwidth
+_LATENCY_BOUND_BYTES = 1 << 20
+
+
+def _checked_output(path: str | None, what: str) -> str | None:
+    """Why ``path`` cannot be written (checked before the sweep), or None."""
+    if path is None or path == "-":
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{what} {path!r} is a directory"
+    if not os.path.isdir(folder):
+        return f"{what} {path!r}: no such directory {folder!r}"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{what} {path!r} is not writable"
+    return None
+
+
+def _memory_needed(args: argparse.Namespace) -> int:
+    """Bytes the sweep takes at most at once: both processes' caches of the largest block
+    size (the peer's pool and this side's arrays) and the limits' buffers."""
+    most = max(args.block_kib) << 10
+    caches = 2 * max(args.blocks) * max(args.concurrency) * most + (32 << 20)
+    return caches + 2 * _limit_bytes(args)
+
+
+def _limit_bytes(args: argparse.Namespace) -> int:
+    """The size of the bandwidth limits' copies: a wave's bytes, between 16 and 256 MiB."""
+    wave = max(args.blocks) * max(args.concurrency) * (max(args.block_kib) << 10)
+    return min(max(wave, 16 << 20), 256 << 20)
+
+
+def _meta(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "version": dd.__version__,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": {
+            "hostname": socket.gethostname(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "loops": list(args.loops),
+        "transports": list(args.transports),
+        "argv": sys.argv[1:],
     }
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the sweep; returns the exit status.
-
-    Raises:
-        SystemExit: ``--plot`` without matplotlib (checked before anything runs).
-    """
+    """Run the sweep; returns the exit status: 2, with one line on stderr, for a ``--plot``
+    without matplotlib, an output path that cannot be written or a sweep too large for the
+    memory available (all checked before anything runs)."""
+    problems = [_checked_output(args.json, "--json"), _checked_output(args.plot, "--plot")]
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print("--plot needs matplotlib: pip install 'llmdd-async[demo]'", file=sys.stderr)
+        problems.append("--plot needs matplotlib: pip install 'llmdd-async[demo]'")
+    if args.plot == "-":
+        problems.append("--plot needs a file name (a PNG), not '-'")
+    need, free = _memory_needed(args), available_memory()
+    if need > MEMORY_FRACTION * free:
+        problems.append(
+            f"the sweep needs about {need / 2**30:.1f} GiB, more than {MEMORY_FRACTION:.0%} of "
+            f"the {free / 2**30:.1f} GiB available: lower --blocks, --concurrency or --block-kib"
+        )
+    problems = [p for p in problems if p]
+    if problems:
+        for p in problems:
+            print(f"llmdd-async bench: {p}", file=sys.stderr)
         return 2
+    table: TextIO = sys.stderr if args.json == "-" else sys.stdout
     combos = [(t, lp) for t in args.transports for lp in args.loops]
     total = len(combos) * len(args.block_kib) * len(args.ops) * len(args.blocks)
     total *= len(args.concurrency)
-    done = [0]
-
-    def progress() -> None:
-        done[0] += 1
-        bar = "#" * (30 * done[0] // total)
-        print(f"\r[{bar:<30}] {done[0]}/{total}", end="", file=sys.stderr, flush=True)
-
+    progress = _Progress(total, sys.stderr)
     rows: list[dict[str, Any]] = []
     for transport, loop in combos:
-        rows += run_on_loop(loop, _measure, transport, loop, args, progress)
-    print(file=sys.stderr)
-    # The limits, measured in this run: what one memcpy and one raw socket stream move.
-    limit_bytes = max(r["blocks"] for r in rows) * max(args.block_kib) * 1024 * 64
-    limits = {
-        "memcpy_gbps": statistics.median(memcpy_gbps(limit_bytes) for _ in range(3)),
-        "raw_socket_gbps": raw_socket_gbps(max(limit_bytes, 16 << 20)),
-    }
+        rows += run_on_loop(loop, _measure, transport, loop, args, progress.step)
+    progress.close()
+    limits = _limits(args, rows)
     for r in rows:
+        size = r["blocks"] * r["block_kib"] * 1024
         lim = limits["memcpy_gbps"] if r["transport"] == "same-host" else limits["raw_socket_gbps"]
-        r["limit_gbps"] = lim
-        r["ratio"] = r["gbps"] / lim
+        r["limit_gb_per_s"] = lim
+        latency_bound = r["concurrency"] == 1 and size <= _LATENCY_BOUND_BYTES
+        floor = limits["floor_p50_us"].get(str(size)) if latency_bound else None
+        r["floor_p50_us"] = floor
+        r["latency_ratio"] = r["p50_us"] / floor if floor else None
+        r["bandwidth_ratio"] = None if latency_bound else r["gb_per_s"] / lim
     cols = ["loop", "transport", "op", "block_kib", "blocks", "concurrency"]
-    cols += ["p50_us", "p99_us", "req_per_s", "gbps", "limit_gbps", "ratio"]
-    print("  ".join(f"{c:>11}" for c in cols))
+    cols += ["p50_us", "p99_us", "req_per_s", "gb_per_s", "latency_ratio", "bandwidth_ratio"]
+    print("  ".join(f"{c:>15}" for c in cols), file=table)
     for r in rows:
-        print("  ".join(_cell(r[c]) for c in cols))
-    with open(args.json, "w") as f:
-        json.dump({"limits": limits, "rows": rows}, f, indent=1)
-    print(f"wrote {args.json}")
+        print("  ".join(_cell(r[c]) for c in cols), file=table)
+    print(
+        "latency_ratio: p50 over a raw request/response of the same size (one in flight); "
+        "bandwidth_ratio: GB/s over memcpy (same-host) or a raw socket (tcp)",
+        file=table,
+    )
+    result = {"meta": _meta(args), "limits": limits, "rows": rows}
+    if args.json == "-":
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}", file=table)
     if args.plot:
-        _plot(rows, args.plot)
-        print(f"wrote {args.plot}")
+        _plot(rows, limits, args.plot)
+        print(f"wrote {args.plot}", file=table)
     return 0
 
 
+def _limits(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The machine's limits, measured now: a memcpy and a raw socket stream of one wave's
+    bytes, and the floor of one request/response of each latency-bound request size."""
+    nbytes = _limit_bytes(args)
+    sizes = sorted(
+        {
+            r["blocks"] * r["block_kib"] * 1024
+            for r in rows
+            if r["concurrency"] == 1 and r["blocks"] * r["block_kib"] * 1024 <= _LATENCY_BOUND_BYTES
+        }
+    )
+    return {
+        "memcpy_gbps": statistics.median(memcpy_gbps(nbytes) for _ in range(3)),
+        "raw_socket_gbps": raw_socket_gbps(nbytes),
+        "limit_bytes": nbytes,
+        "floor_p50_us": {str(size): raw_rpc_us(size)[0] for size in sizes},
+    }
+
+
+class _Progress:
+    """A progress bar with an ETA on a terminal; nothing elsewhere (a log file, a pipe)."""
+
+    def __init__(self, total: int, out: TextIO) -> None:
+        self.total, self.done, self.out = total, 0, out
+        self.on = out.isatty()
+        self.t0 = time.monotonic()
+
+    def step(self) -> None:
+        self.done += 1
+        if not self.on:
+            return
+        elapsed = time.monotonic() - self.t0
+        eta = elapsed / self.done * (self.total - self.done)
+        bar = "#" * (30 * self.done // self.total)
+        self.out.write(f"\r[{bar:<30}] {self.done}/{self.total}  ETA {eta:5.0f} s")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.on:
+            self.out.write("\n")
+
+
 def _cell(v: Any) -> str:
-    return f"{v:>11.3f}" if isinstance(v, float) else f"{v!s:>11}"
+    if v is None:
+        return f"{'-':>15}"
+    return f"{v:>15.3f}" if isinstance(v, float) else f"{v!s:>15}"
 
 
-def _plot(rows: list[dict[str, Any]], path: str) -> None:
+def _plot(rows: list[dict[str, Any]], limits: dict[str, Any], path: str) -> None:
+    """Two panels against requests in flight: p50 latency, and GB/s with the limits drawn;
+    one colour per transport, one line style per loop, one marker per operation, thicker
+    lines for larger requests."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    series: dict[str, list[tuple[int, float]]] = {}
+    colours = {"tcp": "tab:blue", "same-host": "tab:orange"}
+    styles = {"asyncio": "-", "uvloop": "--", "trio": ":"}
+    markers = {"pull": "o", "push": "s"}
+    fig, (lat_ax, bw_ax) = plt.subplots(1, 2, figsize=(12, 4.8))
+    series: dict[tuple[str, str, str, int, int], list[dict[str, Any]]] = {}
     for r in rows:
-        name = f"{r['loop']} {r['transport']} {r['op']} {r['blocks']}x{r['block_kib']}KiB"
-        series.setdefault(name, []).append((r["concurrency"], r["req_per_s"]))
-    for name, pts in sorted(series.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("requests in flight")
-    ax.set_ylabel("requests / s")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+        key = (r["transport"], r["loop"], r["op"], r["blocks"], r["block_kib"])
+        series.setdefault(key, []).append(r)
+    sizes = sorted({blocks * kib for _, _, _, blocks, kib in series})
+    for (transport, loop, op, blocks, kib), pts in sorted(series.items()):
+        pts.sort(key=lambda r: r["concurrency"])
+        style = {
+            "color": colours.get(transport, "tab:gray"),
+            "linestyle": styles.get(loop, "-"),
+            "marker": markers.get(op, "x"),
+            "linewidth": 1.0 + 1.5 * sizes.index(blocks * kib),  # thicker: larger requests
+            "label": f"{transport} {loop} {op} {blocks}x{kib} KiB",
+        }
+        xs = [r["concurrency"] for r in pts]
+        lat_ax.plot(xs, [r["p50_us"] for r in pts], **style)
+        bw_ax.plot(xs, [r["gb_per_s"] for r in pts], **style)
+    bw_ax.axhline(limits["memcpy_gbps"], color=colours["same-host"], linewidth=0.8)
+    bw_ax.axhline(limits["raw_socket_gbps"], color=colours["tcp"], linewidth=0.8)
+    bw_ax.annotate("memcpy", (1, limits["memcpy_gbps"]), color=colours["same-host"])
+    bw_ax.annotate("raw socket", (1, limits["raw_socket_gbps"]), color=colours["tcp"])
+    for ax, label in ((lat_ax, "p50 latency (µs)"), (bw_ax, "GB/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("requests in flight")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = lat_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.12 + 0.02 * (len(labels) // 4), 1, 1))
     fig.savefig(path)
