@@ -32,11 +32,22 @@ def main(argv: list[str] | None = None) -> int:
             help="pull/push latency and throughput against a real peer, with machine limits",
         )
     )
+    from ._doctor import build_parser as doctor_parser
+    from ._doctor import run as doctor_run
+
+    doctor_parser(
+        sub.add_parser(
+            "doctor",
+            help="check the optional dependencies (vLLM, torch, NIXL, uvloop) and print fixes",
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run(args)
     if args.command == "bench":
         return bench_run(args)
+    if args.command == "doctor":
+        return doctor_run(args)
     return 2
 
 
