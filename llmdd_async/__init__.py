@@ -18,6 +18,7 @@ from ._enums import (
     RegisterMemStatus,
 )
 from ._errors import LLMException, Status, SynchronizerAborted, TransferCancelled
+from ._net.requests import LinkStatistics, TransferRecord
 from ._synchronizer import AsyncLayerSynchronizer, LayerEvents, LayerSynchronizer
 from ._task import CacheTask, LayerTiming, TaskStatistics
 from ._types import (
@@ -52,6 +53,7 @@ __all__ = [
     "LayerEvents",
     "LayerSynchronizer",
     "LayerTiming",
+    "LinkStatistics",
     "LlmConfig",
     "MemInfo",
     "Memtype",
@@ -63,5 +65,6 @@ __all__ = [
     "TaskStatistics",
     "TransferCancelled",
     "TransferConfig",
+    "TransferRecord",
     "TransferWithCacheKeyConfig",
 ]

@@ -43,7 +43,6 @@ from ._types import (
 )
 
 __all__ = [
-    "PULL_DEFAULTS",
     "TransferShape",
     "block_lists",
     "check_clusters",
@@ -162,32 +161,32 @@ def check_clusters(clusters: Any, timeout: Any) -> None:
 
 # ---------------------------------------------------------------------- remote movement
 #: the keyword arguments of ``pull_cache`` / ``pull_blocks`` and their defaults
-PULL_DEFAULTS: dict[str, Any] = {
-    "src_layer_range": None,
-    "dst_layer_range": None,
-    "tensor_num_per_layer": 2,
-    "src_cache_offset": -1,
-    "dst_cache_offset": -1,
-}
-
-
-def pull_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of a pull with defaults filled in (offsets: -1 becomes 0).
+def pull_kwargs(
+    src_layer_range: range | None = None,
+    dst_layer_range: range | None = None,
+    tensor_num_per_layer: int = 2,
+    src_cache_offset: int = -1,
+    dst_cache_offset: int = -1,
+) -> dict[str, Any]:
+    """A pull's keyword arguments (upstream's layer ranges, our offsets) as one dict, the
+    offsets checked (-1 becomes 0).
 
     Raises:
-        TypeError: an unknown keyword, or an offset that is not an int.
-        ValueError: an offset outside int64. LLMException: LLM_PARAM_INVALID for an offset
-            below -1.
+        TypeError: an offset that is not an int. ValueError: an offset outside int64.
+        LLMException: LLM_PARAM_INVALID for an offset below -1.
     """
-    unknown = set(kwargs) - set(PULL_DEFAULTS)
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
-    out = dict(PULL_DEFAULTS)
-    out.update(kwargs)
-    for name in ("src_cache_offset", "dst_cache_offset"):
-        check_int64(name, out[name])
-        raise_if_false(out[name] >= -1, f"{name} must be >= 0 (or -1 for none)")
-        out[name] = max(0, int(out[name]))
+    out: dict[str, Any] = {
+        "src_layer_range": src_layer_range,
+        "dst_layer_range": dst_layer_range,
+        "tensor_num_per_layer": tensor_num_per_layer,
+    }
+    for name, value in (
+        ("src_cache_offset", src_cache_offset),
+        ("dst_cache_offset", dst_cache_offset),
+    ):
+        check_int64(name, value)
+        raise_if_false(value >= -1, f"{name} must be >= 0 (or -1 for none)")
+        out[name] = max(0, int(value))
     return out
 
 

@@ -337,14 +337,20 @@ class CacheManager:
         cache: Cache,
         batch_index: int = 0,
         size: int = -1,
-        **kwargs: Any,
+        *,
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+        src_cache_offset: int = -1,
+        dst_cache_offset: int = -1,
     ) -> CacheTask:
         """Pull one contiguous batch slot of a linked peer into local slot ``batch_index``.
 
-        ``size`` bytes per tensor (-1: the local slot after ``dst_cache_offset``). Keyword
-        arguments: ``src_layer_range``, ``dst_layer_range``, ``tensor_num_per_layer`` (2),
-        ``src_cache_offset``, ``dst_cache_offset``. A req key of a cache the peer allocated is
-        consumed once this pull succeeded (request/response mode).
+        ``size`` bytes per tensor (-1: the local slot after ``dst_cache_offset``). The layer
+        ranges select tensors ``[start * n, stop * n)`` with ``n = tensor_num_per_layer``
+        (upstream's keyword arguments); the offsets (-1: none) are bytes into each tensor's
+        slot. A req key of a cache the peer allocated is consumed once this pull succeeded
+        (request/response mode).
 
         Raises:
             TypeError / ValueError: wrong argument types (a CacheKey in remote-accessible mode).
@@ -354,23 +360,16 @@ class CacheManager:
                 key/cache/slot, LLM_TIMEOUT after ``sync_kv_timeout``, LLM_LINK_FAILED when the
                 peer dies.
         """
-        kw = pull_kwargs(kwargs)
+        layers = (src_layer_range, dst_layer_range, tensor_num_per_layer)
+        kw = pull_kwargs(*layers, src_cache_offset, dst_cache_offset)
         check_pull_key("cache_key", cache_key, self.engine.options.remote_accessible, False)
         entry = self._entry(cache, "cache")
         ranges = check_pull_cache(entry, cache_key, batch_index, size, kw)
+        offsets = {"src_offset": kw["src_cache_offset"], "dst_offset": kw["dst_cache_offset"]}
         return start_request(
-            self.engine,
-            "pull_cache",
-            Op.PULL,
-            cache_key,
-            Shape.SLOT,
-            entry,
-            ranges,
-            local_slot=batch_index,
-            size=size,
-            src_offset=kw["src_cache_offset"],
-            dst_offset=kw["dst_cache_offset"],
-        )
+            self.engine, "pull_cache", Op.PULL, cache_key, Shape.SLOT, entry, ranges,
+            local_slot=batch_index, size=size, **offsets,
+        )  # fmt: skip
 
     def pull_blocks(
         self,
@@ -378,15 +377,18 @@ class CacheManager:
         dst_cache: Cache,
         src_blocks: Sequence[int] = (),
         dst_blocks: Sequence[int] = (),
-        **kwargs: Any,
+        *,
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
     ) -> CacheTask:
         """Pull blocks of a linked peer into local blocks.
 
         With a BlocksCacheKey: block ``src_blocks[i]`` lands in ``dst_blocks[i]`` (runs that are
         consecutive on both sides move as one copy). With a CacheKey / CacheKeyByIdAndIndex:
         the peer's contiguous slot is cut into block-sized pieces, piece ``i`` landing in
-        ``dst_blocks[i]`` (``src_blocks`` must be empty). Keyword arguments as
-        :meth:`pull_cache` (layer ranges, ``tensor_num_per_layer``).
+        ``dst_blocks[i]`` (``src_blocks`` must be empty). The layer ranges as for
+        :meth:`pull_cache`.
 
         Raises:
             TypeError / ValueError: wrong argument types.
@@ -395,7 +397,7 @@ class CacheManager:
                 LLM_NOT_YET_LINK without a link. The task fails as for :meth:`pull_cache`
                 (LLM_PARAM_INVALID for remote indices out of range).
         """
-        kw = pull_kwargs(kwargs)
+        kw = pull_kwargs(src_layer_range, dst_layer_range, tensor_num_per_layer)
         check_pull_key("src_cache_key", src_cache_key, self.engine.options.remote_accessible, True)
         to_blocks = isinstance(src_cache_key, BlocksCacheKey)
         return self._pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kw, to_blocks)

@@ -13,6 +13,7 @@ from ._cluster import LLMClusterInfo
 from ._config import LLMConfig
 from ._enums import LLMRole, LLMStatusCode, RegisterMemStatus
 from ._errors import LLMException, raise_if_false, raise_param
+from ._net.requests import LinkStatistics
 from ._options import parse_listen, parse_options, warn_unknown_options
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ class LLMDataDist:
         engine = self._live_engine()
         return engine.links.listen_address
 
-    def link_statistics(self, cluster_id: int) -> Any:
+    def link_statistics(self, cluster_id: int) -> LinkStatistics:
         """Bytes, transfers, transport and recent transfers of the link to ``cluster_id``.
 
         Raises:

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import numpy as np
@@ -59,9 +60,11 @@ __all__ = [
     "DEFAULT_OPTIONS",
     "LinkView",
     "LoopLagProbe",
+    "PairFactory",
     "NetnsBed",
     "NetnsHost",
     "PeerError",
+    "PeerFactory",
     "PeerProcess",
     "cache_entries",
     "cache_entry",
@@ -177,3 +180,11 @@ class PeerProcess(ChildProcess):
         through :func:`encode_key` as ``{"key": ...}`` and ranges as ``{"range": [a, b]}``.
         Transfers are awaited there; their status code comes back (0 on success)."""
         return await self.request("call", method=method, args=list(args), kwargs=kwargs, wait=wait)
+
+
+#: the type of the ``llmdd_peer`` fixture: ``llmdd_peer(role, cluster_id, options=None,
+#: loop="asyncio")`` is an async context manager of a :class:`PeerProcess`
+PeerFactory = Callable[..., AbstractAsyncContextManager[PeerProcess]]
+#: the type of the ``llmdd_pair`` fixture: ``llmdd_pair(options=None, **kwargs)`` is an async
+#: context manager of ``(prompt, decoder)``
+PairFactory = Callable[..., AbstractAsyncContextManager[tuple[dd.LLMDataDist, dd.LLMDataDist]]]

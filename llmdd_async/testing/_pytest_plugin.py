@@ -23,20 +23,18 @@ Disable the plugin with ``-p no:llmdd_async``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import pytest
 
 import llmdd_async as dd
-from llmdd_async.testing import PeerProcess
+from llmdd_async.testing import PairFactory, PeerFactory, PeerProcess
 from llmdd_async.testing._pair import DEFAULT_OPTIONS, LISTEN_ANY, linked_pair
 
 __all__ = ["llmdd_options", "llmdd_pair", "llmdd_peer"]
 
-PeerFactory = Callable[..., AbstractAsyncContextManager[PeerProcess]]
-PairFactory = Callable[..., AbstractAsyncContextManager[tuple[dd.LLMDataDist, dd.LLMDataDist]]]
 
 
 @pytest.fixture
