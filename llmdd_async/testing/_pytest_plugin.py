@@ -36,7 +36,6 @@ from llmdd_async.testing._pair import DEFAULT_OPTIONS, LISTEN_ANY, linked_pair
 __all__ = ["llmdd_options", "llmdd_pair", "llmdd_peer"]
 
 
-
 @pytest.fixture
 def llmdd_options() -> dict[str, str]:
     """Options of the endpoints that ``llmdd_peer`` and ``llmdd_pair`` start: cache-manager
