@@ -499,21 +499,6 @@ def run_child(args: list[str], env: dict[str, str], timeout: float) -> tuple[Any
 
 
 # ------------------------------------------------------------------------------ limits
-_RPC_SERVER = """
-import socket, sys
-import numpy as np
-port, size = map(int, sys.argv[1:])
-payload = memoryview(np.ones(size, np.uint8))
-with socket.create_connection(("127.0.0.1", port)) as s:
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    while True:
-        req = s.recv(8)
-        if len(req) < 8:
-            break
-        s.sendall(payload)
-"""
-
-
 @contextlib.contextmanager
 def _rpc_child(script: str, size: int) -> Iterator[socket.socket]:
     """A child process running ``script`` (a request/response server for ``size``-byte
@@ -537,22 +522,10 @@ def _p50_p99_us(lat: list[float]) -> tuple[float, float]:
 
 def raw_rpc_us(n: int, size: int = BLOCK) -> tuple[float, float]:
     """A raw blocking request/response between two processes (8-byte request, ``size``-byte
-    reply into a numpy buffer): p50 and p99 in microseconds."""
-    view = memoryview(np.empty(size, np.uint8))
-    lat = []
-    with _rpc_child(_RPC_SERVER, size) as conn:
-        for i in range(n + 20):
-            t0 = time.perf_counter()
-            conn.sendall(b"\0" * 8)
-            got = 0
-            while got < size:
-                k = conn.recv_into(view[got:], size - got)
-                if k == 0:
-                    raise RuntimeError("raw request/response: peer closed")
-                got += k
-            if i >= 20:
-                lat.append(time.perf_counter() - t0)
-    return _p50_p99_us(lat)
+    reply into a numpy buffer): p50 and p99 in microseconds (``llmdd-async bench``'s floor)."""
+    from llmdd_async.bench.limits import raw_rpc_us as floor
+
+    return floor(size, n)
 
 
 _AIO_RPC_SERVER = """

@@ -50,6 +50,33 @@ async def pair(
             yield p, d, int(cid)
 
 
+@contextlib.asynccontextmanager
+async def keyed_pair(
+    shape: tuple[int, int], req_ids: list[int], seed: int
+) -> AsyncIterator[dd.LLMDataDist]:
+    """A prompt process holding an allocated host cache (not remote accessible) of
+    ``shape`` x 2 tensors, its slots keyed ``CacheKey(PROMPT, r)``, filled from ``seed``; and
+    a local decoder linked to it over ``same-host`` (default mode)."""
+    async with PeerProcess.start(
+        dd.LLMRole.PROMPT, PROMPT, endpoint_options("same-host", listen=True)
+    ) as p:
+        await p.request(
+            "alloc",
+            kind="cache",
+            num_tensors=2,
+            shape=list(shape),
+            placement="HOST",  # not remote accessible
+            keys=[encode_key(dd.CacheKey(PROMPT, r)) for r in req_ids],
+            seed=seed,
+        )
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, DECODER).running(
+            endpoint_options("same-host")
+        ) as d:
+            assert p.listen is not None
+            await link(d, PROMPT, p.listen)
+            yield d
+
+
 def _blocks_cache(d: dd.LLMDataDist, blocks: int, block: int) -> tuple[dd.Cache, np.ndarray]:
     dst = np.zeros((blocks, block), np.uint8)
     desc = dd.CacheDesc(1, [blocks, block], dd.DataType.DT_UINT8)
@@ -83,35 +110,19 @@ async def test_a_pull_by_key_of_a_private_cache_is_copied_by_the_initiator_on_th
 
 async def test_a_request_key_is_consumed_only_by_a_local_pull_that_succeeded() -> None:
     shape = (2, 4096)
-    async with PeerProcess.start(
-        dd.LLMRole.PROMPT, PROMPT, endpoint_options("same-host", listen=True)
-    ) as p:
-        await p.request(
-            "alloc",
-            kind="cache",
-            num_tensors=2,
-            shape=list(shape),
-            placement="HOST",  # not remote accessible
-            keys=[encode_key(dd.CacheKey(PROMPT, 7)), encode_key(dd.CacheKey(PROMPT, 8))],
-            seed=40,
-        )
-        async with dd.LLMDataDist(dd.LLMRole.DECODER, DECODER).running(
-            endpoint_options("same-host")
-        ) as d:
-            assert p.listen is not None
-            await link(d, PROMPT, p.listen)
-            cm = d.cache_manager
-            dst = cm.allocate_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
-            # A pull that fails on our side (a size past the slot) leaves the key pullable.
-            with pytest.raises(dd.LLMException):
-                await cm.pull_cache(dd.CacheKey(PROMPT, 8), dst, batch_index=1, size=1 << 20)
-            await cm.pull_cache(dd.CacheKey(PROMPT, 8), dst, batch_index=1)
-            assert d.link_statistics(PROMPT).recent[-1].mode == "local"
-            for t in range(2):
-                assert np.array_equal(dst.tensors[t][1], expected_tensor(40, t, shape)[1])
-            with pytest.raises(dd.LLMException) as err:
-                await cm.pull_cache(dd.CacheKey(PROMPT, 8), dst, batch_index=0)
-            assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+    async with keyed_pair(shape, [7, 8], seed=40) as d:
+        cm = d.cache_manager
+        dst = cm.allocate_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
+        # A pull that fails on our side (a size past the slot) leaves the key pullable.
+        with pytest.raises(dd.LLMException):
+            await cm.pull_cache(dd.CacheKey(PROMPT, 8), dst, batch_index=1, size=1 << 20)
+        await cm.pull_cache(dd.CacheKey(PROMPT, 8), dst, batch_index=1)
+        assert d.link_statistics(PROMPT).recent[-1].mode == "local"
+        for t in range(2):
+            assert np.array_equal(dst.tensors[t][1], expected_tensor(40, t, shape)[1])
+        with pytest.raises(dd.LLMException) as err:
+            await cm.pull_cache(dd.CacheKey(PROMPT, 8), dst, batch_index=0)
+        assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
 
 
 async def test_a_cancelled_local_pull_lands_nothing_after_the_cancel_returns() -> None:
@@ -183,34 +194,18 @@ async def test_a_failed_copy_of_what_a_key_grants_falls_back_to_the_stream(
             raise OSError(14, "process_vm_readv: Bad address")
         return await real_read(self, *args)  # type: ignore[arg-type]
 
-    async with PeerProcess.start(
-        dd.LLMRole.PROMPT, PROMPT, endpoint_options("same-host", listen=True)
-    ) as p:
-        await p.request(
-            "alloc",
-            kind="cache",
-            num_tensors=2,
-            shape=list(shape),
-            placement="HOST",
-            keys=[encode_key(dd.CacheKey(PROMPT, 7))],
-            seed=41,
-        )
-        async with dd.LLMDataDist(dd.LLMRole.DECODER, DECODER).running(
-            endpoint_options("same-host")
-        ) as d:
-            assert p.listen is not None
-            await link(d, PROMPT, p.listen)
-            monkeypatch.setattr(SameHostAccess, "read", read_fails_once)
-            cm = d.cache_manager
-            dst = cm.allocate_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
+    async with keyed_pair(shape, [7], seed=41) as d:
+        monkeypatch.setattr(SameHostAccess, "read", read_fails_once)
+        cm = d.cache_manager
+        dst = cm.allocate_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
+        await cm.pull_cache(dd.CacheKey(PROMPT, 7), dst)
+        assert failures == [1]
+        assert d.link_statistics(PROMPT).recent[-1].mode == "stream"
+        for t in range(2):
+            assert np.array_equal(dst.tensors[t][0], expected_tensor(41, t, shape)[0])
+        with pytest.raises(dd.LLMException) as err:  # consumed once, by the stream
             await cm.pull_cache(dd.CacheKey(PROMPT, 7), dst)
-            assert failures == [1]
-            assert d.link_statistics(PROMPT).recent[-1].mode == "stream"
-            for t in range(2):
-                assert np.array_equal(dst.tensors[t][0], expected_tensor(41, t, shape)[0])
-            with pytest.raises(dd.LLMException) as err:  # consumed once, by the stream
-                await cm.pull_cache(dd.CacheKey(PROMPT, 7), dst)
-            assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
 
 
 async def test_a_tcp_peer_that_claims_it_reads_our_memory_gets_the_stream() -> None:
