@@ -14,6 +14,7 @@ from ._config import LLMConfig
 from ._enums import LLMRole, LLMStatusCode, RegisterMemStatus
 from ._errors import LLMException, raise_if_false, raise_param
 from ._net.requests import LinkStatistics
+from ._observe import Observers
 from ._options import parse_listen, parse_options, warn_unknown_options
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class LLMDataDist:
         self._engine: Engine | None = None
         self._cache_manager: CacheManager | KvCacheManager | None = None
         self._holder: Any = None
+        #: told of transfers and links (``llmdd_async.metrics``), across re-initialisations
+        self._observers = Observers()
 
     @property
     def cluster_id(self) -> int:
@@ -87,7 +90,7 @@ class LLMDataDist:
             parsed.cache_manager or self._role != LLMRole.PROMPT or parsed.listen is not None,
             "a PROMPT endpoint in legacy mode needs llm.listenIpInfo",
         )
-        engine = Engine(self._role, self._cluster_id, parsed)
+        engine = Engine(self._role, self._cluster_id, parsed, self._observers)
         async with engine.run():
             self._engine = engine
             self._cache_manager = None

@@ -24,6 +24,7 @@ from ._net.host import ScratchPool
 from ._net.link import Link
 from ._net.link_manager import LinkManager
 from ._net.streams import VIEWS_INLINE, ManyRangesStream
+from ._observe import Observers
 from ._options import EngineOptions
 from ._registry import CacheEntry, Registry
 from ._task import CacheTask, TaskControl
@@ -37,10 +38,18 @@ class Engine:
     """State and task group of one initialised endpoint: the host of its links
     (``_net.host.LinkHost``)."""
 
-    def __init__(self, role: LLMRole, cluster_id: int, options: EngineOptions) -> None:
+    def __init__(
+        self,
+        role: LLMRole,
+        cluster_id: int,
+        options: EngineOptions,
+        observers: Observers | None = None,
+    ) -> None:
         self.role = role
         self.cluster_id = cluster_id
         self.options = options
+        #: told of transfers and links as they happen (``llmdd_async.metrics``)
+        self.observers = observers if observers is not None else Observers()
         self.log = get_logger("engine", cluster_id=cluster_id)
         self.registry = Registry()
         self.adapter: DeviceAdapter = load_adapter(
@@ -335,7 +344,9 @@ class Engine:
         return LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
 
     def new_task(self, kind: str, slots: Any = (0,)) -> CacheTask:
-        return CacheTask(kind, slots, timeout_code=self.timeout_code, log=self.log)
+        return CacheTask(
+            kind, slots, timeout_code=self.timeout_code, log=self.log, observers=self.observers
+        )
 
     def start_task(
         self,

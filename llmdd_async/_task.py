@@ -22,6 +22,7 @@ from ._errors import (
 )
 from ._log import get_logger
 from ._memory import CancelToken
+from ._observe import Observers
 
 __all__ = ["CacheTask", "LayerTiming", "TaskStatistics", "busy_time"]
 
@@ -142,8 +143,10 @@ class CacheTask:
         timeout_code: LLMStatusCode = LLMStatusCode.LLM_TIMEOUT,
         # ``timeout_code``: what timeouts report (LLM_WAIT_PROCESS_TIMEOUT in legacy mode)
         log: Any = None,
+        observers: Observers | None = None,
     ) -> None:
         self.kind = kind
+        self._observers = observers
         self._slots = list(result_slots)
         self._results: list[LLMStatusCode | None] = [None] * (max(self._slots, default=-1) + 1)
         self._started: set[int] = set()
@@ -171,6 +174,8 @@ class CacheTask:
         # Worker threads see the deadline through the token, the loop through the scope.
         self._token.deadline = deadline
         ctl = TaskControl(self, deadline)
+        if self._observers is not None:
+            self._observers.transfer_started(self.kind)
         cancelled_exc = anyio.get_cancelled_exc_class()
         # A filtered structlog call still runs its processor chain: ask the logger first.
         if self._log.isEnabledFor(logging.DEBUG):
@@ -242,6 +247,8 @@ class CacheTask:
                 )
         else:
             self._log.info("transfer.failed", kind=self.kind, status=str(status), error=str(error))
+        if self._observers is not None:
+            self._observers.transfer_ended(self.kind, status, self._bytes, self._seconds)
         self._done.set()
 
     # ------------------------------------------------------------------ public API

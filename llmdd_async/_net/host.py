@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .._enums import LLMRole, LLMStatusCode, Placement
     from .._memory import EpochPage
     from .._messages import Request as XferRequest
+    from .._observe import Observers
     from .._options import EngineOptions
     from .._registry import CacheEntry, Registry
     from .._transports import TransportEndpoint
@@ -70,6 +71,11 @@ class LinkHost(Protocol):
     # ---------------------------------------------------------------- memory and caches
     @property
     def registry(self) -> Registry: ...
+
+    @property
+    def observers(self) -> Observers:
+        """Told of links coming up and going down (``llmdd_async.metrics``)."""
+        ...
 
     @property
     def adapter(self) -> DeviceAdapter: ...

@@ -197,10 +197,15 @@ class Link:
         if not self.alive:
             raise self.down_error()
 
+    @property
+    def transport_name(self) -> str:
+        """The link's transport as statistics and logs name it (``tcp`` without an access)."""
+        return self.access.name if self.access is not None else "tcp"
+
     def statistics(self) -> LinkStatistics:
         return LinkStatistics(
             self.peer_cluster_id,
-            self.access.name if self.access is not None else "tcp",
+            self.transport_name,
             self.stats_transfers,
             self.stats_bytes,
             self.up_since,
@@ -225,6 +230,7 @@ class Link:
 
     def _teardown(self) -> None:
         exc = self.down_error()
+        self.host.observers.link_changed(self.peer_cluster_id, self.transport_name, False)
         for req in [*self.pending.values(), *self.serving.values(), *self.router.waiters()]:
             req.fail(exc)
         with contextlib.suppress(OSError):

@@ -352,11 +352,9 @@ class LinkManager:
         self.failures.pop(link.peer_cluster_id, None)
         self._unlinked_by_peer.discard(link.peer_cluster_id)
         self._changed()
-        self.log.info(
-            "link.up",
-            peer_cluster_id=link.peer_cluster_id,
-            transport=access.name if access is not None else "tcp",
-        )
+        transport = access.name if access is not None else "tcp"
+        self.log.info("link.up", peer_cluster_id=link.peer_cluster_id, transport=transport)
+        self.engine.observers.link_changed(link.peer_cluster_id, transport, True)
         return link
 
     def peer_unlinked(self, link: Link) -> None:
