@@ -265,6 +265,8 @@ async def run_layerwise(
         if last[d.index] in run:
             ctl.set_result(d.slot, LLMStatusCode.LLM_SUCCESS)
 
+    members = {d.index: set(d.layers) for d in dests}
+
     async def produce(sends: dict[int, Any]) -> None:
         try:
             for layer in all_layers:
@@ -274,15 +276,21 @@ async def run_layerwise(
                     # Like upstream's sequential loop: layers that were already ready still
                     # go out (the channels drain), nothing after this one does.
                     for d in dests:
-                        if layer in d.layers:
+                        if layer in members[d.index]:
                             ctl.set_result(d.slot, exc.status_code)
                     if not failure:
                         failure.append(exc)
                     return
                 ready_at[layer] = ctl.now()
                 for d in dests:
-                    if layer in d.layers:
-                        await sends[d.index].send(layer)
+                    if layer in members[d.index]:
+                        send = sends[d.index]
+                        try:
+                            # No loop turn while the window has room: a consumer that wakes
+                            # then finds every layer that was ready, for one request.
+                            send.send_nowait(layer)
+                        except anyio.WouldBlock:
+                            await send.send(layer)
         finally:
             for s in sends.values():
                 await s.aclose()

@@ -148,9 +148,9 @@ async def _initiate(
                 await link.view.check_remote(remote, nbytes, engine.sync_kv_timeout_s)
             try:
                 if spec.op == Op.PULL:
-                    await link.access.read(remote, local, nbytes, token)
+                    await link.access.read(remote, local, nbytes, req.token)
                 else:
-                    await link.access.write(local, remote, nbytes, token)
+                    await link.access.write(local, remote, nbytes, req.token)
             except CopyCancelled:
                 raise req.error or CopyCancelled() from None
             except OSError as exc:
@@ -165,7 +165,7 @@ async def _initiate(
         else:
             stream = await engine.open_stream(local, nbytes, link.threads)
             try:
-                if not await link.send_stream(req, stream, to_initiator=False, token=token):
+                if not await link.send_stream(req, stream, to_initiator=False, token=req.token):
                     raise req.error or CopyCancelled()
             finally:
                 stream.close()

@@ -26,7 +26,7 @@ from llmdd_async._kv_cache_manager import KvCacheManager as AsyncKvCacheManager
 
 #: no default (a required parameter)
 REQ = inspect.Parameter.empty
-#: ``**kwargs`` (any name)
+#: ``**kwargs`` (any name), or keyword-only parameters with defaults in its place
 KW = "**"
 
 Spec = list[tuple[str, Any]]
@@ -173,6 +173,10 @@ def upstream_drift(fn: Callable[..., Any], spec: Spec) -> list[str]:
     """How ``fn``'s parameters differ from upstream's ``spec``; empty when they match."""
     params = _params(fn)
     problems = []
+    if spec and spec[-1] == KW and not any(p.kind is p.VAR_KEYWORD for p in params):
+        # Upstream's ``**kwargs`` named explicitly, as keyword-only parameters with defaults
+        # (callers pass them by name either way; mypy then checks them): checked below.
+        spec = spec[:-1]
     want = [
         (KW, inspect.Parameter.VAR_KEYWORD, REQ)
         if item == KW
