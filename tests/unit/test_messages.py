@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmdd_async._enums import LLMStatusCode
+from llmdd_async._enums import DataType, LLMStatusCode
 from llmdd_async._errors import ProtocolError
 from llmdd_async._messages import (
     FLAG_TO_INITIATOR,
@@ -115,6 +115,7 @@ def requests(draw: st.DrawFn) -> Request:
         draw(triples),
         draw(arrays(1)),
         caps=draw(st.frozensets(st.sampled_from(list(Cap)))),
+        dtype=draw(st.none() | st.sampled_from([int(t.value) for t in DataType])),
         timeout_ms=draw(st.integers(0, 2**40)),
         local_slot=draw(i64),
         size=draw(i64),
@@ -252,6 +253,8 @@ def _old_request(r: Request) -> Message:
 
     caps = {"inproc": Cap.INPROC in r.caps, "pools": Cap.POOLS in r.caps}
     caps |= {"pvr": Cap.PVR in r.caps, "nixl": Cap.NIXL in r.caps}
+    # What came since is added at the end, only when used: key_reads, then dtype.
+    caps |= {"key_reads": Cap.KEY_READS in r.caps}
     fields: dict[str, Any] = {
         "op": str(r.op),
         "target": r.target.encode(),
@@ -274,6 +277,8 @@ def _old_request(r: Request) -> Message:
             fields[name] = value
     if r.raw is not None:
         fields["raw"] = list(r.raw)
+    if r.dtype is not None:
+        fields["dtype"] = r.dtype
     arr: dict[str, bytes | memoryview] = {"local_addrs": r.local_addrs.astype("<u8").tobytes()}
     for name, a in (("src_blocks", r.src_blocks), ("dst_blocks", r.dst_blocks)):
         if a is not None:

@@ -395,8 +395,10 @@ ERROR_ROWS: list[tuple[str, Call, Any, Any]] = [
         None,
     ),
     (
-        "cluster.local-ip-hostname",
-        lambda: dd.LLMClusterInfo().append_local_ip_info("not-an-ip", 0),
+        # (a host name is taken, where upstream takes IPv4 only: text that is no host name is
+        # not)
+        "cluster.local-ip-not-a-host-name",
+        lambda: dd.LLMClusterInfo().append_local_ip_info("not an ip", 0),
         RuntimeError,
         None,
     ),
