@@ -279,9 +279,15 @@ async def test_the_far_end_dying_mid_transfer_fails_it_promptly(conformance: str
                 break
             await task  # a fast transport finished before the death: legal; again
         far.die()
-        with anyio.fail_after(5), pytest.raises(dd.LLMException) as err:
-            await task
-        assert err.value.status_code == S.LLM_LINK_FAILED, err.value
+        with anyio.fail_after(5):
+            try:
+                await task
+            except dd.LLMException as err:
+                assert err.status_code == S.LLM_LINK_FAILED, err
+            else:
+                # Its last bytes were already on their way (a fast engine, NIXL): legal, as
+                # long as the death is still noticed at once (below).
+                assert conformance.startswith("nixl"), "finished after the far end died"
         await wait_until(lambda: not lnk.alive, 5)
         with pytest.raises(dd.LLMException) as again:
             await near.cache_manager.pull_blocks(dd.BlocksCacheKey(FAR, 0), cache, [0], [0])
