@@ -491,7 +491,9 @@ async def test_layers_ready_while_the_link_is_busy_go_in_one_request(transport) 
         await task
         assert await task.get_results() == [S.LLM_SUCCESS]
         pushes = [r for r in prompt.link_statistics(2).recent[before:] if r.op == "push"]
-        assert 1 <= len(pushes) <= 2  # one per layer before
+        # Before: one request per layer (10 here), so this fails; now the stalled first request
+        # and one more for every layer that queued behind it.
+        assert 1 <= len(pushes) <= 2
         assert sum(r.nbytes for r in pushes) == 2 * layers * 3 * shape[1]
         for t in range(2 * layers):
             got = await peer_tensor(dec, dst, t, shape)
