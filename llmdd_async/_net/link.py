@@ -497,8 +497,7 @@ class Link:
                 return False
             n = min(CHUNK_BYTES, stream.total - off)
             views = await stream.prepare(off, n, token)
-            deadline = req.deadline or (time.monotonic() + self.host.stall_timeout_s)
-            fence = Fence(token, deadline)
+            fence = Fence(token, self.host.stall_timeout_s)
             async with self.send_lock:
                 if not self.alive:
                     raise self.down_error()
@@ -526,7 +525,7 @@ class Link:
                             # Set only now, next to the worker that will release it.
                             req.fence = fence
                             # Shielded: the header's tag is spent, so the frame must go out
-                            # (the worker itself stops at the fence's token or deadline).
+                            # (the worker itself stops at the fence's token or stall).
                             with anyio.CancelScope(shield=True):
                                 await anyio.to_thread.run_sync(
                                     send_views,
@@ -722,9 +721,7 @@ class Link:
                 pos = chunk.nbytes
         rest = self.decoder.payload_remaining
         token = req.token if req is not None else _CANCELLED
-        deadline = (req.deadline if req is not None else None) or (
-            time.monotonic() + self.host.stall_timeout_s
-        )
+        stall_s = self.host.stall_timeout_s
         if rest:
             # Scratch (to discard what nobody receives) is borrowed only for this frame: an
             # idle link holds no buffers.
@@ -740,7 +737,7 @@ class Link:
                             recv_views_inline(self.sock, bufs, idx, token, scratch, pmac)
                         )
                 else:
-                    fence = Fence(token, deadline)
+                    fence = Fence(token, stall_s)
                     if req is not None:
                         req.fence = fence
                     await anyio.to_thread.run_sync(
@@ -763,7 +760,7 @@ class Link:
             await self._verify_payload(req, msg, pmac, tag)
         if req is not None and stream is not None and not token.cancelled:
             # Staged (device) streams scatter now; that worker is fenced like the receive.
-            fence = Fence(token, deadline)
+            fence = Fence(token, stall_s)
             req.fence = fence
             try:
                 await stream.commit(off, n, token)

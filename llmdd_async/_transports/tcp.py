@@ -71,15 +71,18 @@ class Fence:
     """Shared between a worker and the task that owns the buffers it touches.
 
     ``token`` asks the worker to stop touching user memory; the worker then keeps the stream in
-    step with scratch memory and sets ``released``. ``deadline`` (monotonic) is when the worker
-    gives up on a silent peer (the link is then broken).
+    step with scratch memory and sets ``released``. ``stall_s`` is how long the worker waits
+    on a peer that moves no byte before it gives up (the link is then broken). It counts from
+    the last byte that moved, not from the request's start: a request's own deadline is the
+    loop's to enforce (it trips the token), and a frame still moving when it passes is
+    finished into scratch, never a reason to break the link.
     """
 
-    __slots__ = ("deadline", "released", "token")
+    __slots__ = ("released", "stall_s", "token")
 
-    def __init__(self, token: CancelToken, deadline: float) -> None:
+    def __init__(self, token: CancelToken, stall_s: float) -> None:
         self.token = token
-        self.deadline = deadline
+        self.stall_s = stall_s
         self.released = threading.Event()
 
 
@@ -332,9 +335,9 @@ def _zeros() -> memoryview:
     return memoryview(bytes(_SCRATCH))
 
 
-def _check_deadline(fence: Fence, what: str) -> None:
-    if time.monotonic() >= fence.deadline:
-        raise TimeoutError(f"peer made no progress on {what} before the deadline")
+def _check_stall(fence: Fence, moved_at: float, what: str) -> None:
+    if time.monotonic() - moved_at >= fence.stall_s:
+        raise TimeoutError(f"peer moved no byte of {what} for {fence.stall_s:g} s")
 
 
 #: frames up to this size move from the event loop itself: a thread hop and its GIL hand-offs
@@ -466,12 +469,13 @@ def send_views(
     stream stays in step) and the source memory is not read again; ``released`` is set.
 
     Raises:
-        TimeoutError: the peer stopped reading before the fence's deadline.
+        TimeoutError: the peer read nothing for the fence's ``stall_s``.
         OSError: the connection failed.
     """
     bufs: list[memoryview] = [memoryview(header), *views]
     idx = 0
     padded = False
+    moved_at = time.monotonic()
     try:
         while idx < len(bufs):
             if not padded and fence.token.cancelled and not (tagger is not None and tagger.done):
@@ -482,8 +486,10 @@ def send_views(
             try:
                 n = sock.sendmsg(_batch(bufs, idx))
             except (BlockingIOError, InterruptedError):
-                _check_deadline(fence, "a send")
+                _check_stall(fence, moved_at, "a send")
                 continue
+            if n:
+                moved_at = time.monotonic()
             idx = _step(bufs, idx, n, tagger)
     finally:
         fence.released.set()
@@ -504,12 +510,13 @@ def recv_views(
 
     Raises:
         EOFError: the peer closed the connection mid-frame.
-        TimeoutError: the peer stopped sending before the fence's deadline.
+        TimeoutError: the peer sent nothing for the fence's ``stall_s``.
         OSError: the connection failed.
     """
     bufs = list(views)
     idx = 0
     diverted = False
+    moved_at = time.monotonic()
     try:
         while idx < len(bufs):
             if not diverted and fence.token.cancelled:
@@ -519,10 +526,11 @@ def recv_views(
             try:
                 n = sock.recvmsg_into(_batch(bufs, idx), 0, socket.MSG_WAITALL)[0]
             except (BlockingIOError, InterruptedError):
-                _check_deadline(fence, "a receive")
+                _check_stall(fence, moved_at, "a receive")
                 continue
             if n == 0:
                 raise EOFError("peer closed the connection in the middle of a frame")
+            moved_at = time.monotonic()
             if mac is not None and not diverted:
                 mac.passed(bufs, idx, n)
             idx = _advance(bufs, idx, n)
