@@ -6,6 +6,7 @@ It lives exactly as long as the task group of ``LLMDataDist.running()``; nothing
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -51,6 +52,7 @@ class Engine:
         #: told of transfers and links as they happen (``llmdd_async.metrics``)
         self.observers = observers if observers is not None else Observers()
         self.log = get_logger("engine", cluster_id=cluster_id)
+        self._task_ids = itertools.count(1)
         self.registry = Registry()
         self.adapter: DeviceAdapter = load_adapter(
             options.raw.get("llm.DeviceAdapter", "host"), dict(options.raw)
@@ -343,9 +345,17 @@ class Engine:
             return LLMStatusCode.LLM_TIMEOUT
         return LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
 
-    def new_task(self, kind: str, slots: Any = (0,)) -> CacheTask:
+    def new_task(
+        self, kind: str, slots: Any = (0,), peer_cluster_ids: tuple[int, ...] = ()
+    ) -> CacheTask:
         return CacheTask(
-            kind, slots, timeout_code=self.timeout_code, log=self.log, observers=self.observers
+            kind,
+            slots,
+            timeout_code=self.timeout_code,
+            log=self.log,
+            observers=self.observers,
+            task_id=next(self._task_ids),
+            peer_cluster_ids=peer_cluster_ids,
         )
 
     def start_task(

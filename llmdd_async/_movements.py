@@ -41,9 +41,15 @@ Run = Callable[[TaskControl], Awaitable[None]]
 
 
 def start_task(
-    engine: Engine, kind: str, entries: list[CacheEntry], run: Run, slots: Sequence[int] = (0,)
+    engine: Engine,
+    kind: str,
+    entries: list[CacheEntry],
+    run: Run,
+    slots: Sequence[int] = (0,),
+    peers: tuple[int, ...] = (),
 ) -> CacheTask:
-    """Start ``run`` as a task; ``entries`` stay pinned (not freed) until it ends."""
+    """Start ``run`` as a task with the peer clusters ``peers`` (named in its events);
+    ``entries`` stay pinned (not freed) until it ends."""
     registry = engine.registry
     for e in entries:
         registry.pin(e)
@@ -55,7 +61,7 @@ def start_task(
             for e in entries:
                 registry.unpin(e)
 
-    return engine.start_task(engine.new_task(kind, slots), body)
+    return engine.start_task(engine.new_task(kind, slots, peers), body)
 
 
 def start_copy(engine: Engine, kind: str, plan: Plan, entries: list[CacheEntry]) -> CacheTask:
@@ -145,7 +151,7 @@ def start_request(
         await engine.populated(spec.local.addrs)
         await run_request(engine, ctl, link, spec, timeout, steps, ra)
 
-    return start_task(engine, kind, [spec.local], run)
+    return start_task(engine, kind, [spec.local], run, peers=(key.cluster_id,))
 
 
 def _destinations(
@@ -211,7 +217,8 @@ def start_transfer(
         )
 
     slots = [d.slot for d in dests]
-    return start_task(engine, "transfer_cache_async", [entry], run, slots)
+    peers = tuple(dict.fromkeys(c.dst_cluster_id for c in transfer_configs))
+    return start_task(engine, "transfer_cache_async", [entry], run, slots, peers)
 
 
 def release_allocated(engine: Engine, cache_id: int) -> None:

@@ -144,8 +144,12 @@ class CacheTask:
         # ``timeout_code``: what timeouts report (LLM_WAIT_PROCESS_TIMEOUT in legacy mode)
         log: Any = None,
         observers: Observers | None = None,
+        task_id: int = 0,
+        peer_cluster_ids: Sequence[int] = (),
     ) -> None:
         self.kind = kind
+        self._task_id = task_id
+        self._peers = tuple(peer_cluster_ids)
         self._observers = observers
         self._slots = list(result_slots)
         self._results: list[LLMStatusCode | None] = [None] * (max(self._slots, default=-1) + 1)
@@ -163,6 +167,12 @@ class CacheTask:
         self._seconds = 0.0
         self._t0 = 0.0
         self._log = log if log is not None else _log
+        # Every event of this task names it and its peer(s), to follow one request in logs.
+        self._fields: dict[str, Any] = {"task_id": task_id, "kind": kind}
+        if len(self._peers) == 1:
+            self._fields["peer_cluster_id"] = self._peers[0]
+        elif self._peers:
+            self._fields["peer_cluster_ids"] = list(self._peers)
 
     # ------------------------------------------------------------------ running
     async def run_body(
@@ -179,7 +189,7 @@ class CacheTask:
         cancelled_exc = anyio.get_cancelled_exc_class()
         # A filtered structlog call still runs its processor chain: ask the logger first.
         if self._log.isEnabledFor(logging.DEBUG):
-            self._log.debug("transfer.started", kind=self.kind)
+            self._log.debug("transfer.started", **self._fields)
         error: BaseException | None = None
         try:
             with anyio.CancelScope() as scope:
@@ -243,15 +253,21 @@ class CacheTask:
         if status == LLMStatusCode.LLM_SUCCESS:
             if self._log.isEnabledFor(logging.DEBUG):
                 self._log.debug(
-                    "transfer.complete", kind=self.kind, bytes=self._bytes, seconds=self._seconds
+                    "transfer.complete", **self._fields, bytes=self._bytes, seconds=self._seconds
                 )
         else:
-            self._log.info("transfer.failed", kind=self.kind, status=str(status), error=str(error))
+            self._log.info("transfer.failed", **self._fields, status=str(status), error=str(error))
         if self._observers is not None:
             self._observers.transfer_ended(self.kind, status, self._bytes, self._seconds)
         self._done.set()
 
     # ------------------------------------------------------------------ public API
+    @property
+    def task_id(self) -> int:
+        """This task's number, unique within its endpoint: the ``task_id`` of its log events
+        (``transfer.started``, ``transfer.complete``, ``transfer.failed``)."""
+        return self._task_id
+
     def done(self) -> bool:
         """True once the task finished (successfully or not) and is fenced."""
         return self._done.is_set()

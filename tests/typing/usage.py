@@ -25,6 +25,7 @@ async def pull_and_report(prompt: dd.LLMDataDist, decoder: dd.LLMDataDist) -> fl
     assert_type(cache, dd.Cache)
     task = cm.pull_blocks(dd.BlocksCacheKey(1, 0), cache, [0, 1], [3, 2], src_layer_range=range(1))
     assert_type(task, dd.CacheTask)
+    assert_type(task.task_id, int)  # the task_id of its log events
     await task
     stats = task.statistics()
     assert_type(stats, dd.TaskStatistics)
