@@ -40,6 +40,9 @@ limit for one-block latency). Rounds interleave the engines (A, B, C, ... rotate
 the machine is small and shared, so its noise lands on every engine alike) and the tables
 show medians over rounds; ratios are medians of the per-round ratios.
 
+The engines' drivers are ``llmdd_async.bench.peers``'s, which ``llmdd-async bench
+--transports nixl-raw,mooncake-raw`` runs on the bench's own sweep.
+
 An engine that is not installed gets a "not installed" row and the rest still runs. Install:
 ``pip install mooncake-transfer-engine-non-cuda`` (needs Debian ``libibverbs1 librdmacm1
 libnuma1``) and ``pip install --no-deps nixl-cu12``.
@@ -55,7 +58,6 @@ import argparse
 import contextlib
 import importlib
 import json
-import multiprocessing as mp
 import os
 import socket
 import statistics
@@ -77,10 +79,14 @@ from _common import (
     write_json,
 )
 
+# The engines' drivers live in the installed package, shared with ``llmdd-async bench
+# --transports nixl-raw,mooncake-raw``.
+from llmdd_async.bench.peers import Layout, Mooncake, Nixl, local_arrays, nixl_api
+from llmdd_async.bench.peers import target_data as _target_data
+
 BLOCK = 64 << 10
 SEED = 11  # the targets' data: tensor t holds llmdd_async.testing.pattern(SEED + t, ...)
 MARK = "PEERS-RESULT "
-NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 UCX_TLS = {"cma": "cma,tcp,self", "tcp": "tcp"}
 
 
@@ -128,18 +134,12 @@ class Plan:
         return cls(small, waves, perm, list(range(sz.blocks)))
 
 
+def layout(sz: Sizes) -> Layout:
+    return Layout(sz.blocks, sz.tensors, sz.span)
+
+
 def target_data(sz: Sizes) -> list[np.ndarray]:
-    from llmdd_async.testing import pattern
-
-    return [
-        pattern(SEED + t, sz.blocks * sz.span).reshape(sz.blocks, sz.span)
-        for t in range(sz.tensors)
-    ]
-
-
-def local_arrays(sz: Sizes) -> list[np.ndarray]:
-    """The initiator's arrays, every page touched (the cold case is throughput.py's)."""
-    return [np.full((sz.blocks, sz.span), 1, np.uint8) for _ in range(sz.tensors)]
+    return _target_data(layout(sz), SEED)
 
 
 def verify(local: list[np.ndarray], sz: Sizes, plan: Plan) -> None:
@@ -191,163 +191,6 @@ def run_sync(drv: Any, sz: Sizes, plan: Plan) -> dict[str, Any]:
     return summarize(lat, wave_t, bulk_t, sz)
 
 
-# ------------------------------------------------------------------------------ Mooncake TE
-def _mooncake_target(conn: Any, sz: Sizes) -> None:
-    from mooncake.engine import TransferEngine
-
-    te = TransferEngine()
-    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    data = target_data(sz)
-    for a in data:
-        rc = rc or te.register_memory(a.ctypes.data, a.nbytes)
-    conn.send((rc, te.get_rpc_port(), [a.ctypes.data for a in data]))
-    conn.recv()
-
-
-class Mooncake:
-    """Mooncake Transfer Engine, TCP, P2P handshake; READs into registered numpy arrays."""
-
-    def __init__(self, sz: Sizes) -> None:
-        from mooncake.engine import TransferEngine
-
-        self.sz = sz
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_mooncake_target, args=(child, sz), daemon=True)
-        self.proc.start()
-        self.te = TransferEngine()
-        if self.te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise RuntimeError("Mooncake initialize failed")
-        self.local = local_arrays(sz)
-        for a in self.local:
-            if self.te.register_memory(a.ctypes.data, a.nbytes) != 0:
-                raise RuntimeError("Mooncake register_memory failed")
-        rc, port, raddrs = self.conn.recv()
-        if rc != 0:
-            raise RuntimeError(f"Mooncake target failed to start: {rc}")
-        self.peer = f"127.0.0.1:{port}"
-        self.raddrs = np.array(raddrs, np.uint64)
-        self.laddrs = np.array([a.ctypes.data for a in self.local], np.uint64)
-
-    def prepare(self, src: list[int], dst: list[int]) -> tuple[list[int], list[int], list[int]]:
-        span = np.uint64(self.sz.span)
-        s = np.asarray(src, np.uint64)[:, None] * span + self.raddrs[None, :]
-        d = np.asarray(dst, np.uint64)[:, None] * span + self.laddrs[None, :]
-        return d.ravel().tolist(), s.ravel().tolist(), [self.sz.span] * d.size
-
-    def one(self, p: tuple[list[int], list[int], list[int]]) -> None:
-        rc = self.te.batch_transfer_sync_read(self.peer, *p)
-        if rc != 0:
-            raise RuntimeError(f"Mooncake batch_transfer_sync_read: {rc}")
-
-    def many(self, ps: list[tuple[list[int], list[int], list[int]]]) -> None:
-        ids = [self.te.batch_transfer_async_read(self.peer, *p) for p in ps]
-        if 0 in ids:
-            raise RuntimeError("Mooncake batch_transfer_async_read failed")
-        rc = self.te.get_batch_transfer_status(ids)
-        if rc != 0:
-            raise RuntimeError(f"Mooncake get_batch_transfer_status: {rc}")
-
-    def close(self) -> None:
-        self.conn.send(None)
-        self.proc.join(10)
-
-
-# ------------------------------------------------------------------------------ NIXL
-def nixl_api() -> Any:
-    import logging
-
-    errors = []
-    for name in NIXL_MODULES:
-        saved = logging.raiseExceptions
-        try:
-            api = importlib.import_module(name)
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-            continue
-        finally:
-            logging.raiseExceptions = saved
-        if not os.environ.get("NIXL_LOG_LEVEL"):
-            logging.getLogger("nixl").setLevel(logging.WARNING)
-        return api
-    raise ImportError("; ".join(errors))
-
-
-def _nixl_rows(addrs: list[int], sz: Sizes) -> np.ndarray:
-    """Descriptor ``b * tensors + t``: block ``b`` of tensor ``t``."""
-    rows = np.zeros((sz.blocks, sz.tensors, 3), np.uint64)
-    rows[:, :, 0] = np.asarray(addrs, np.uint64)[None, :] + (
-        np.arange(sz.blocks, dtype=np.uint64)[:, None] * np.uint64(sz.span)
-    )
-    rows[:, :, 1] = sz.span
-    return rows.reshape(-1, 3)
-
-
-def _nixl_regions(arrays: list[np.ndarray]) -> np.ndarray:
-    return np.array([[a.ctypes.data, a.nbytes, 0] for a in arrays], np.uint64)
-
-
-def _nixl_target(conn: Any, sz: Sizes) -> None:
-    api = nixl_api()
-    agent = api.nixl_agent("peers-target", api.nixl_agent_config(backends=["UCX"]))
-    data = target_data(sz)
-    agent.register_memory(_nixl_regions(data), "DRAM")
-    conn.send((agent.get_agent_metadata(), [a.ctypes.data for a in data]))
-    conn.recv()
-
-
-class Nixl:
-    """NIXL's Python API: prepared descriptor lists, READ by index, busy polling."""
-
-    def __init__(self, sz: Sizes) -> None:
-        api = nixl_api()
-        self.sz = sz
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_nixl_target, args=(child, sz), daemon=True)
-        self.proc.start()
-        self.agent = api.nixl_agent("peers-initiator", api.nixl_agent_config(backends=["UCX"]))
-        self.local = local_arrays(sz)
-        self.agent.register_memory(_nixl_regions(self.local), "DRAM")
-        md, raddrs = self.conn.recv()
-        peer = self.agent.add_remote_agent(md)
-        laddrs = [a.ctypes.data for a in self.local]
-        self.lside = self.agent.prep_xfer_dlist("", _nixl_rows(laddrs, sz), "DRAM")
-        self.rside = self.agent.prep_xfer_dlist(peer, _nixl_rows(raddrs, sz), "DRAM")
-        self.per = np.arange(sz.tensors, dtype=np.int32)[None, :]
-
-    def prepare(self, src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        t = self.sz.tensors
-        s = (np.asarray(src, np.int32)[:, None] * t + self.per).ravel()
-        d = (np.asarray(dst, np.int32)[:, None] * t + self.per).ravel()
-        return s, d
-
-    def _post(self, p: tuple[np.ndarray, np.ndarray]) -> Any:
-        h = self.agent.make_prepped_xfer("READ", self.lside, p[1], self.rside, p[0])
-        if self.agent.transfer(h) == "ERR":
-            raise RuntimeError("NIXL transfer failed to post")
-        return h
-
-    def _wait(self, handles: list[Any]) -> None:
-        for h in handles:
-            state = self.agent.check_xfer_state(h)
-            while state == "PROC":
-                state = self.agent.check_xfer_state(h)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL transfer: {state}")
-            h.release()
-
-    def one(self, p: tuple[np.ndarray, np.ndarray]) -> None:
-        self._wait([self._post(p)])
-
-    def many(self, ps: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        self._wait([self._post(p) for p in ps])
-
-    def close(self) -> None:
-        self.conn.send(None)
-        self.proc.join(10)
-
-
 # ------------------------------------------------------------------------------ llmdd_async
 async def run_ours(transport: str, loop: str, sz: Sizes, plan: Plan) -> dict[str, Any]:
     import llmdd_async as dd
@@ -381,7 +224,7 @@ async def run_ours(transport: str, loop: str, sz: Sizes, plan: Plan) -> dict[str
             if code != dd.LLMStatusCode.LLM_SUCCESS:
                 raise RuntimeError(f"link failed: {code!r}")
             cm = d.cache_manager
-            local = local_arrays(sz)
+            local = local_arrays(layout(sz))
             cache = cm.register_blocks_cache(
                 dd.CacheDesc(sz.tensors, [sz.blocks, sz.span], dd.DataType.DT_UINT8), local
             )
@@ -456,7 +299,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         return anyio.run(
             run_ours, cfg.transport, cfg.loop, sz, plan, backend="asyncio", backend_options=opts
         )
-    drv = Mooncake(sz) if cfg.engine == "mooncake" else Nixl(sz)
+    drv = (Mooncake if cfg.engine == "mooncake" else Nixl)(layout(sz), SEED)
     try:
         out = run_sync(drv, sz, plan)
     finally:

@@ -1,15 +1,24 @@
 """``llmdd-async bench``: pulls and pushes against a real peer process, swept over block size,
 blocks per request, requests in flight, operation, transport and event loop.
 
+Transports: ours over ``llm.Transport`` ``tcp``, ``same-host`` or ``nixl`` (NIXL over UCX as
+the environment configures it, e.g. ``UCX_NET_DEVICES=lo UCX_TLS=cma,tcp,self``); and the peer
+engines through their own Python APIs on the same workloads in the same run: ``nixl-raw``
+(NIXL's agent API: prepared descriptor lists, busy polling) and ``mooncake-raw`` (Mooncake
+Transfer Engine over TCP, P2P handshake, no metadata server); these have no event loop (their
+rows say loop ``-``). A transport whose package is not installed is refused before the sweep.
+
 Every row comes with the machine's limits measured in the same run: for one request at a time
 its latency against a raw two-process request/response of the same size (the floor), for
-requests in flight or bulk ones their bandwidth against memcpy (same-host) or a raw
-two-process loopback socket (TCP). Memory is what a framework would register: user-allocated
-numpy arrays, blocks in shuffled order; a sweep that would take more than half the memory
-available is refused before it starts. The table goes to stdout, a progress bar with its ETA
-to stderr (on a terminal only); ``--json PATH`` writes every row with the run's version, host,
-loops and time (``-``: to stdout, the table then to stderr); ``--plot PNG`` draws latency and
-throughput (needs matplotlib, the ``demo`` extra). Nothing is written unless asked.
+requests in flight or bulk ones their bandwidth against memcpy (same-host; NIXL when
+``UCX_TLS`` allows a shared-memory transport such as cma) or a raw two-process loopback socket
+(tcp, mooncake-raw, NIXL with ``UCX_TLS=tcp``), named in the row's ``limit``. Memory is what a
+framework would register: user-allocated numpy arrays, blocks in shuffled order; a sweep that
+would take more than half the memory available is refused before it starts. The table goes to
+stdout, a progress bar with its ETA to stderr (on a terminal only); ``--json PATH`` writes
+every row with the run's version, host, loops, the peer engines' versions, the ``UCX_*``
+settings and time (``-``: to stdout, the table then to stderr); ``--plot PNG`` draws latency
+and throughput (needs matplotlib, the ``demo`` extra). Nothing is written unless asked.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import numpy as np
 
 import llmdd_async as dd
 from llmdd_async._childproc import run_on_loop
+from llmdd_async.bench import peers
 from llmdd_async.bench.limits import (
     MEMORY_FRACTION,
     available_memory,
@@ -43,7 +53,9 @@ from llmdd_async.testing import PeerProcess, encode_key
 __all__ = ["build_parser", "run"]
 
 _LOOPS = ("asyncio", "uvloop", "trio")
-_TRANSPORTS = ("tcp", "same-host")
+_TRANSPORTS = ("tcp", "same-host", "nixl", *peers.ENGINES)
+#: UCX transports that move bytes between processes of one host through memory (not a socket)
+_UCX_MEMORY_TLS = {"all", "cma", "shm", "sm", "posix", "sysv", "xpmem", "knem"}
 _OPS = ("pull", "push")
 
 
@@ -81,7 +93,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--concurrency", type=_ints, default=[1, 64], help="requests in flight")
     p.add_argument("--ops", type=_choices(*_OPS), default=list(_OPS), help="operations")
     p.add_argument(
-        "--transports", type=_choices(*_TRANSPORTS), default=list(_TRANSPORTS), help="transports"
+        "--transports",
+        type=_choices(*_TRANSPORTS),
+        default=["tcp", "same-host"],
+        help="transports: ours over llm.Transport tcp, same-host or nixl; nixl-raw and "
+        "mooncake-raw: those engines' own APIs on the same workloads",
     )
     p.add_argument(
         "--loops", type=_choices(*_LOOPS), default=["asyncio", "uvloop"], help="event loops"
@@ -248,15 +264,19 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
         },
         "loops": list(args.loops),
         "transports": list(args.transports),
+        "engines": peers.versions([t for t in args.transports if t in ("nixl", *peers.ENGINES)]),
+        "ucx": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
         "argv": sys.argv[1:],
     }
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the sweep; returns the exit status: 2, with one line on stderr, for a ``--plot``
-    without matplotlib, an output path that cannot be written or a sweep too large for the
-    memory available (all checked before anything runs)."""
+    without matplotlib, an output path that cannot be written, a transport whose package is
+    not installed or a sweep too large for the memory available (all checked before anything
+    runs)."""
     problems = [_checked_output(args.json, "--json"), _checked_output(args.plot, "--plot")]
+    problems += [_unavailable(t) for t in args.transports]
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         problems.append("--plot needs matplotlib: pip install 'llmdd-async[demo]'")
     if args.plot == "-":
@@ -273,32 +293,40 @@ def run(args: argparse.Namespace) -> int:
             print(f"llmdd-async bench: {p}", file=sys.stderr)
         return 2
     table: TextIO = sys.stderr if args.json == "-" else sys.stdout
-    combos = [(t, lp) for t in args.transports for lp in args.loops]
-    total = len(combos) * len(args.block_kib) * len(args.ops) * len(args.blocks)
-    total *= len(args.concurrency)
-    progress = _Progress(total, sys.stderr)
+    combos = [(t, "-" if t in peers.ENGINES else lp) for t in args.transports for lp in args.loops]
+    combos = list(dict.fromkeys(combos))  # a peer engine runs once, whatever the loops
+    points = len(args.block_kib) * len(args.ops) * len(args.blocks) * len(args.concurrency)
+    progress = _Progress(len(combos) * points, sys.stderr)
     rows: list[dict[str, Any]] = []
     for transport, loop in combos:
-        rows += run_on_loop(loop, _measure, transport, loop, args, progress.step)
+        if transport in peers.ENGINES:
+            rows += peers.run_worker(_peer_spec(transport, args))
+            for _ in range(points):
+                progress.step()
+        else:
+            rows += run_on_loop(loop, _measure, transport, loop, args, progress.step)
     progress.close()
     limits = _limits(args, rows)
     for r in rows:
         size = r["blocks"] * r["block_kib"] * 1024
-        lim = limits["memcpy_gbps"] if r["transport"] == "same-host" else limits["raw_socket_gbps"]
+        r["limit"] = _limit_of(r["transport"])
+        lim = limits[f"{r['limit']}_gbps"]
         r["limit_gb_per_s"] = lim
         latency_bound = r["concurrency"] == 1 and size <= _LATENCY_BOUND_BYTES
         floor = limits["floor_p50_us"].get(str(size)) if latency_bound else None
         r["floor_p50_us"] = floor
         r["latency_ratio"] = r["p50_us"] / floor if floor else None
         r["bandwidth_ratio"] = None if latency_bound else r["gb_per_s"] / lim
-    cols = ["loop", "transport", "op", "block_kib", "blocks", "concurrency"]
+    cols = ["loop", "transport", "op", "block_kib", "blocks", "concurrency", "limit"]
     cols += ["p50_us", "p99_us", "req_per_s", "gb_per_s", "latency_ratio", "bandwidth_ratio"]
     print("  ".join(f"{c:>15}" for c in cols), file=table)
     for r in rows:
         print("  ".join(_cell(r[c]) for c in cols), file=table)
     print(
         "latency_ratio: p50 over a raw request/response of the same size (one in flight); "
-        "bandwidth_ratio: GB/s over memcpy (same-host) or a raw socket (tcp)",
+        "bandwidth_ratio: GB/s over the row's limit: memcpy (same-host; NIXL with a UCX "
+        "shared-memory transport such as cma) or raw_socket (tcp, mooncake-raw; NIXL with "
+        "UCX_TLS=tcp)",
         file=table,
     )
     result = {"meta": _meta(args), "limits": limits, "rows": rows}
@@ -313,6 +341,43 @@ def run(args: argparse.Namespace) -> int:
         _plot(rows, limits, args.plot)
         print(f"wrote {args.plot}", file=table)
     return 0
+
+
+def _unavailable(transport: str) -> str | None:
+    """Why ``transport`` cannot run here (one line naming the pip install), or None."""
+    if transport in peers.ENGINES:
+        return peers.unavailable(transport)
+    if transport == "nixl":
+        from llmdd_async._transports.nixl import INSTALL_HINT, available
+
+        if not available():
+            return f"--transports nixl needs NIXL, not installed here: {INSTALL_HINT}"
+    return None
+
+
+def _limit_of(transport: str) -> str:
+    """The limit a row of ``transport`` is held against: ``memcpy`` (one host's memory) or
+    ``raw_socket`` (a loopback TCP stream). NIXL's is memcpy unless ``UCX_TLS`` leaves UCX
+    no shared-memory transport (``UCX_TLS=tcp``)."""
+    if transport == "same-host":
+        return "memcpy"
+    if transport in ("nixl", "nixl-raw"):
+        tls = os.environ.get("UCX_TLS", "all").strip()
+        names = {t.strip().split(":")[0] for t in tls.lstrip("^").split(",") if t.strip()}
+        if tls.startswith("^") or not tls or names & _UCX_MEMORY_TLS:
+            return "memcpy"
+    return "raw_socket"
+
+
+def _peer_spec(engine: str, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "engine": engine,
+        "block_kib": args.block_kib,
+        "blocks": args.blocks,
+        "concurrency": args.concurrency,
+        "ops": args.ops,
+        "requests": args.requests[0],
+    }
 
 
 def _limits(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -372,8 +437,14 @@ def _plot(rows: list[dict[str, Any]], limits: dict[str, Any], path: str) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"tcp": "tab:blue", "same-host": "tab:orange"}
-    styles = {"asyncio": "-", "uvloop": "--", "trio": ":"}
+    colours = {
+        "tcp": "tab:blue",
+        "same-host": "tab:orange",
+        "nixl": "tab:green",
+        "nixl-raw": "tab:olive",
+        "mooncake-raw": "tab:red",
+    }
+    styles = {"asyncio": "-", "uvloop": "--", "trio": ":", "-": "-."}
     markers = {"pull": "o", "push": "s"}
     fig, (lat_ax, bw_ax) = plt.subplots(1, 2, figsize=(12, 4.8))
     series: dict[tuple[str, str, str, int, int], list[dict[str, Any]]] = {}

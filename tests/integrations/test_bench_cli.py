@@ -2,24 +2,60 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 import llmdd_async as dd
+from llmdd_async._transports.nixl import available as nixl_available
+
+#: NIXL over loopback, with cma between the processes of this host
+UCX_LOOPBACK = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "cma,tcp,self"}
+#: a Python that cannot import NIXL or Mooncake, as where they are not installed
+_WITHOUT_PEERS = (
+    "import sys\n"
+    "for m in ('nixl', 'nixl_cu12', 'nixl_cu13', 'mooncake'): sys.modules[m] = None\n"
+    "from llmdd_async._cli import main\n"
+    "sys.exit(main(['bench', *sys.argv[1:]]))\n"
+)
+#: a tiny sweep: 16 KiB blocks, 1 and 2 per request, 1 and 2 in flight
+_TINY = ("--block-kib", "16", "--blocks", "1,2", "--concurrency", "1,2", "--requests", "8")
 
 
-def _bench(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def _bench(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, prog: str = ""
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-c", prog] if prog else [sys.executable, "-m", "llmdd_async", "bench"]
     return subprocess.run(
-        [sys.executable, "-m", "llmdd_async", "bench", *args],
+        [*cmd, *args],
         capture_output=True,
         text=True,
         timeout=180,
         cwd=cwd,
+        env={**os.environ, **(env or {})},
     )
+
+
+def _check_ratios(result: dict[str, Any]) -> None:
+    """Every row's ratios are to the limit its transport is held against."""
+    limits = result["limits"]
+    for r in result["rows"]:
+        assert r["requests"] >= 4 and r["req_per_s"] > 0 and 0 < r["p50_us"] <= r["p99_us"], r
+        assert r["limit_gb_per_s"] == limits[f"{r['limit']}_gbps"] > 0
+        if r["concurrency"] == 1:
+            size = str(r["blocks"] * r["block_kib"] * 1024)
+            assert abs(r["latency_ratio"] - r["p50_us"] / limits["floor_p50_us"][size]) < 1e-9
+            assert r["bandwidth_ratio"] is None
+        else:
+            assert r["latency_ratio"] is None
+            assert abs(r["bandwidth_ratio"] - r["gb_per_s"] / r["limit_gb_per_s"]) < 1e-9
 
 
 def test_the_smallest_sweep_writes_rows_with_their_limits(tmp_path: Path) -> None:
@@ -85,10 +121,115 @@ def test_outputs_and_memory_are_checked_before_the_sweep(tmp_path: Path) -> None
 
 
 def test_bench_options_are_validated_and_documented() -> None:
-    for bad in (["--blocks", "0"], ["--ops", "copy"], ["--loops", "tokio"]):
+    bad_args = (["--blocks", "0"], ["--ops", "copy"], ["--loops", "tokio"], ["--transports", "x"])
+    for bad in bad_args:
         done = _bench(*bad)
         assert done.returncode == 2 and "usage:" in done.stderr and "Traceback" not in done.stderr
     helptext = _bench("--help").stdout
     for option in ("--block-kib", "--concurrency", "--transports", "--plot", "--json"):
         assert option in helptext
     assert "default: [1, 64]" in helptext
+    for transport in ("nixl", "nixl-raw", "mooncake-raw"):
+        assert transport in helptext
+
+
+@pytest.mark.skipif(
+    not nixl_available() and os.environ.get("CI") != "true",
+    reason="NIXL is not installed (pip install --no-deps nixl-cu12)",
+)
+def test_nixl_and_nixls_own_api_run_in_the_same_sweep_as_ours(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = _bench(
+        *_TINY, "--ops", "pull,push", "--transports", "tcp,nixl,nixl-raw",
+        "--loops", "asyncio,uvloop", "--json", str(out), cwd=tmp_path, env=UCX_LOOPBACK,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    points = {(op, b, c) for op in ("pull", "push") for b in (1, 2) for c in (1, 2)}
+    for transport, loop, limit in [
+        ("tcp", "asyncio", "raw_socket"),
+        ("tcp", "uvloop", "raw_socket"),
+        ("nixl", "asyncio", "memcpy"),  # UCX_TLS has cma: one host's memory is the limit
+        ("nixl", "uvloop", "memcpy"),
+        ("nixl-raw", "-", "memcpy"),  # the peer engine has no event loop: it runs once
+    ]:
+        rows = [r for r in result["rows"] if (r["transport"], r["loop"]) == (transport, loop)]
+        assert sorted((r["op"], r["blocks"], r["concurrency"]) for r in rows) == sorted(points)
+        assert {(r["limit"], r["block_kib"]) for r in rows} == {(limit, 16)}, transport
+    assert len(result["rows"]) == 5 * len(points)
+    _check_ratios(result)
+    meta = result["meta"]
+    assert meta["transports"] == ["tcp", "nixl", "nixl-raw"]
+    assert meta["ucx"]["UCX_TLS"] == "cma,tcp,self"
+    assert meta["engines"]["nixl"] == meta["engines"]["nixl-raw"]
+    assert "nixl" in meta["engines"]["nixl-raw"] and "tcp" not in meta["engines"]
+    for name in ("nixl-raw", "memcpy", "raw_socket"):
+        assert name in done.stdout  # one table, ours and theirs
+
+
+def test_a_transport_not_installed_is_refused_before_the_sweep(tmp_path: Path) -> None:
+    # A Python where NIXL and Mooncake cannot be imported (sys.modules[name] = None, what an
+    # absent package looks like to importlib), the rest of the sweep valid.
+    for transport, words in [
+        ("nixl", "pip install --no-deps nixl-cu12"),
+        ("nixl-raw", "pip install --no-deps nixl-cu12"),
+        ("mooncake-raw", "pip install mooncake-transfer-engine-non-cuda"),
+    ]:
+        t0 = time.monotonic()
+        done = _bench(
+            *_TINY, "--transports", f"tcp,{transport}", "--loops", "asyncio",
+            "--json", str(tmp_path / "bench.json"), cwd=tmp_path, prog=_WITHOUT_PEERS,
+        )  # fmt: skip
+        assert done.returncode == 2, (transport, done.stderr)
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith("llmdd-async bench: ")
+        assert f"--transports {transport} needs" in done.stderr and words in done.stderr
+        assert "Traceback" not in done.stderr and done.stdout == ""
+        assert time.monotonic() - t0 < 30  # refused at once, not after a sweep
+    assert list(tmp_path.iterdir()) == []  # no JSON: nothing ran
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mooncake") is None,
+    reason="Mooncake is an optional peer, not installed "
+    "(pip install mooncake-transfer-engine-non-cuda; Debian libibverbs1 librdmacm1 libnuma1)",
+)
+def test_mooncake_runs_in_the_same_sweep_as_ours(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = _bench(
+        *_TINY, "--ops", "pull,push", "--transports", "tcp,mooncake-raw",
+        "--loops", "asyncio", "--json", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    rows = [r for r in result["rows"] if r["transport"] == "mooncake-raw"]
+    points = {(op, b, c) for op in ("pull", "push") for b in (1, 2) for c in (1, 2)}
+    assert {(r["op"], r["blocks"], r["concurrency"]) for r in rows} == points
+    assert {(r["loop"], r["limit"]) for r in rows} == {("-", "raw_socket")}  # TCP: the socket
+    assert len(result["rows"]) == 2 * len(points)  # ours too, in the same run
+    _check_ratios(result)
+    assert "mooncake-transfer-engine" in result["meta"]["engines"]["mooncake-raw"]
+
+
+@pytest.mark.parametrize(
+    ("tls", "nixl_limit"),
+    [
+        (None, "memcpy"),  # UCX picks: shared memory or cma between processes of one host
+        ("cma,tcp,self", "memcpy"),
+        ("shm,tcp", "memcpy"),
+        ("^ib", "memcpy"),
+        ("tcp", "raw_socket"),
+        ("tcp,self", "raw_socket"),
+    ],
+)
+def test_each_transport_is_held_against_its_own_limit(
+    tls: str | None, nixl_limit: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmdd_async.bench.runner import _limit_of
+
+    if tls is None:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    else:
+        monkeypatch.setenv("UCX_TLS", tls)
+    assert _limit_of("nixl") == _limit_of("nixl-raw") == nixl_limit
+    assert _limit_of("same-host") == "memcpy"
+    assert _limit_of("tcp") == _limit_of("mooncake-raw") == "raw_socket"
