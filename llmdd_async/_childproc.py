@@ -34,6 +34,8 @@ class CommandServer:
     tg: anyio.abc.TaskGroup
     #: set by the ``exit`` command; endpoints started by :meth:`start_endpoint` then stop
     stop: anyio.Event
+    #: where replies go: the process's original stdout, which nothing else writes to
+    replies: Any = sys.stdout
 
     async def start_endpoint(self, datadist: Any, options: dict[str, str]) -> None:
         """Run ``datadist`` in the background until ``exit``; return once it is up.
@@ -94,8 +96,8 @@ class CommandServer:
                     "error": repr(exc),
                     "type": type(exc).__name__,
                 }
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+        self.replies.write(json.dumps(reply) + "\n")
+        self.replies.flush()
 
 
 T = TypeVar("T")
@@ -112,7 +114,14 @@ def run_on_loop(loop: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
 
 
 def run_server(server: CommandServer) -> None:
-    """Serve commands on the event loop named by ``LLMDD_PEER_LOOP``."""
+    """Serve commands on the event loop named by ``LLMDD_PEER_LOOP``.
+
+    Replies keep the original stdout to themselves: file descriptor 1 becomes stderr first,
+    since native libraries (UCX logs to stdout) write to it and would corrupt the JSON lines.
+    """
+    sys.stdout.flush()
+    server.replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
     run_on_loop(os.environ.get("LLMDD_PEER_LOOP", "asyncio"), server.serve)
 
 

@@ -51,6 +51,7 @@ __all__ = ["NetnsBed", "NetnsHost", "netns_unavailable"]
 
 IP = shutil.which("ip") or "/usr/sbin/ip"
 TC = shutil.which("tc") or "/usr/sbin/tc"
+ENV = shutil.which("env") or "/usr/bin/env"
 
 #: the hosts' subnet (RFC 1918); host ``i`` is ``.i + 1``, inside the bed's namespaces only
 SUBNET = "10.213.0"
@@ -190,13 +191,15 @@ class NetnsHost:
         cluster_id: int,
         options: Mapping[str, str] | None = None,
         loop: str = "asyncio",
+        env: Mapping[str, str] | None = None,
     ) -> AbstractAsyncContextManager[PeerProcess]:
         """A :class:`~llmdd_async.testing.PeerProcess` in this host, as
         ``PeerProcess.start`` (entering raises ``PeerError`` if its endpoint fails to start).
 
         ``options`` are merged over :data:`~llmdd_async.testing.DEFAULT_OPTIONS` plus
         ``llm.listenIpInfo=<address>:0`` (its listen address: ``peer.listen``); ``loop``:
-        the child's event loop (``asyncio``, ``uvloop`` or ``trio``).
+        the child's event loop (``asyncio``, ``uvloop`` or ``trio``); ``env``: variables set
+        for the child over this process's environment (e.g. :meth:`ucx_env` for NIXL).
         """
         from . import DEFAULT_OPTIONS, PeerProcess
 
@@ -205,7 +208,15 @@ class NetnsHost:
             **DEFAULT_OPTIONS,
             **(options or {}),
         }
-        return PeerProcess.start(role, cluster_id, opts, loop, prefix=self.prefix)
+        prefix = self.prefix
+        if env:
+            prefix = (*prefix, ENV, *(f"{k}={v}" for k, v in env.items()))
+        return PeerProcess.start(role, cluster_id, opts, loop, prefix=prefix)
+
+    def ucx_env(self) -> dict[str, str]:
+        """The environment that keeps NIXL's UCX on this host's interface, over TCP (the bed
+        has no RDMA device, and a second machine has no shared memory to take)."""
+        return {"UCX_NET_DEVICES": self.device, "UCX_TLS": "tcp"}
 
     async def set_link(self, up: bool) -> None:
         """Take this host's interface down (administratively: the host knows, and its

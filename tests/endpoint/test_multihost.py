@@ -126,16 +126,20 @@ async def target(d: PeerProcess, model_id: int | None = None) -> int:
     )
 
 
-@contextlib.asynccontextmanager
-async def two_hosts(
-    loop: str, options: dict[str, str] | None = None
-) -> AsyncIterator[tuple[NetnsBed, PeerProcess, PeerProcess]]:
+def two_hosts(loop: str, options: dict[str, str] | None = None) -> Any:
     """A bed of two hosts: the prompt in the first, the decoder in the second (not linked)."""
-    async with NetnsBed.create(2) as bed:
+    return _hosts(loop, options)
+
+
+@contextlib.asynccontextmanager
+async def _hosts(
+    loop: str, options: dict[str, str] | None, ucx: bool = False, rate: str | None = None
+) -> AsyncIterator[tuple[NetnsBed, PeerProcess, PeerProcess]]:
+    async with NetnsBed.create(2, rate=rate) as bed:
         a, b = bed.hosts
         async with (
-            a.peer(dd.LLMRole.PROMPT, PROMPT, options, loop) as p,
-            b.peer(dd.LLMRole.DECODER, DECODER, options, loop) as d,
+            a.peer(dd.LLMRole.PROMPT, PROMPT, options, loop, a.ucx_env() if ucx else None) as p,
+            b.peer(dd.LLMRole.DECODER, DECODER, options, loop, b.ucx_env() if ucx else None) as d,
         ):
             yield bed, p, d
 
@@ -342,6 +346,104 @@ async def test_a_host_whose_interface_is_down_or_cable_unplugged_cannot_link(
         code = await d.call("pull_blocks", blocks_key(PROMPT), {"cache": dst}, BLOCKS, BLOCKS)
         assert code == S.LLM_SUCCESS
         assert await d.request("digest", cache_id=dst) == digests(25)
+
+
+# ------------------------------------------------------------------ NIXL between hosts
+def nixl_hosts(loop: str, options: dict[str, str] | None = None) -> Any:
+    """:func:`two_hosts` over NIXL, UCX on each host's veth over TCP."""
+    return _hosts(loop, {"llm.Transport": "nixl", **(options or {})}, ucx=True)
+
+
+async def test_pull_and_push_over_nixl_between_hosts_are_byte_exact(child_loop: str) -> None:
+    async with nixl_hosts(child_loop) as (_, p, d):
+        src = await source(p, seed=31)
+        dst, pushed_to = await target(d), await target(d, model_id=0)
+        assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+        code = await d.call("pull_blocks", blocks_key(PROMPT), {"cache": dst}, BLOCKS, SHUFFLED)
+        assert code == S.LLM_SUCCESS
+        assert await d.request("digest", cache_id=dst) == digests(31, BLOCKS, SHUFFLED)
+        code = await p.call("push_blocks", blocks_key(DECODER, 0), {"cache": src}, SHUFFLED, BLOCKS)
+        assert code == S.LLM_SUCCESS
+        assert await d.request("digest", cache_id=pushed_to) == digests(31, SHUFFLED, BLOCKS)
+        stats = await d.request("link_statistics", cluster_id=PROMPT)
+        assert stats["transport"] == "nixl", stats
+
+
+# ------------------------------------------------------------------ a cable cut mid-transfer
+CUT_SLACK_S = 2.0  # past the deadline: the task's own scope ends it
+#: NIXL's fence waits up to the stall timeout (10 s) for UCX requests already posted, which a
+#: partition never finishes: only then is the task failed (bytes may land until then). Not
+#: yet bounded by the deadline alone (issue 23's open item).
+NIXL_FENCE_S = 10.0
+
+
+@needs_rate
+@pytest.mark.usefixtures("shaping")
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+async def test_a_cable_cut_mid_pull_fails_it_within_its_deadline(
+    child_loop: str, transport: str
+) -> None:
+    """The prompt's cable is pulled 0.3 s into a 16 MiB pull on a 100 Mbit/s link (no FIN,
+    no RST: a partition): the pull fails within its deadline plus a stated slack and writes
+    nothing after; with the cable back, a new link carries a byte-exact pull."""
+    deadline_ms = 1500
+    big = (64, 128 << 10)  # 8 MiB a tensor, one layer of K and V: about 1.3 s at 100 Mbit/s
+    opts = {
+        "llm.Transport": transport,
+        "llm.SyncKvCacheWaitTime": str(deadline_ms),
+        "llm.MemPoolConfig": json.dumps({"memory_size": 64 << 20}),
+    }
+    async with _hosts(child_loop, opts, ucx=transport == "nixl", rate="100mbit") as (bed, p, d):
+        a = bed.hosts[0]
+        key = blocks_key(PROMPT)["key"]
+        await p.request(
+            "alloc", kind="blocks", num_tensors=2, shape=list(big), blocks_key=key, seed=32
+        )
+        dst = await d.request("alloc", kind="blocks", num_tensors=2, shape=list(big))
+        assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+        blocks = list(range(big[0]))
+        ended: list[float] = []
+        codes: list[int] = []
+
+        async def pull() -> None:
+            codes.append(
+                await d.call("pull_blocks", blocks_key(PROMPT), {"cache": dst}, blocks, blocks)
+            )
+            ended.append(anyio.current_time())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pull)
+            await anyio.sleep(0.3)
+            await a.set_cable(False)
+            cut = anyio.current_time()
+        took = ended[0] - cut
+        print(f"{transport}: time to fail after the cut {took:.2f} s (deadline {deadline_ms} ms)")
+        assert codes[0] in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), codes
+        bound = deadline_ms / 1000 + CUT_SLACK_S + (NIXL_FENCE_S if transport == "nixl" else 0)
+        assert took < bound, f"{took:.2f} s"
+
+        await a.set_cable(True)
+        await a.set_rate(None)
+        await d.request("unlink", cluster_id=PROMPT)
+        with anyio.fail_after(30):
+            while await link(d, p, PROMPT) != S.LLM_SUCCESS:
+                await anyio.sleep(0.5)
+        # Over NIXL the first pulls after the partition heals may still time out: UCX keeps
+        # its TCP connection, which resumes at TCP's next retransmission (its backoff grew
+        # through the partition). Measured, and bounded, not hidden.
+        healed = anyio.current_time()
+        with anyio.fail_after(30):
+            while (
+                code := await d.call(
+                    "pull_blocks", blocks_key(PROMPT), {"cache": dst}, blocks, blocks
+                )
+            ) != S.LLM_SUCCESS:
+                assert transport == "nixl" and code == S.LLM_TIMEOUT, code
+        print(f"{transport}: a pull succeeds {anyio.current_time() - healed:.2f} s after healing")
+        want = [
+            hashlib.sha256(expected_tensor(32, t, big).tobytes()).hexdigest() for t in range(2)
+        ]
+        assert await d.request("digest", cache_id=dst) == want
 
 
 # ------------------------------------------------------------------ shaped links (slow)
