@@ -370,11 +370,9 @@ async def test_pull_and_push_over_nixl_between_hosts_are_byte_exact(child_loop: 
 
 
 # ------------------------------------------------------------------ a cable cut mid-transfer
-CUT_SLACK_S = 2.0  # past the deadline: the task's own scope ends it
-#: NIXL's fence waits up to the stall timeout (10 s) for UCX requests already posted, which a
-#: partition never finishes: only then is the task failed (bytes may land until then). Not
-#: yet bounded by the deadline alone (issue 23's open item).
-NIXL_FENCE_S = 10.0
+#: past the deadline: the task's own scope ends it; over NIXL the transfers it posted get
+#: 0.5 s more before the peer's UCX endpoints are closed to end them (nixl.CUT_AFTER_S)
+CUT_SLACK_S = 2.0
 
 
 @needs_rate
@@ -419,26 +417,35 @@ async def test_a_cable_cut_mid_pull_fails_it_within_its_deadline(
         took = ended[0] - cut
         print(f"{transport}: time to fail after the cut {took:.2f} s (deadline {deadline_ms} ms)")
         assert codes[0] in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), codes
-        bound = deadline_ms / 1000 + CUT_SLACK_S + (NIXL_FENCE_S if transport == "nixl" else 0)
-        assert took < bound, f"{took:.2f} s"
+        assert took < deadline_ms / 1000 + CUT_SLACK_S, f"{took:.2f} s"
 
+        # Over TCP nothing lands after the failure, also once the partition heals and what was
+        # in flight could arrive: the cache, overwritten now, must stay as it is. Over NIXL it
+        # may change (UCX keeps its connection: nixl.TransfersCut, README "NIXL"), measured.
+        await d.request("fill", cache_id=dst, seed=33)
+        after = await d.request("digest", cache_id=dst)
         await a.set_cable(True)
         await a.set_rate(None)
-        await d.request("unlink", cluster_id=PROMPT)
-        with anyio.fail_after(30):
-            while await link(d, p, PROMPT) != S.LLM_SUCCESS:
-                await anyio.sleep(0.5)
-        # Over NIXL the first pulls after the partition heals may still time out: UCX keeps
-        # its TCP connection, which resumes at TCP's next retransmission (its backoff grew
-        # through the partition). Measured, and bounded, not hidden.
         healed = anyio.current_time()
+        await anyio.sleep(2)  # TCP's next retransmission of what the cut held back
+        landed = await d.request("digest", cache_id=dst) != after
+        print(f"{transport}: bytes landed after the failure: {landed}")
+        assert not landed or transport == "nixl", "bytes landed after the failure"
+
+        # Over NIXL the first pulls after the partition heals may still fail (LLM_TIMEOUT or
+        # LLM_LINK_FAILED) while UCX settles its connection to the peer: measured, bounded.
         with anyio.fail_after(30):
-            while (
-                code := await d.call(
-                    "pull_blocks", blocks_key(PROMPT), {"cache": dst}, blocks, blocks
-                )
-            ) != S.LLM_SUCCESS:
-                assert transport == "nixl" and code == S.LLM_TIMEOUT, code
+            while True:
+                await d.request("unlink", cluster_id=PROMPT)
+                if await link(d, p, PROMPT) == S.LLM_SUCCESS:
+                    code = await d.call(
+                        "pull_blocks", blocks_key(PROMPT), {"cache": dst}, blocks, blocks
+                    )
+                    if code == S.LLM_SUCCESS:
+                        break
+                    assert transport == "nixl", code
+                    assert code in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), code
+                await anyio.sleep(0.5)
         print(f"{transport}: a pull succeeds {anyio.current_time() - healed:.2f} s after healing")
         want = [
             hashlib.sha256(expected_tensor(32, t, big).tobytes()).hexdigest() for t in range(2)
