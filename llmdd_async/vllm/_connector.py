@@ -13,13 +13,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .._log import get_logger
 from ._config import ConnectorConfig, check_vllm_version
+from ._logging import route_to_vllm
 from ._meta import LlmddHandshake, LlmddMetadata
 from ._scheduler import SchedulerSide
-from ._stats import LlmddStats
+from ._stats import LlmddPromMetrics, LlmddStats
 from ._worker import WorkerEngine
 
 if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
 
 __all__ = ["LlmddConnector"]
 
@@ -38,6 +42,7 @@ class LlmddConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         check_vllm_version(vllm.__version__)
+        route_to_vllm()  # our events in vLLM's logs (vllm serve), at vLLM's level
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.cfg, warnings = ConnectorConfig.parse(ktc.kv_connector_extra_config)
@@ -116,14 +121,32 @@ class LlmddConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:
             return None
-        ts = self._worker.take_stats()
-        return LlmddStats(data={"transfers": ts}) if ts else None
+        recs = self._worker.take_stats()
+        if not recs:
+            return None
+        return LlmddStats(
+            data={
+                "transfers": [r for r in recs if not r.get("failed")],
+                "failures": [r for r in recs if r.get("failed")],
+            }
+        )
 
     @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return LlmddStats(data=dict(data or {"transfers": []}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        """``vllm:llmdd_*`` metrics on vLLM's ``/metrics`` (see :class:`LlmddPromMetrics`)."""
+        return LlmddPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

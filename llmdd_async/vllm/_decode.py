@@ -158,6 +158,7 @@ class DecodeSide:
             log.info("vllm.load_cancelled", request_id=req_id)
         except Exception as e:  # any failure: vLLM recomputes, the engine carries on
             log.warning("vllm.load_failed", request_id=req_id, reason=repr(e))
+            self._handoff.add_failure("recv", mode)
             link_down = isinstance(e, LLMException) and e.status_code in (
                 LLMStatusCode.LLM_LINK_FAILED,
                 LLMStatusCode.LLM_NOT_YET_LINK,

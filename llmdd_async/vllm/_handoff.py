@@ -61,6 +61,10 @@ class Handoff:
         with self.lock:
             self.stats.append(rec)
 
+    def add_failure(self, role: str, mode: str) -> None:
+        """A transfer failed (not cancelled): counted in vLLM's stats as a failure."""
+        self.add_record({"role": role, "mode": mode, "failed": True})
+
     def take_load_errors(self) -> set[int]:
         with self.lock:
             out = self.load_errors

@@ -277,6 +277,7 @@ class PrefillSide:
         except Exception as e:  # any failure: the decode recomputes
             why = repr(e)
             log.warning("vllm.push_failed", request_id=req, reason=why)
+            self._handoff.add_failure("send", "layerwise")
         self._finish_push(p, ok, why)
 
     def _finish_push(self, p: _Push, ok: bool, why: str) -> None:

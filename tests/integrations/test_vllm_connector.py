@@ -443,3 +443,54 @@ def test_stats_through_vllm_api() -> None:
     merged.reset()
     assert merged.is_empty()
     assert LlmddConnector.build_kv_connector_stats(None).is_empty()  # type: ignore[union-attr]
+
+
+def _prom(engine: EngineProc) -> dict[tuple[str, str, str], float]:
+    """vLLM's ``vllm:llmdd_*`` metrics: (name, role, mode) -> value (a histogram: its count)."""
+    out: dict[tuple[str, str, str], float] = {}
+    for m in engine.call("prom", "vllm:llmdd_"):
+        key = (m["name"], m["labels"].get("role", ""), m["labels"].get("mode", ""))
+        out[key] = m.get("value", m.get("count", 0.0))
+        assert set(m["labels"]) == {"model_name", "engine", "role", "mode"}, m
+    return out
+
+
+def test_prometheus_metrics(pair: Pair, ref: EngineProc) -> None:
+    """Through vLLM's own stats plumbing (worker stats -> scheduler stats ->
+    PrometheusStatLogger -> build_prom_metrics' observe): the decode's vllm:llmdd_* counters
+    and histogram grow by exactly the loads it logged, with their bytes."""
+    prompts = {"pm1": tokens(70, 1100), "pm2": tokens(33, 1101)}
+    want = reference(ref, prompts)
+    pair.decode.call("transfers")  # forget earlier tests' events
+    before = _prom(pair.decode)
+    got = disaggregated(pair, prompts, concurrent=pair.mode == "layerwise")
+    assert {k: got[k]["tokens"] for k in prompts} == want
+    loads = [t for t in pair.decode.call("transfers") if t["event"] == "vllm.loaded"]
+    assert len(loads) == len(prompts)
+    key = ("recv", pair.mode)
+
+    def grew(name: str) -> float:
+        return after.get((name, *key), 0.0) - before.get((name, *key), 0.0)
+
+    after = _prom(pair.decode)
+    for _ in range(50):  # the last step's stats reach the logger with a later step's output
+        if grew("vllm:llmdd_transfers") >= len(prompts):
+            break
+        time.sleep(0.1)
+        after = _prom(pair.decode)
+    assert grew("vllm:llmdd_transfers") == len(prompts)
+    assert grew("vllm:llmdd_transfer_seconds") == len(prompts)  # the histogram's count
+    assert grew("vllm:llmdd_transfer_bytes") == sum(t["bytes"] for t in loads) > 0
+    assert grew("vllm:llmdd_transfer_failures") == 0
+    assert pair.prefill.call("wait_free", {"free_blocks": pair.prefill_free}) == pair.prefill_free
+
+
+def test_logs_routed_to_vllm(pair: Pair) -> None:
+    """Constructed by vLLM, the connector hands the llmdd_async logger's records to vLLM's
+    log handlers, at vLLM's level (INFO by default)."""
+    import logging
+
+    for engine in (pair.prefill, pair.decode):
+        setup = engine.call("log_setup")
+        assert "ToVllmHandler" in setup["handlers"]
+        assert setup["level"] == logging.INFO

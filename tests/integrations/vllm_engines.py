@@ -5,9 +5,10 @@ Each :class:`EngineProc` is one OS process holding one in-process vLLM engine (`
 (:func:`make_tiny_llama`); prompts are token ids (``skip_tokenizer_init=True``). Commands:
 ``run`` (add requests, step until all finish, return tokens and kv_transfer_params),
 ``start`` + ``step`` (requests left in flight, e.g. to abort one), ``abort``, ``metrics``
-(``vllm:prompt_tokens_by_source``), ``free_blocks``, ``wait_free``. Between commands the
-process steps the engine while its scheduler has work, as vLLM's engine-core loop does (so
-delayed frees and leases run).
+(``vllm:prompt_tokens_by_source``), ``prom`` (vLLM's Prometheus metrics by name prefix),
+``log_setup`` (the ``llmdd_async`` logger's handlers and level), ``free_blocks``,
+``wait_free``. Between commands the process steps the engine while its scheduler has work,
+as vLLM's engine-core loop does (so delayed frees and leases run).
 """
 
 from __future__ import annotations
@@ -20,35 +21,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from llmdd_async.vllm.tiny_model import make_tiny_llama
+
+__all__ = ["BLOCK", "EngineProc", "kv_config", "make_tiny_llama"]
+
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
-
-
-def make_tiny_llama(path: Path, layers: int = 4, hidden: int = 128, seed: int = 0) -> Path:
-    """A Llama with random (normal, std 0.2) weights: distinct, decisive greedy tokens."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if (path / "model.safetensors").exists():
-        return path
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 32,
-        num_key_value_heads=max(1, hidden // 64),
-        head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
 
 
 def _engine_main(conn: Any, model: str, kv: dict[str, Any] | None, extra: dict[str, Any]) -> None:
@@ -193,6 +170,20 @@ def _engine_main(conn: Any, model: str, kv: dict[str, Any] | None, extra: dict[s
                     if m.name == "vllm:prompt_tokens_by_source":
                         by_source[m.labels["source"]] = float(m.value)
                 conn.send(("ok", by_source))
+            elif cmd == "prom":  # vLLM's Prometheus metrics whose names start with arg
+                got: list[dict[str, Any]] = []
+                for m in llm.get_metrics():
+                    if m.name.startswith(str(arg)):
+                        rec = {"name": m.name, "labels": dict(m.labels)}
+                        for attr in ("value", "count", "sum"):
+                            if hasattr(m, attr):
+                                rec[attr] = float(getattr(m, attr))
+                        got.append(rec)
+                conn.send(("ok", got))
+            elif cmd == "log_setup":  # the llmdd_async logger as the connector left it
+                pkg = logging.getLogger("llmdd_async")
+                names = [type(h).__name__ for h in pkg.handlers]
+                conn.send(("ok", {"handlers": names, "level": pkg.level}))
             elif cmd == "transfers":
                 conn.send(("ok", list(transfers)))
                 transfers.clear()
