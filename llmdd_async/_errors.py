@@ -25,11 +25,9 @@ class                    default status          at fault
 ``CopyCancelled``        LLM_FAILED              this side: a copy's token tripped
 ``FenceLost``            LLM_LINK_FAILED         the transport: posted transfers outlived the
                                                  stall timeout
-``TransfersCut``         LLM_LINK_FAILED         the peer or the network: posted transfers
-                                                 stopped moving, so NIXL was told to drop them
 =======================  ======================  =========================================
 
-The last four are :class:`LowLevelError`\\ s: raised below the API and translated on the way
+The last three are :class:`LowLevelError`\\ s: raised below the API and translated on the way
 up (a link's failure, a task's error, a grant's status), never passed through as they are
 (:func:`is_caller_facing`). :class:`map_link_errors` is the seam that turns what a link's
 socket raises into the link's failure and the error its caller sees.
@@ -52,7 +50,6 @@ __all__ = [
     "ControlError",
     "CopyCancelled",
     "FenceLost",
-    "TransfersCut",
     "HandshakeFailed",
     "LLMException",
     "LinkBroken",
@@ -187,17 +184,6 @@ class FenceLost(LowLevelError, OSError):
     """Posted NIXL transfers did not finish within the stall timeout after a cancel or a
     failure: bytes may still land, so the link is failed (its UCX endpoints are dropped).
     Also an ``OSError``: the transport's failure."""
-
-    default_status = LLMStatusCode.LLM_LINK_FAILED
-
-
-class TransfersCut(LowLevelError, OSError):
-    """Posted NIXL transfers moved nothing for a while after a cancel or a failure (a peer
-    gone silent: a partition), so the peer's metadata was dropped, which ends them in NIXL.
-    UCX may still hold their connection: when the network heals, bytes of a read may still
-    land in the destination (as with :class:`FenceLost`), so the link is failed and the
-    destination must not be trusted or reused until it is written again. Also an
-    ``OSError``: the transport's failure."""
 
     default_status = LLMStatusCode.LLM_LINK_FAILED
 

@@ -10,7 +10,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from .._errors import FenceLost, ProtocolError, TransfersCut
+from .._errors import FenceLost, ProtocolError
 from .._memory import CancelToken
 from .._messages import CacheInfo, NixlInfo, Table, regions_of
 from .._planner import check_within
@@ -233,8 +233,8 @@ class NixlAccess(PeerAccess):
             chunk = await self._plan1(int(local[0]), int(remote[0]), int(nbytes[0]))
             if chunk is not None:
                 try:
-                    return await self.ep.run_small(op, chunk, token, stall, self.peer_agent)
-                except (FenceLost, TransfersCut) as exc:
+                    return await self.ep.run_small(op, chunk, token, stall)
+                except FenceLost as exc:
                     self._served.fail(exc)
                     raise
                 except OSError:
@@ -251,7 +251,7 @@ class NixlAccess(PeerAccess):
         total = sum(c.nbytes for c in chunks)
         try:
             return await self._run(op, chunks, total, token, stall)
-        except (FenceLost, TransfersCut) as exc:
+        except FenceLost as exc:
             # Never report a stopped transfer while NIXL may still write: the link goes down,
             # which disconnects the peer's UCX endpoints once no request runs on it.
             self._served.fail(exc)
@@ -269,16 +269,10 @@ class NixlAccess(PeerAccess):
             CopyCancelled, FenceLost, OSError: as :meth:`NixlEndpoint.pump`.
         """
         if len(chunks) == 1 and total <= SMALL_BYTES:
-            return await self.ep.run_small(op, chunks[0], token, stall, self.peer_agent)
+            return await self.ep.run_small(op, chunks[0], token, stall)
         return int(
             await anyio.to_thread.run_sync(
-                self.ep.pump,
-                op,
-                chunks,
-                token,
-                stall,
-                self.peer_agent,
-                limiter=self._served.threads,
+                self.ep.pump, op, chunks, token, stall, limiter=self._served.threads
             )
         )
 

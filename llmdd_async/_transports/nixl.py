@@ -51,7 +51,7 @@ import anyio.to_thread
 import numpy as np
 
 from .._enums import LLMStatusCode
-from .._errors import CopyCancelled, FenceLost, LLMException, TransfersCut
+from .._errors import CopyCancelled, FenceLost, LLMException
 from .._memory import CancelToken
 from .._messages import Cap, Identity
 from .._planner import check_within
@@ -75,9 +75,6 @@ from ._nixl_agent import (
 if TYPE_CHECKING:
     from .._devices import DeviceAdapter
 
-#: how long posted transfers may move nothing after a cancel or a failure before the peer's
-#: endpoints are closed to end them (:meth:`NixlEndpoint.cut_peer`)
-CUT_AFTER_S = 0.5
 __all__ = ["INSTALL_HINT", "NixlEndpoint", "available", "start_endpoint"]
 
 
@@ -339,26 +336,15 @@ class NixlEndpoint(TransportEndpoint):
     def leak(self, handle: Any) -> None:
         self._leaked.append(handle)
 
-    def pump(
-        self,
-        op: str,
-        chunks: list[Chunk],
-        token: CancelToken,
-        stall_s: float,
-        peer: str | None = None,
-    ) -> int:
+    def pump(self, op: str, chunks: list[Chunk], token: CancelToken, stall_s: float) -> int:
         """Post ``chunks`` (at most ``WINDOW`` in flight) and wait for them, in a worker
         thread; returns bytes moved.
 
         Raises:
             CopyCancelled: ``token`` tripped; every chunk posted before is done (fenced).
-            TransfersCut: posted chunks moved nothing for ``CUT_AFTER_S`` after a cancel or a
-                failure, so ``peer``'s metadata was dropped to end them (bytes may land).
-            FenceLost: posted chunks outlived ``stall_s`` all the same (bytes may land).
             OSError: NIXL failed a chunk (peer gone, memory refused).
         """
         flight: collections.deque[tuple[Any, int]] = collections.deque()
-        cut = False
         done = 0
         failed: str | None = None
         i = 0
@@ -409,9 +395,6 @@ class NixlEndpoint(TransportEndpoint):
                     # Fencing: what is in flight must finish before we return; bounded.
                     now = time.monotonic()
                     stop_at = stop_at or now + stall_s
-                    if peer is not None and now > stop_at - stall_s + CUT_AFTER_S:
-                        cut = self.cut_peer(peer)
-                        peer = None
                     if now > stop_at:
                         for handle, _ in flight:
                             self.leak(handle)
@@ -425,47 +408,18 @@ class NixlEndpoint(TransportEndpoint):
         finally:
             for handle, _ in flight:  # only reached by an unexpected exception
                 self.leak(handle)
-        if cut:
-            raise TransfersCut(
-                "NIXL transfers to the peer moved nothing after a cancel or a failure, so its "
-                "metadata was dropped to end them (bytes may still land once the network heals)"
-            )
         if failed is not None:
             raise OSError(failed)
         if token.cancelled and done < sum(c.nbytes for c in chunks):
             raise CopyCancelled
         return done
 
-    def cut_peer(self, peer: str) -> bool:
-        """Drop ``peer``'s metadata, which ends in NIXL every transfer posted to it, when this
-        link alone holds it; True if it did. A partitioned peer would otherwise keep posted
-        transfers (and the task that waits for them) alive until the stall timeout. UCX may
-        keep the connection, so this is no fence: the link fails (:class:`TransfersCut`).
-        In a worker thread; never raises.
-        """
-        if self._peer_refs.get(peer, 0) > 1:
-            return False  # a newer link to the same peer uses these endpoints too
-        try:
-            self.agent.remove_remote_agent(peer)
-        except Exception:
-            return False
-        return True
-
-    async def run_small(
-        self,
-        op: str,
-        chunk: Chunk,
-        token: CancelToken,
-        stall_s: float,
-        peer: str | None = None,
-    ) -> int:
+    async def run_small(self, op: str, chunk: Chunk, token: CancelToken, stall_s: float) -> int:
         """Post one small request on the loop; await it through the poller unless it is done
         at once. Cancellation (token or scope) waits for the request to finish (fence).
 
         Raises:
-            CopyCancelled: the token tripped. TransfersCut: it moved nothing after the cancel,
-                so ``peer``'s metadata was dropped. FenceLost: it did not finish even so.
-            OSError: NIXL failed it.
+            CopyCancelled: the token tripped. OSError: NIXL failed it.
         """
         if token.cancelled:
             raise CopyCancelled
@@ -482,24 +436,11 @@ class NixlEndpoint(TransportEndpoint):
                 # runs out must keep the handle (bytes may still land), never release it.
                 state = "PROC"
                 with anyio.CancelScope(shield=True):
-                    with anyio.move_on_after(min(CUT_AFTER_S, stall_s)):
+                    with anyio.move_on_after(stall_s):
                         state = await self.poller.wait(handle, None)
-                    cut = False
-                    if state == "PROC" and peer is not None:
-                        cut = await anyio.to_thread.run_sync(self.cut_peer, peer)
-                    if state == "PROC":
-                        with anyio.move_on_after(max(0.0, stall_s - CUT_AFTER_S)):
-                            state = await self.poller.wait(handle, None)
                     if state == "PROC":
                         self.leak(handle)
                         raise FenceLost("a cancelled NIXL transfer did not finish (handle kept)")
-                    if cut:
-                        self.release(handle)
-                        raise TransfersCut(
-                            "a NIXL transfer to the peer moved nothing after a cancel, so its "
-                            "metadata was dropped to end it (bytes may still land once the "
-                            "network heals)"
-                        )
                     if token.cancelled:
                         state = "CANCELLED"
             if state != "PROC":

@@ -71,11 +71,13 @@ class Fence:
     """Shared between a worker and the task that owns the buffers it touches.
 
     ``token`` asks the worker to stop touching user memory; the worker then keeps the stream in
-    step with scratch memory and sets ``released``. ``stall_s`` is how long the worker waits
-    on a peer that moves no byte before it gives up (the link is then broken). It counts from
-    the last byte that moved, not from the request's start: a request's own deadline is the
-    loop's to enforce (it trips the token), and a frame still moving when it passes is
-    finished into scratch, never a reason to break the link.
+    step with scratch memory and sets ``released``. The worker gives up (the link is then
+    broken) when the peer moves no byte for ``stall_s``; once the token has tripped (a cancel,
+    or the token's deadline), when the rest of the frame has not moved within
+    :data:`TRIPPED_GRACE_S` either; and, for a token with no deadline at all, when the frame
+    is not done within ``stall_s``. So a frame still moving at its request's deadline is
+    finished into scratch and the link lives, while a peer that trickles bytes holds a worker
+    no longer than the deadline plus that grace.
     """
 
     __slots__ = ("released", "stall_s", "token")
@@ -335,9 +337,50 @@ def _zeros() -> memoryview:
     return memoryview(bytes(_SCRATCH))
 
 
-def _check_stall(fence: Fence, moved_at: float, what: str) -> None:
-    if time.monotonic() - moved_at >= fence.stall_s:
-        raise TimeoutError(f"peer moved no byte of {what} for {fence.stall_s:g} s")
+#: once a frame's token has tripped, the rest of it (padding or scratch) must move within this
+TRIPPED_GRACE_S = 1.0
+
+
+def _token_deadline(token: CancelToken) -> float | None:
+    """The earliest deadline of ``token`` and its parents, or None."""
+    found: float | None = None
+    t: CancelToken | None = token
+    while t is not None:
+        if t.deadline is not None and (found is None or t.deadline < found):
+            found = t.deadline
+        t = t.parent
+    return found
+
+
+class _FrameClock:
+    """When a worker gives up on one frame (see :class:`Fence`)."""
+
+    __slots__ = ("fence", "hard_at", "moved_at", "what")
+
+    def __init__(self, fence: Fence, what: str) -> None:
+        self.fence = fence
+        self.what = what
+        self.moved_at = time.monotonic()
+        no_deadline = _token_deadline(fence.token) is None
+        self.hard_at = self.moved_at + fence.stall_s if no_deadline else None
+
+    def tripped(self) -> None:
+        at = time.monotonic() + min(self.fence.stall_s, TRIPPED_GRACE_S)
+        self.hard_at = at if self.hard_at is None else min(self.hard_at, at)
+
+    def check(self, moved: int) -> None:
+        """After each syscall (``moved`` bytes; 0 when it would block).
+
+        Raises:
+            TimeoutError: the frame ran past its bound.
+        """
+        now = time.monotonic()
+        if moved:
+            self.moved_at = now
+        elif now - self.moved_at >= self.fence.stall_s:
+            raise TimeoutError(f"peer moved no byte of {self.what} for {self.fence.stall_s:g} s")
+        if self.hard_at is not None and now >= self.hard_at:
+            raise TimeoutError(f"peer did not finish {self.what} in time")
 
 
 #: frames up to this size move from the event loop itself: a thread hop and its GIL hand-offs
@@ -469,13 +512,13 @@ def send_views(
     stream stays in step) and the source memory is not read again; ``released`` is set.
 
     Raises:
-        TimeoutError: the peer read nothing for the fence's ``stall_s``.
+        TimeoutError: the frame ran past its bound (:class:`Fence`).
         OSError: the connection failed.
     """
     bufs: list[memoryview] = [memoryview(header), *views]
     idx = 0
     padded = False
-    moved_at = time.monotonic()
+    clock = _FrameClock(fence, "a send")
     try:
         while idx < len(bufs):
             if not padded and fence.token.cancelled and not (tagger is not None and tagger.done):
@@ -483,13 +526,13 @@ def send_views(
                 bufs = bufs[:keep] + _scratch_like(bufs, keep, _zeros())
                 padded = True
                 fence.released.set()
+                clock.tripped()
             try:
                 n = sock.sendmsg(_batch(bufs, idx))
             except (BlockingIOError, InterruptedError):
-                _check_stall(fence, moved_at, "a send")
+                clock.check(0)
                 continue
-            if n:
-                moved_at = time.monotonic()
+            clock.check(n)
             idx = _step(bufs, idx, n, tagger)
     finally:
         fence.released.set()
@@ -510,27 +553,28 @@ def recv_views(
 
     Raises:
         EOFError: the peer closed the connection mid-frame.
-        TimeoutError: the peer sent nothing for the fence's ``stall_s``.
+        TimeoutError: the frame ran past its bound (:class:`Fence`).
         OSError: the connection failed.
     """
     bufs = list(views)
     idx = 0
     diverted = False
-    moved_at = time.monotonic()
+    clock = _FrameClock(fence, "a receive")
     try:
         while idx < len(bufs):
             if not diverted and fence.token.cancelled:
                 bufs = bufs[:idx] + _scratch_like(bufs, idx, scratch)
                 diverted = True
                 fence.released.set()
+                clock.tripped()
             try:
                 n = sock.recvmsg_into(_batch(bufs, idx), 0, socket.MSG_WAITALL)[0]
             except (BlockingIOError, InterruptedError):
-                _check_stall(fence, moved_at, "a receive")
+                clock.check(0)
                 continue
             if n == 0:
                 raise EOFError("peer closed the connection in the middle of a frame")
-            moved_at = time.monotonic()
+            clock.check(n)
             if mac is not None and not diverted:
                 mac.passed(bufs, idx, n)
             idx = _advance(bufs, idx, n)

@@ -370,9 +370,11 @@ async def test_pull_and_push_over_nixl_between_hosts_are_byte_exact(child_loop: 
 
 
 # ------------------------------------------------------------------ a cable cut mid-transfer
-#: past the deadline: the task's own scope ends it; over NIXL the transfers it posted get
-#: 0.5 s more before the peer's UCX endpoints are closed to end them (nixl.CUT_AFTER_S)
-CUT_SLACK_S = 2.0
+CUT_SLACK_S = 2.0  # past the deadline: the task's own scope ends it
+#: NIXL's fence waits up to the stall timeout (10 s) for UCX requests already posted, which a
+#: partition never finishes; only then does the task fail (FenceLost: bytes may still land).
+#: Not yet bounded by the deadline alone (issue 23).
+NIXL_FENCE_S = 10.0
 
 
 @needs_rate
@@ -417,11 +419,12 @@ async def test_a_cable_cut_mid_pull_fails_it_within_its_deadline(
         took = ended[0] - cut
         print(f"{transport}: time to fail after the cut {took:.2f} s (deadline {deadline_ms} ms)")
         assert codes[0] in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), codes
-        assert took < deadline_ms / 1000 + CUT_SLACK_S, f"{took:.2f} s"
+        bound = deadline_ms / 1000 + CUT_SLACK_S + (NIXL_FENCE_S if transport == "nixl" else 0)
+        assert took < bound, f"{took:.2f} s"
 
         # Over TCP nothing lands after the failure, also once the partition heals and what was
         # in flight could arrive: the cache, overwritten now, must stay as it is. Over NIXL it
-        # may change (UCX keeps its connection: nixl.TransfersCut, README "NIXL"), measured.
+        # may change (UCX keeps its connection: FenceLost, docs/how-to/nixl.md), measured.
         await d.request("fill", cache_id=dst, seed=33)
         after = await d.request("digest", cache_id=dst)
         await a.set_cable(True)

@@ -31,7 +31,6 @@ from llmdd_async._errors import (
     ProtocolError,
     SynchronizerAborted,
     TransferCancelled,
-    TransfersCut,
     failure_reason,
     is_caller_facing,
     link_failure,
@@ -53,7 +52,6 @@ HIERARCHY: list[tuple[type[LLMException], S]] = [
     (ProtocolError, S.LLM_FAILED),  # the peer sent garbage
     (CopyCancelled, S.LLM_FAILED),  # this side's token tripped
     (FenceLost, S.LLM_LINK_FAILED),  # the transport did not fence
-    (TransfersCut, S.LLM_LINK_FAILED),  # posted transfers stopped; NIXL dropped them
 ]
 
 

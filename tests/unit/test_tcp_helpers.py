@@ -12,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmdd_async._memory import CancelToken
-from llmdd_async._transports.tcp import Fence, StreamPlan, configure_socket, recv_views, send_views
+from llmdd_async._transports.tcp import (
+    TRIPPED_GRACE_S,
+    Fence,
+    StreamPlan,
+    configure_socket,
+    recv_views,
+    send_views,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -124,7 +131,7 @@ def test_recv_views_waits_on_a_slow_peer_that_keeps_moving_bytes() -> None:
     # stall in all, a little at a time, is received whole (the link must not break under it).
     a, b = pair()
     dst = np.zeros(10, np.uint8)
-    fence = Fence(CancelToken(), 0.5)
+    fence = Fence(CancelToken(deadline=time.monotonic() + 30), 0.5)  # a request's deadline
 
     def trickle() -> None:  # 1 s in all; each gap is longer than a socket slice (50 ms)
         for i in range(10):
@@ -140,3 +147,52 @@ def test_recv_views_waits_on_a_slow_peer_that_keeps_moving_bytes() -> None:
     assert dst.tolist() == list(range(1, 11))
     a.close()
     b.close()
+
+
+def _trickle_into(dst: np.ndarray, fence: Fence) -> tuple[float, BaseException | None]:
+    """Receive into ``dst`` from a peer that sends one byte every 20 ms for ever (until the
+    receive gives up); how long the receive took and what it raised."""
+    a, b = pair()
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.is_set():
+            try:
+                a.send(b"x")
+            except OSError:
+                return
+            time.sleep(0.02)
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    t0 = time.monotonic()
+    error: BaseException | None = None
+    try:
+        recv_views(b, [memoryview(dst)], fence, memoryview(bytearray(64)))
+    except TimeoutError as exc:
+        error = exc
+    finally:
+        took = time.monotonic() - t0
+        stop.set()
+        sender.join()
+        a.close()
+        b.close()
+    return took, error
+
+
+def test_a_peer_that_trickles_holds_a_worker_no_longer_than_the_deadline_and_a_grace() -> None:
+    # Bytes keep moving, so the stall never fires; the token's deadline trips the frame into
+    # scratch, and the rest must then move within the grace.
+    token = CancelToken(deadline=time.monotonic() + 0.3)
+    fence = Fence(token, 30)
+    took, error = _trickle_into(np.zeros(1 << 20, np.uint8), fence)
+    assert isinstance(error, TimeoutError), "a trickling peer held the worker"
+    assert fence.released.is_set()
+    assert took < 0.3 + TRIPPED_GRACE_S + 1.0, took
+
+
+def test_without_a_deadline_a_frame_must_be_done_within_the_stall() -> None:
+    fence = Fence(CancelToken(), 0.5)
+    took, error = _trickle_into(np.zeros(1 << 20, np.uint8), fence)
+    assert isinstance(error, TimeoutError), "a trickling peer held the worker"
+    assert took < 0.5 + 1.0, took
