@@ -497,7 +497,7 @@ class Link:
                 return False
             n = min(CHUNK_BYTES, stream.total - off)
             views = await stream.prepare(off, n, token)
-            fence = Fence(token, self.host.stall_timeout_s)
+            fence = Fence(token, self.host.stall_timeout_s, req.deadline)
             async with self.send_lock:
                 if not self.alive:
                     raise self.down_error()
@@ -737,7 +737,7 @@ class Link:
                             recv_views_inline(self.sock, bufs, idx, token, scratch, pmac)
                         )
                 else:
-                    fence = Fence(token, stall_s)
+                    fence = Fence(token, stall_s, req.deadline if req is not None else None)
                     if req is not None:
                         req.fence = fence
                     await anyio.to_thread.run_sync(

@@ -136,9 +136,6 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
             pinned.append(e)
         if req.deadline is not None:
             req.deadline = min(req.deadline, t0 + engine.serve_budget_s(ntensors))
-            # Workers stop at the budget too: a frame still moving then is finished with
-            # zeros within a grace (tcp.Fence), so a peer that reads slowly holds nothing long.
-            req.token.deadline = req.deadline
         pull = request.op == Op.PULL
         local_side, target_side = (plan.dst, plan.src) if pull else (plan.src, plan.dst)
         if mode is Mode.STREAM and not pull:

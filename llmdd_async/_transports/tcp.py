@@ -71,20 +71,25 @@ class Fence:
     """Shared between a worker and the task that owns the buffers it touches.
 
     ``token`` asks the worker to stop touching user memory; the worker then keeps the stream in
-    step with scratch memory and sets ``released``. The worker gives up (the link is then
-    broken) when the peer moves no byte for ``stall_s``; once the token has tripped (a cancel,
-    or the token's deadline), when the rest of the frame has not moved within
-    :data:`TRIPPED_GRACE_S` either; and, for a token with no deadline at all, when the frame
-    is not done within ``stall_s``. So a frame still moving at its request's deadline is
-    finished into scratch and the link lives, while a peer that trickles bytes holds a worker
-    no longer than the deadline plus that grace.
+    step with scratch memory and sets ``released``. The worker gives up on a frame (the link
+    is then broken) when the peer moves no byte for ``stall_s``; and once the token has
+    tripped (a cancel, or its deadline) or ``give_up_at`` (monotonic; the request's deadline,
+    e.g. a serving side's budget) has passed, when the rest of the frame does not move within
+    a grace sized to it (:func:`grace_s`); and for a frame with neither a token deadline nor
+    ``give_up_at``, when it is not done within ``stall_s``. So a frame still moving at its
+    request's deadline is finished and the link lives, while a peer that trickles holds a
+    worker no longer than the deadline plus that grace. Past ``give_up_at`` real bytes keep
+    moving (never zeros a receiver would take as data): only the token pads or diverts.
     """
 
-    __slots__ = ("released", "stall_s", "token")
+    __slots__ = ("give_up_at", "released", "stall_s", "token")
 
-    def __init__(self, token: CancelToken, stall_s: float) -> None:
+    def __init__(
+        self, token: CancelToken, stall_s: float, give_up_at: float | None = None
+    ) -> None:
         self.token = token
         self.stall_s = stall_s
+        self.give_up_at = give_up_at
         self.released = threading.Event()
 
 
@@ -337,8 +342,16 @@ def _zeros() -> memoryview:
     return memoryview(bytes(_SCRATCH))
 
 
-#: once a frame's token has tripped, the rest of it (padding or scratch) must move within this
+#: once a frame's token has tripped or its request's deadline passed, the rest of it must
+#: move within at least this, and more for a large rest (:data:`GRACE_RATE`)
 TRIPPED_GRACE_S = 1.0
+#: the slowest rate (bytes/s) the rest of such a frame is allowed: 32 MiB get 4 s
+GRACE_RATE = 8 << 20
+
+
+def grace_s(left: int, stall_s: float) -> float:
+    """How long the rest of a tripped frame, ``left`` bytes, may take."""
+    return min(stall_s, max(TRIPPED_GRACE_S, left / GRACE_RATE))
 
 
 def _token_deadline(token: CancelToken) -> float | None:
@@ -352,21 +365,33 @@ def _token_deadline(token: CancelToken) -> float | None:
     return found
 
 
+def _left(bufs: list[memoryview], idx: int) -> int:
+    return sum(b.nbytes for b in bufs[idx:])
+
+
 class _FrameClock:
     """When a worker gives up on one frame (see :class:`Fence`)."""
 
-    __slots__ = ("fence", "hard_at", "moved_at", "what")
+    __slots__ = ("fence", "hard_at", "late_at", "moved_at", "what")
 
     def __init__(self, fence: Fence, what: str) -> None:
         self.fence = fence
         self.what = what
         self.moved_at = time.monotonic()
-        no_deadline = _token_deadline(fence.token) is None
-        self.hard_at = self.moved_at + fence.stall_s if no_deadline else None
+        self.late_at = fence.give_up_at
+        unbounded = self.late_at is None and _token_deadline(fence.token) is None
+        self.hard_at = self.moved_at + fence.stall_s if unbounded else None
 
-    def tripped(self) -> None:
-        at = time.monotonic() + min(self.fence.stall_s, TRIPPED_GRACE_S)
+    def tripped(self, left: int) -> None:
+        """The token tripped (or the request is late) with ``left`` bytes of the frame to go."""
+        at = time.monotonic() + grace_s(left, self.fence.stall_s)
         self.hard_at = at if self.hard_at is None else min(self.hard_at, at)
+
+    def late(self, bufs: list[memoryview], idx: int) -> None:
+        """Start the grace once the request's own deadline (``give_up_at``) has passed."""
+        if self.late_at is not None and time.monotonic() >= self.late_at:
+            self.late_at = None
+            self.tripped(_left(bufs, idx))
 
     def check(self, moved: int) -> None:
         """After each syscall (``moved`` bytes; 0 when it would block).
@@ -526,7 +551,8 @@ def send_views(
                 bufs = bufs[:keep] + _scratch_like(bufs, keep, _zeros())
                 padded = True
                 fence.released.set()
-                clock.tripped()
+                clock.tripped(_left(bufs, idx))
+            clock.late(bufs, idx)
             try:
                 n = sock.sendmsg(_batch(bufs, idx))
             except (BlockingIOError, InterruptedError):
@@ -566,7 +592,8 @@ def recv_views(
                 bufs = bufs[:idx] + _scratch_like(bufs, idx, scratch)
                 diverted = True
                 fence.released.set()
-                clock.tripped()
+                clock.tripped(_left(bufs, idx))
+            clock.late(bufs, idx)
             try:
                 n = sock.recvmsg_into(_batch(bufs, idx), 0, socket.MSG_WAITALL)[0]
             except (BlockingIOError, InterruptedError):

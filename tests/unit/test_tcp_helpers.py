@@ -196,3 +196,44 @@ def test_without_a_deadline_a_frame_must_be_done_within_the_stall() -> None:
     took, error = _trickle_into(np.zeros(1 << 20, np.uint8), fence)
     assert isinstance(error, TimeoutError), "a trickling peer held the worker"
     assert took < 0.5 + 1.0, took
+
+
+def test_past_its_deadline_a_send_keeps_sending_real_bytes_then_gives_up() -> None:
+    # give_up_at (a serving side's budget) bounds a frame to a slow reader, but never pads it
+    # with zeros the reader would take as data: what the reader gets is the real payload.
+    a, b = pair()
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    payload = np.full(16 << 20, 0x5A, np.uint8)
+    got = bytearray()
+    stop = threading.Event()
+
+    def slow_reader() -> None:
+        while not stop.is_set():
+            try:
+                chunk = b.recv(4096)
+            except (BlockingIOError, OSError):
+                continue
+            if not chunk:
+                return
+            got.extend(chunk)
+            time.sleep(0.02)
+
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    fence = Fence(CancelToken(), 30, give_up_at=time.monotonic() + 0.3)
+    t0 = time.monotonic()
+    try:
+        send_views(a, b"", [memoryview(payload)], fence)
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("a slow reader held the send past its deadline and grace")
+    finally:
+        took = time.monotonic() - t0
+        stop.set()
+        a.close()
+        reader.join()
+        b.close()
+    assert took < 0.3 + 4 + 1.0, took  # the grace of a 16 MiB rest: 2 s at GRACE_RATE
+    assert got and set(got) == {0x5A}, "zeros went out past the deadline"
