@@ -386,18 +386,6 @@ def test_mismatched_block_size_refused(pair: Pair, ref: EngineProc) -> None:
     assert free == pair.prefill_free
 
 
-def test_prefill_killed_before_decode(pair: Pair, ref: EngineProc) -> None:
-    """Last test of each mode: it kills the prefill engine."""
-    prompt = tokens(130, 900)
-    pre = pair.prefill.run([prefill_req("k", prompt)])["k"]["params"]
-    pair.prefill.kill()
-    expect_recomputed(pair, ref, "k", prompt, pre)
-    # the decode engine still serves, and computes locally with the prefill gone
-    want = reference(ref, {"k2": tokens(60, 901)})["k2"]
-    assert pair.decode.run([{"id": "k2", "tokens": tokens(60, 901)}])["k2"]["tokens"] == want
-    assert pair.decode.call("free_blocks") == pair.decode_free
-
-
 def test_stats_through_vllm_api() -> None:
     """What vLLM's stat logger does with the worker's stats (build, aggregate, reduce)."""
     from llmdd_async.vllm import LlmddConnector
@@ -494,3 +482,15 @@ def test_logs_routed_to_vllm(pair: Pair) -> None:
         setup = engine.call("log_setup")
         assert "ToVllmHandler" in setup["handlers"]
         assert setup["level"] == logging.INFO
+
+
+def test_prefill_killed_before_decode(pair: Pair, ref: EngineProc) -> None:
+    """Last test of each mode: it kills the prefill engine."""
+    prompt = tokens(130, 900)
+    pre = pair.prefill.run([prefill_req("k", prompt)])["k"]["params"]
+    pair.prefill.kill()
+    expect_recomputed(pair, ref, "k", prompt, pre)
+    # the decode engine still serves, and computes locally with the prefill gone
+    want = reference(ref, {"k2": tokens(60, 901)})["k2"]
+    assert pair.decode.run([{"id": "k2", "tokens": tokens(60, 901)}])["k2"]["tokens"] == want
+    assert pair.decode.call("free_blocks") == pair.decode_free
