@@ -450,9 +450,7 @@ async def test_a_cable_cut_mid_pull_fails_it_within_its_deadline(
                     assert code in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), code
                 await anyio.sleep(0.5)
         print(f"{transport}: a pull succeeds {anyio.current_time() - healed:.2f} s after healing")
-        want = [
-            hashlib.sha256(expected_tensor(32, t, big).tobytes()).hexdigest() for t in range(2)
-        ]
+        want = [hashlib.sha256(expected_tensor(32, t, big).tobytes()).hexdigest() for t in range(2)]
         assert await d.request("digest", cache_id=dst) == want
 
 
