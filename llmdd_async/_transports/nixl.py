@@ -481,15 +481,25 @@ class NixlEndpoint(TransportEndpoint):
         Raises:
             OSError: NIXL refused the metadata.
         """
-        if not self._peer_refs.get(name):
-            pending = self._removing.pop(name, None)
-            if pending is not None:
-                await anyio.to_thread.run_sync(pending.join)
         if acquire:
-            # The reference is taken before the load, not after it: an old link that gives
-            # back its own reference meanwhile must not drop the agent this load brings back
-            # (it would be the last one otherwise, and remove what we just added).
+            # The reference is taken before anything is awaited: an old link that gives back
+            # its own reference meanwhile must not drop the agent this load brings back (it
+            # would be the last one otherwise, and remove what we just added). From here no
+            # new drop of the agent can start until this reference is given back.
             self._peer_refs[name] = self._peer_refs.get(name, 0) + 1
+        pending = self._removing.get(name)
+        if pending is not None:
+            # A drop that started before this load: every load waits for it, not only the
+            # first (two links loading at once: the second must not add the agent while the
+            # drop still runs, which would then remove it under both).
+            try:
+                await anyio.to_thread.run_sync(pending.join)
+            except BaseException:
+                if acquire:
+                    self.forget_peer(name)
+                raise
+            if self._removing.get(name) is pending:
+                del self._removing[name]
         try:
             got = await anyio.to_thread.run_sync(self.agent.add_remote_agent, md)
         except BaseException as exc:

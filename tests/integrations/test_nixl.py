@@ -234,3 +234,60 @@ async def test_relinking_at_once_after_a_force_unlink_keeps_nixl_working() -> No
                 assert d.link_statistics(1).transport == "nixl"
             for t in range(2):
                 assert np.array_equal(dst.tensors[t], expected_tensor(3, t, tuple(shape)))
+
+
+class _SlowDropAgent:
+    """A stand-in for a NIXL agent that records which peers are loaded; dropping one takes a
+    while (UCX closing its endpoints), in the dropping thread."""
+
+    def __init__(self) -> None:
+        self.loaded: set[str] = set()
+        self.dropping: set[str] = set()
+        #: agents added while their drop still ran: lost once it ends, NIXL_ERR_NOT_FOUND
+        self.lost: list[str] = []
+
+    def add_remote_agent(self, md: bytes) -> bytes:
+        name = md.decode()
+        if name in self.dropping:
+            self.lost.append(name)
+        self.loaded.add(name)
+        return md
+
+    def remove_remote_agent(self, name: str) -> None:
+        import time
+
+        self.dropping.add(name)
+        time.sleep(0.2)
+        self.loaded.discard(name)
+        self.dropping.discard(name)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def check_xfer_state(self, handle: object) -> str:
+        return "DONE"
+
+
+async def test_two_links_loading_a_peer_while_its_drop_runs_keep_it_loaded() -> None:
+    """An old link gave back the last reference to a peer's agent (its drop now runs in a
+    thread) and two new links load the same peer at once: both must wait for the drop, so the
+    agent is loaded when they are done (before: only the first waited; the second added the
+    agent under the running drop, which then removed it: NIXL_ERR_NOT_FOUND ever after)."""
+    agent = _SlowDropAgent()
+    ep = nixl_mod.NixlEndpoint(None, agent, "self", None, None)  # type: ignore[arg-type]
+    try:
+        assert await ep.load_peer("peer", b"peer") == "peer"
+        ep.forget_peer("peer")  # the old link closes: the drop starts
+        async with anyio.create_task_group() as tg:
+            for _ in range(2):
+                tg.start_soon(ep.load_peer, "peer", b"peer")
+        await anyio.to_thread.run_sync(lambda: [t.join() for t in list(ep._removing.values())])
+        assert agent.lost == [], "a link added the agent while its drop ran"
+        assert agent.loaded == {"peer"}
+        ep.forget_peer("peer")
+        assert agent.loaded == {"peer"}, "one of two references given back: still loaded"
+        ep.forget_peer("peer")
+        await anyio.to_thread.run_sync(lambda: [t.join() for t in list(ep._removing.values())])
+        assert agent.loaded == set()
+    finally:
+        ep.poller.close()
