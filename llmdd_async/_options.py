@@ -85,6 +85,7 @@ OWN_OPTIONS = frozenset(
         "llm.LinkThreads",
         "llm.ServeTimeout",
         "llm.MetaBudget",
+        "llm.LinkHeartbeat",
     }
 )
 KNOWN_OPTIONS = UPSTREAM_OPTIONS | OWN_OPTIONS
@@ -113,6 +114,9 @@ class LinkLimits:
     serve_timeout_s: float = 0.0
     #: bytes of partial frames buffered across all links at once, 0 = 4 x ``meta_bytes``
     meta_budget: int = 0
+    #: seconds after which a link whose peer's host acknowledges nothing is broken (TCP
+    #: keepalive probes an idle link; TCP_USER_TIMEOUT bounds unacknowledged data)
+    heartbeat_s: float = 10.0
 
     @property
     def meta_budget_bytes(self) -> int:
@@ -126,7 +130,10 @@ _LIMIT_KEYS = {
     "llm.LinkThreads": ("threads", 1, 256),
     "llm.ServeTimeout": ("serve_timeout_s", 1, 1 << 31),
     "llm.MetaBudget": ("meta_budget", 1 << 16, 1 << 42),
+    "llm.LinkHeartbeat": ("heartbeat_s", 2000, 3_600_000),
 }
+#: limits given in milliseconds, kept in seconds
+_MS_LIMITS = frozenset({"serve_timeout_s", "heartbeat_s"})
 
 
 def parse_limits(opts: Mapping[str, str]) -> LinkLimits:
@@ -139,7 +146,7 @@ def parse_limits(opts: Mapping[str, str]) -> LinkLimits:
         raise_if_false(
             raw.isdigit() and lo <= int(raw) <= hi, f"{key} must be an int in [{lo}, {hi}]"
         )
-        values[field] = int(raw) / 1000 if field == "serve_timeout_s" else int(raw)
+        values[field] = int(raw) / 1000 if field in _MS_LIMITS else int(raw)
     limits = LinkLimits(**values)
     raise_if_false(limits.queued >= limits.serving, "llm.LinkQueue must be >= llm.LinkServing")
     raise_if_false(

@@ -324,7 +324,7 @@ class LinkManager:
         auth: LinkAuth | None,
         outbound: bool,
     ) -> Link:
-        configure_socket(sock)
+        configure_socket(sock, self.engine.options.limits.heartbeat_s)
         decoder.set_max_meta(self.engine.options.limits.meta_bytes)
         decoder.set_budget(self.meta_budget)
         link = Link(

@@ -58,11 +58,27 @@ _SCRATCH = 4 << 20
 _FEW = 16
 
 
-def configure_socket(sock: socket.socket) -> None:
-    """Blocking mode with short kernel timeouts, no Nagle delay, keepalive on."""
+def configure_socket(sock: socket.socket, heartbeat_s: float = 10.0) -> None:
+    """Blocking mode with short kernel timeouts, no Nagle delay, and a heartbeat: the kernel
+    breaks the connection (the reader then sees ``ETIMEDOUT``) once the peer's host has
+    acknowledged nothing for about ``heartbeat_s`` (a partition, a host gone without FIN or
+    RST): keepalive probes from half of it on an idle link, ``TCP_USER_TIMEOUT`` for data
+    (probes included) that waits for acknowledgement."""
     sock.setblocking(True)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    whole = max(2, int(heartbeat_s))
+    idle = max(1, whole // 2)
+    interval = max(1, whole // 10)
+    for name, value in (
+        ("TCP_KEEPIDLE", idle),
+        ("TCP_KEEPINTVL", interval),
+        ("TCP_KEEPCNT", max(1, (whole - idle) // interval)),
+        ("TCP_USER_TIMEOUT", int(heartbeat_s * 1000)),
+    ):
+        opt = getattr(socket, name, None)
+        if opt is not None:  # Linux has all four; elsewhere the kernel's defaults stay
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
     tv = np.array([0, int(_SLICE_S * 1e6)], dtype=np.int64).tobytes()  # struct timeval
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)

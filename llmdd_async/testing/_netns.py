@@ -52,6 +52,9 @@ __all__ = ["NetnsBed", "NetnsHost", "netns_unavailable"]
 IP = shutil.which("ip") or "/usr/sbin/ip"
 TC = shutil.which("tc") or "/usr/sbin/tc"
 ENV = shutil.which("env") or "/usr/bin/env"
+NFT = shutil.which("nft") or "/usr/sbin/nft"
+#: the nftables table a host's packet drops live in (in that host's namespace only)
+_FAULT_TABLE = "llmdd_fault"
 
 #: the hosts' subnet (RFC 1918); host ``i`` is ``.i + 1``, inside the bed's namespaces only
 SUBNET = "10.213.0"
@@ -239,6 +242,28 @@ class NetnsHost:
             IP, "-n", self.bed.bridge_netns, "link", "set", self.port, "up" if plugged else "down"
         )
 
+    async def set_partition(self, inbound: bool, outbound: bool = False) -> None:
+        """Silently drop what reaches this host (``inbound``) and what it sends (``outbound``)
+        on its interface, with nftables in its namespace: both, a partition; one, a one-way
+        partition. Links stay up as far as either side can tell: no FIN, no RST, no carrier
+        change. ``set_partition(False)`` heals it.
+
+        Raises:
+            RuntimeError: ``nft`` failed (see :func:`netns_unavailable` with ``drop=True``).
+        """
+        await self.run(NFT, "delete", "table", "inet", _FAULT_TABLE, check=False)
+        if not (inbound or outbound):
+            return
+        await self.run(NFT, "add", "table", "inet", _FAULT_TABLE)
+        for hook, wanted, match in (("input", inbound, "iifname"), ("output", outbound, "oifname")):
+            if not wanted:
+                continue
+            spec = f"{{ type filter hook {hook} priority 0; policy accept; }}"
+            await self.run(NFT, "add", "chain", "inet", _FAULT_TABLE, hook, spec)
+            await self.run(
+                NFT, "add", "rule", "inet", _FAULT_TABLE, hook, match, self.device, "drop"
+            )
+
     async def set_rate(self, rate: str | None) -> None:
         """Shape this host's link to ``rate`` (a ``tc`` rate: ``1gbit``, ``100mbit``) in both
         directions, or with None stop shaping it.
@@ -380,10 +405,11 @@ def _probe(argv: Sequence[str]) -> str | None:
 
 
 @functools.cache
-def netns_unavailable(rate: bool = False) -> str | None:
+def netns_unavailable(rate: bool = False, drop: bool = False) -> str | None:
     """Why a :class:`NetnsBed` cannot run here (not Linux, not root, no ``ip``, or making a
-    namespace, a bridge or a veth failed; with ``rate``, also shaping with ``tc ... tbf``),
-    or None when it can. Tries once per process (a namespace made and deleted again).
+    namespace, a bridge or a veth failed; with ``rate``, also shaping with ``tc ... tbf``;
+    with ``drop``, also dropping packets with ``nft``, :meth:`NetnsHost.set_partition`), or
+    None when it can. Tries once per process (a namespace made and deleted again).
 
     Raises nothing: every failure is the reason returned.
     """
@@ -394,6 +420,8 @@ def netns_unavailable(rate: bool = False) -> str | None:
     for tool in (IP, TC) if rate else (IP,):
         if not os.access(tool, os.X_OK):
             return f"{tool} not found (iproute2)"
+    if drop and not os.access(NFT, os.X_OK):
+        return f"{NFT} not found (Debian: apt-get install nftables)"
     name = f"llmdd-{os.getpid()}-probe"
     why = _probe([IP, "netns", "add", name])
     if why is not None:
@@ -405,6 +433,8 @@ def netns_unavailable(rate: bool = False) -> str | None:
         ]
         if rate:
             steps.append([TC, "-n", name, "qdisc", "add", "dev", "v0", *_tbf("1gbit")])
+        if drop:
+            steps.append([IP, "netns", "exec", name, NFT, "add", "table", "inet", _FAULT_TABLE])
         for step in steps:
             why = _probe(step)
             if why is not None:

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from helpers import expected_tensor
 import llmdd_async as dd
 from llmdd_async.testing import (
     NetnsBed,
+    NetnsHost,
     PeerProcess,
     encode_key,
     netns_unavailable,
@@ -35,6 +37,7 @@ from llmdd_async.testing import (
 
 WHY = netns_unavailable()
 WHY_RATE = netns_unavailable(rate=True)
+WHY_DROP = netns_unavailable(drop=True)
 CI = os.environ.get("CI") == "true"
 
 pytestmark = [
@@ -43,6 +46,9 @@ pytestmark = [
 ]
 needs_rate = pytest.mark.skipif(
     WHY_RATE is not None and not CI, reason=f"no rate shaping: {WHY_RATE}"
+)
+needs_drop = pytest.mark.skipif(
+    WHY_DROP is not None and not CI, reason=f"no packet drops: {WHY_DROP}"
 )
 
 S = dd.LLMStatusCode
@@ -377,15 +383,36 @@ CUT_SLACK_S = 2.0  # past the deadline: the task's own scope ends it
 NIXL_FENCE_S = 10.0
 
 
+async def _fault(host: NetnsHost, fault: str, on: bool) -> None:
+    """Start (``on``) or heal one fault of ``host``'s link: ``cable`` pulled (carrier lost
+    too), ``partition`` (nftables drops everything both ways), ``one-way`` (only what the
+    host sends is dropped: its peers' requests arrive, its replies never do)."""
+    if fault == "cable":
+        await host.set_cable(not on)
+    else:
+        await host.set_partition(inbound=on and fault == "partition", outbound=on)
+
+
 @needs_rate
 @pytest.mark.usefixtures("shaping")
-@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+@pytest.mark.parametrize(
+    ("transport", "fault"),
+    [
+        *[("tcp", fault) for fault in ("cable", "partition", "one-way")],
+        ("nixl", "cable"),
+        # As the cable over NIXL (its fence waits out the stall): 20 s each, so on request.
+        *[pytest.param("nixl", f, marks=pytest.mark.slow) for f in ("partition", "one-way")],
+    ],
+)
 async def test_a_cable_cut_mid_pull_fails_it_within_its_deadline(
-    child_loop: str, transport: str
+    child_loop: str, transport: str, fault: str
 ) -> None:
     """The prompt's cable is pulled 0.3 s into a 16 MiB pull on a 100 Mbit/s link (no FIN,
-    no RST: a partition): the pull fails within its deadline plus a stated slack and writes
-    nothing after; with the cable back, a new link carries a byte-exact pull."""
+    no RST: a partition), or its packets are dropped both ways or only those it sends: the
+    pull fails within its deadline plus a stated slack and writes nothing after; healed, a
+    new link carries a byte-exact pull."""
+    if fault != "cable" and WHY_DROP is not None:
+        pytest.fail(f"CI=true, but packets cannot be dropped here: {WHY_DROP}")
     deadline_ms = 1500
     big = (64, 128 << 10)  # 8 MiB a tensor, one layer of K and V: about 1.3 s at 100 Mbit/s
     opts = {
@@ -414,10 +441,10 @@ async def test_a_cable_cut_mid_pull_fails_it_within_its_deadline(
         async with anyio.create_task_group() as tg:
             tg.start_soon(pull)
             await anyio.sleep(0.3)
-            await a.set_cable(False)
+            await _fault(a, fault, True)
             cut = anyio.current_time()
         took = ended[0] - cut
-        print(f"{transport}: time to fail after the cut {took:.2f} s (deadline {deadline_ms} ms)")
+        print(f"{transport} {fault}: time to fail {took:.2f} s (deadline {deadline_ms} ms)")
         assert codes[0] in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), codes
         bound = deadline_ms / 1000 + CUT_SLACK_S + (NIXL_FENCE_S if transport == "nixl" else 0)
         assert took < bound, f"{took:.2f} s"
@@ -427,12 +454,12 @@ async def test_a_cable_cut_mid_pull_fails_it_within_its_deadline(
         # may change (UCX keeps its connection: FenceLost, docs/how-to/nixl.md), measured.
         await d.request("fill", cache_id=dst, seed=33)
         after = await d.request("digest", cache_id=dst)
-        await a.set_cable(True)
+        await _fault(a, fault, False)
         await a.set_rate(None)
         healed = anyio.current_time()
         await anyio.sleep(2)  # TCP's next retransmission of what the cut held back
         landed = await d.request("digest", cache_id=dst) != after
-        print(f"{transport}: bytes landed after the failure: {landed}")
+        print(f"{transport} {fault}: bytes landed after the failure: {landed}")
         assert not landed or transport == "nixl", "bytes landed after the failure"
 
         # Over NIXL the first pulls after the partition heals may still fail (LLM_TIMEOUT or
@@ -449,9 +476,55 @@ async def test_a_cable_cut_mid_pull_fails_it_within_its_deadline(
                     assert transport == "nixl", code
                     assert code in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), code
                 await anyio.sleep(0.5)
-        print(f"{transport}: a pull succeeds {anyio.current_time() - healed:.2f} s after healing")
+        print(f"{transport} {fault}: a pull succeeds {anyio.current_time() - healed:.2f} s after")
         want = [hashlib.sha256(expected_tensor(32, t, big).tobytes()).hexdigest() for t in range(2)]
         assert await d.request("digest", cache_id=dst) == want
+
+
+#: how much later than ``llm.LinkHeartbeat`` an idle link's partition may be noticed: the
+#: kernel's next keepalive probe after the heartbeat ran out, and the reader waking up
+HEARTBEAT_SLACK_S = 2.5
+
+
+@needs_drop
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+async def test_a_partition_of_an_idle_link_is_noticed_within_the_heartbeat(
+    child_loop: str, transport: str
+) -> None:
+    """Both sides of an idle link find it broken within ``llm.LinkHeartbeat`` (plus a stated
+    slack) once the prompt's packets are dropped both ways (no FIN, no RST: a half-open link
+    that would otherwise look alive for hours); healed, a new link carries a pull."""
+    if WHY_DROP is not None:
+        pytest.fail(f"CI=true, but packets cannot be dropped here: {WHY_DROP}")
+    heartbeat_ms = 3000
+    opts = {"llm.Transport": transport, "llm.LinkHeartbeat": str(heartbeat_ms)}
+    async with _hosts(child_loop, opts, ucx=transport == "nixl") as (bed, p, d):
+        a = bed.hosts[0]
+        await source(p, seed=27)
+        dst = await target(d)
+        assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+        pull = ("pull_blocks", blocks_key(PROMPT), {"cache": dst}, BLOCKS, BLOCKS)
+        assert await d.call(*pull) == S.LLM_SUCCESS
+        await a.set_partition(inbound=True, outbound=True)
+        cut = anyio.current_time()
+        bound = heartbeat_ms / 1000 + HEARTBEAT_SLACK_S
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(d.request, "wait_link_down", cluster_id=PROMPT, timeout_s=bound))
+            tg.start_soon(partial(p.request, "wait_link_down", cluster_id=DECODER, timeout_s=bound))
+        took = anyio.current_time() - cut
+        print(f"{transport}: both sides noticed the partition after {took:.2f} s")
+        assert took < bound
+        await a.set_partition(inbound=False)
+        with anyio.fail_after(30):
+            while True:
+                await d.request("unlink", cluster_id=PROMPT)
+                if await link(d, p, PROMPT) == S.LLM_SUCCESS:
+                    code = await d.call(*pull)
+                    if code == S.LLM_SUCCESS:
+                        break
+                    assert transport == "nixl", code  # UCX may still settle (see above)
+                await anyio.sleep(0.5)
+        assert await d.request("digest", cache_id=dst) == digests(27)
 
 
 # ------------------------------------------------------------------ shaped links (slow)

@@ -244,6 +244,8 @@ def test_link_limits_are_validated() -> None:
         ("llm.LinkQueue", "-1"),
         ("llm.LinkThreads", "many"),
         ("llm.ServeTimeout", "0"),
+        ("llm.LinkHeartbeat", "1999"),  # under 2 s: a busy peer's host would look dead
+        ("llm.LinkHeartbeat", "10s"),
     ):
         with pytest.raises(dd.LLMException) as err:
             parse_options({**base, key: bad})
@@ -252,6 +254,8 @@ def test_link_limits_are_validated() -> None:
         parse_options({**base, "llm.LinkServing": "4", "llm.LinkQueue": "2"})
     limits = parse_options({**base, "llm.LinkQueue": "2", "llm.LinkServing": "1"}).limits
     assert (limits.queued, limits.serving, limits.threads) == (2, 1, 8)
+    assert limits.heartbeat_s == 10.0
+    assert parse_options({**base, "llm.LinkHeartbeat": "4000"}).limits.heartbeat_s == 4.0
 
 
 # ---------------------------------------------------------------------------- 3. queue cap

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import socket
 import threading
@@ -60,6 +61,21 @@ def pair() -> tuple[socket.socket, socket.socket]:
     configure_socket(a)
     configure_socket(b)
     return a, b
+
+
+def test_the_heartbeat_sets_keepalive_and_the_user_timeout() -> None:
+    """``llm.LinkHeartbeat`` of 4 s: probes of an idle link from 2 s, and the kernel breaks
+    the connection once nothing was acknowledged for 4 s (probes included)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        s = socket.create_connection(listener.getsockname())
+    with s:
+        configure_socket(s, 4.0)
+        opt = functools.partial(s.getsockopt, socket.IPPROTO_TCP)
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert opt(socket.TCP_KEEPIDLE) == 2
+        assert opt(socket.TCP_USER_TIMEOUT) == 4000
+        # the probes reach past the heartbeat, so the user timeout decides
+        assert opt(socket.TCP_KEEPIDLE) + opt(socket.TCP_KEEPINTVL) * opt(socket.TCP_KEEPCNT) >= 4
 
 
 def test_send_views_pads_with_zeros_after_a_cancel_but_keeps_the_header() -> None:

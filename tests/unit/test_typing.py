@@ -52,7 +52,15 @@ def _pyright(
     }
     (tmp / "pyrightconfig.json").write_text(json.dumps(config))
     return subprocess.run(
-        [exe, "-p", str(tmp / "pyrightconfig.json"), *map(str, files)],
+        # this interpreter's packages, also when its venv is not activated
+        [
+            exe,
+            "-p",
+            str(tmp / "pyrightconfig.json"),
+            "--pythonpath",
+            sys.executable,
+            *map(str, files),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
