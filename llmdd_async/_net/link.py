@@ -758,7 +758,7 @@ class Link:
             # Every byte landed where it belongs (a cancel diverts the rest to scratch, and
             # those bytes nobody accepts): check them before anyone may use them.
             await self._verify_payload(req, msg, pmac, tag)
-        if req is not None and stream is not None and not token.cancelled:
+        if req is not None and stream is not None and stream.staged and not token.cancelled:
             # Staged (device) streams scatter now; that worker is fenced like the receive.
             fence = Fence(token, stall_s)
             req.fence = fence

@@ -87,6 +87,12 @@ def configure_socket(sock: socket.socket, heartbeat_s: float = 10.0) -> None:
 class StreamPlan:
     """One side of a plan as an ordered byte stream: stream offsets -> local memory ranges."""
 
+    @property
+    def staged(self) -> bool:
+        """Received bytes still have to be moved (a subclass's :meth:`commit` does work):
+        the link then fences that work like the receive."""
+        return type(self).commit is not StreamPlan.commit
+
     def __init__(self, addrs: np.ndarray, nbytes: np.ndarray) -> None:
         if len(nbytes) <= _FEW:
             self._init_few(np.asarray(addrs).tolist(), np.asarray(nbytes).tolist())

@@ -57,6 +57,10 @@ _TRANSPORTS = ("tcp", "same-host", "nixl", *peers.ENGINES)
 #: UCX transports that move bytes between processes of one host through memory (not a socket)
 _UCX_MEMORY_TLS = {"all", "cma", "shm", "sm", "posix", "sysv", "xpmem", "knem"}
 _OPS = ("pull", "push")
+#: ``remote-accessible``: llm.EnableRemoteCacheAccessible=1 (one-sided pulls by cache id where
+#: the transport allows); ``default``: request/response for every transfer, as most upstream
+#: samples run
+_MODES = ("remote-accessible", "default")
 
 
 def _ints(text: str) -> list[int]:
@@ -103,6 +107,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--loops", type=_choices(*_LOOPS), default=["asyncio", "uvloop"], help="event loops"
     )
     p.add_argument(
+        "--modes",
+        type=_choices(*_MODES),
+        default=["remote-accessible"],
+        help="llm.EnableRemoteCacheAccessible=1 (remote-accessible) or not (default)",
+    )
+    p.add_argument(
         "--requests", type=_ints, default=[200], help="requests per measurement (first value)"
     )
     p.add_argument(
@@ -115,11 +125,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 async def _measure(
-    transport: str, loop: str, args: argparse.Namespace, progress: Any
+    transport: str, loop: str, mode: str, args: argparse.Namespace, progress: Any
 ) -> list[dict[str, Any]]:
     opts = {
         "llm.EnableCacheManager": "1",
-        "llm.EnableRemoteCacheAccessible": "1",
+        "llm.EnableRemoteCacheAccessible": "1" if mode == "remote-accessible" else "0",
         "llm.Transport": transport,
         "llm.SyncKvCacheWaitTime": "60000",
     }
@@ -163,9 +173,13 @@ async def _measure(
                     for per in args.blocks:
                         for conc in args.concurrency:
                             rows.append(
-                                await _point(cm, cache, op, per, conc, nreq, nblocks, block, rng)
+                                await _point(
+                                    cm, cache, peer, op, per, conc, nreq, nblocks, block, rng
+                                )
                             )
-                            rows[-1].update(transport=transport, loop=loop, block_kib=kib)
+                            rows[-1].update(
+                                transport=transport, loop=loop, mode=mode, block_kib=kib
+                            )
                             progress()
     return rows
 
@@ -173,6 +187,7 @@ async def _measure(
 async def _point(
     cm: Any,
     cache: Any,
+    peer: PeerProcess,
     op: str,
     per: int,
     conc: int,
@@ -199,15 +214,23 @@ async def _point(
         await one(slot)
     lat.clear()
     waves = max(1, nreq // conc)
+    peer_cpu = await peer.request("cpu_seconds")
+    cpu = time.process_time()
     t0 = time.perf_counter()
     for _ in range(waves):
         async with anyio.create_task_group() as tg:
             for slot in range(conc):
                 tg.start_soon(one, slot)
     elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - cpu
+    peer_cpu = await peer.request("cpu_seconds") - peer_cpu
     lat.sort()
     n = len(lat)
     return {
+        # what one request costs each process in CPU time (every thread; the peer's includes
+        # answering the two cpu_seconds requests, a few tens of microseconds in all)
+        "cpu_us": cpu / n * 1e6,
+        "peer_cpu_us": peer_cpu / n * 1e6,
         "op": op,
         "blocks": per,
         "concurrency": conc,
@@ -263,6 +286,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
             "python": platform.python_version(),
         },
         "loops": list(args.loops),
+        "modes": list(args.modes),
         "transports": list(args.transports),
         "engines": peers.versions([t for t in args.transports if t in ("nixl", *peers.ENGINES)]),
         "ucx": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
@@ -293,18 +317,26 @@ def run(args: argparse.Namespace) -> int:
             print(f"llmdd-async bench: {p}", file=sys.stderr)
         return 2
     table: TextIO = sys.stderr if args.json == "-" else sys.stdout
-    combos = [(t, "-" if t in peers.ENGINES else lp) for t in args.transports for lp in args.loops]
+    combos = [
+        (t, "-", "-") if t in peers.ENGINES else (t, lp, m)
+        for t in args.transports
+        for lp in args.loops
+        for m in args.modes
+    ]
     combos = list(dict.fromkeys(combos))  # a peer engine runs once, whatever the loops
     points = len(args.block_kib) * len(args.ops) * len(args.blocks) * len(args.concurrency)
     progress = _Progress(len(combos) * points, sys.stderr)
     rows: list[dict[str, Any]] = []
-    for transport, loop in combos:
+    for transport, loop, mode in combos:
         if transport in peers.ENGINES:
-            rows += peers.run_worker(_peer_spec(transport, args))
+            peer_rows = peers.run_worker(_peer_spec(transport, args))
+            for r in peer_rows:  # one process, its own API: no mode, CPU not measured
+                r.update(mode="-", cpu_us=None, peer_cpu_us=None)
+            rows += peer_rows
             for _ in range(points):
                 progress.step()
         else:
-            rows += run_on_loop(loop, _measure, transport, loop, args, progress.step)
+            rows += run_on_loop(loop, _measure, transport, loop, mode, args, progress.step)
     progress.close()
     limits = _limits(args, rows)
     for r in rows:
@@ -317,8 +349,9 @@ def run(args: argparse.Namespace) -> int:
         r["floor_p50_us"] = floor
         r["latency_ratio"] = r["p50_us"] / floor if floor else None
         r["bandwidth_ratio"] = None if latency_bound else r["gb_per_s"] / lim
-    cols = ["loop", "transport", "op", "block_kib", "blocks", "concurrency", "limit"]
+    cols = ["loop", "transport", "mode", "op", "block_kib", "blocks", "concurrency", "limit"]
     cols += ["p50_us", "p99_us", "req_per_s", "gb_per_s", "latency_ratio", "bandwidth_ratio"]
+    cols += ["cpu_us", "peer_cpu_us"]
     print("  ".join(f"{c:>15}" for c in cols), file=table)
     for r in rows:
         print("  ".join(_cell(r[c]) for c in cols), file=table)
@@ -326,7 +359,8 @@ def run(args: argparse.Namespace) -> int:
         "latency_ratio: p50 over a raw request/response of the same size (one in flight); "
         "bandwidth_ratio: GB/s over the row's limit: memcpy (same-host; NIXL with a UCX "
         "shared-memory transport such as cma) or raw_socket (tcp, mooncake-raw; NIXL with "
-        "UCX_TLS=tcp)",
+        "UCX_TLS=tcp); cpu_us / peer_cpu_us: CPU time per request of this process and of "
+        "the peer's",
         file=table,
     )
     result = {"meta": _meta(args), "limits": limits, "rows": rows}

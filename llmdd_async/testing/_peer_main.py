@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import time
 from typing import Any
 
 import anyio
@@ -99,6 +100,11 @@ class Peer(CommandServer):
 
     async def addrs(self, cache_id: int) -> list[int]:
         return self.caches[cache_id].tensor_addrs
+
+    async def cpu_seconds(self) -> float:
+        """This process's CPU time so far (user and system, every thread), for benchmarks
+        that report what a request costs both sides."""
+        return time.process_time()
 
     async def digest(self, cache_id: int) -> list[str]:
         return [hashlib.sha256(t.tobytes()).hexdigest() for t in self.caches[cache_id].tensors]

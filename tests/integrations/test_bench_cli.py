@@ -77,6 +77,9 @@ def test_the_smallest_sweep_writes_rows_with_their_limits(tmp_path: Path) -> Non
     for r in rows:
         assert r["requests"] >= 4 and r["req_per_s"] > 0 and r["p50_us"] <= r["p99_us"]
         assert r["limit_gb_per_s"] == result["limits"]["raw_socket_gbps"] > 0
+        assert r["mode"] == "remote-accessible"
+        # CPU per request of both processes: a request costs each side something
+        assert r["cpu_us"] > 0 and r["peer_cpu_us"] > 0
         if r["concurrency"] == 1:  # latency-bound: against the floor, not a bandwidth
             assert r["bandwidth_ratio"] is None
             size = str(r["blocks"] * r["block_kib"] * 1024)
@@ -90,6 +93,22 @@ def test_the_smallest_sweep_writes_rows_with_their_limits(tmp_path: Path) -> Non
     assert "req_per_s" in done.stdout
     assert "ETA" not in done.stderr  # no progress bar where stderr is no terminal
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # only what was asked
+
+
+def test_both_modes_run_in_one_sweep(tmp_path: Path) -> None:
+    """``--modes remote-accessible,default``: the same workload with and without
+    llm.EnableRemoteCacheAccessible, each row naming its mode."""
+    done = _bench(
+        "--block-kib", "16", "--blocks", "1", "--concurrency", "1", "--requests", "8",
+        "--ops", "pull", "--transports", "tcp", "--loops", "asyncio",
+        "--modes", "remote-accessible,default", "--json", "-", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert [r["mode"] for r in result["rows"]] == ["remote-accessible", "default"]
+    assert all(r["cpu_us"] > 0 and r["peer_cpu_us"] > 0 for r in result["rows"])
+    assert result["meta"]["modes"] == ["remote-accessible", "default"]
+    assert "peer_cpu_us" in done.stderr  # the table, on stderr with --json -
 
 
 def test_json_to_stdout_and_no_file_unless_asked(tmp_path: Path) -> None:
