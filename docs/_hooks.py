@@ -132,7 +132,8 @@ OPTION_DOCS: dict[str, tuple[str, str]] = {
         "ms, `2000`..`3600000`",
         "a link whose peer's host acknowledges nothing for this long (a partition, a host gone "
         "without closing) is broken (`LLM_LINK_FAILED`): TCP keepalive probes an idle link "
-        "from half of it, and data or probes unacknowledged for this long end it",
+        "from half of it, and data or probes unacknowledged for this long end it (a peer that "
+        "reads nothing for this long too: set below the default, it shortens that tolerance)",
     ),
     "llm.MetaBudget": (
         "bytes, >= `llm.LinkMaxMeta`",
@@ -171,7 +172,7 @@ def _option_defaults() -> dict[str, str]:
         "llm.LinkQueue": f"`{limits.queued}`",
         "llm.LinkThreads": f"`{limits.threads}`",
         "llm.ServeTimeout": "`llm.SyncKvCacheWaitTime` per layer of the request",
-        "llm.LinkHeartbeat": f"`{int(limits.heartbeat_s * 1000)}`",
+        "llm.LinkHeartbeat": "`llm.SyncKvCacheWaitTime`, at least `10000` (the stall timeout)",
         "llm.MetaBudget": f"4 x `llm.LinkMaxMeta` (`{limits.meta_budget_bytes}`)",
         "llm.MemoryUtilization": f"`{utilization}` (what `LLMConfig` emits)",
         "ge.flowGraphMemMaxSize": f"`{LEGACY_DEFAULT_KV_BYTES}` (lazily touched)",

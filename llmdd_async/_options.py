@@ -115,8 +115,9 @@ class LinkLimits:
     #: bytes of partial frames buffered across all links at once, 0 = 4 x ``meta_bytes``
     meta_budget: int = 0
     #: seconds after which a link whose peer's host acknowledges nothing is broken (TCP
-    #: keepalive probes an idle link; TCP_USER_TIMEOUT bounds unacknowledged data)
-    heartbeat_s: float = 10.0
+    #: keepalive probes an idle link; TCP_USER_TIMEOUT bounds unacknowledged data, a zero
+    #: window included), 0 = the stall timeout (what a peer may go without moving a byte)
+    heartbeat_s: float = 0.0
 
     @property
     def meta_budget_bytes(self) -> int:

@@ -324,7 +324,11 @@ class LinkManager:
         auth: LinkAuth | None,
         outbound: bool,
     ) -> Link:
-        configure_socket(sock, self.engine.options.limits.heartbeat_s)
+        # Unset, the heartbeat is the stall timeout: the kernel must not break a link (a
+        # receiver slow to read, TCP_USER_TIMEOUT on its zero window) that the link itself
+        # would still wait for.
+        limits = self.engine.options.limits
+        configure_socket(sock, limits.heartbeat_s or self.engine.stall_timeout_s)
         decoder.set_max_meta(self.engine.options.limits.meta_bytes)
         decoder.set_budget(self.meta_budget)
         link = Link(

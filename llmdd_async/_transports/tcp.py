@@ -13,6 +13,7 @@ lands, in the same thread, while the kernel already moves the next bytes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hmac
@@ -77,8 +78,10 @@ def configure_socket(sock: socket.socket, heartbeat_s: float = 10.0) -> None:
         ("TCP_USER_TIMEOUT", int(heartbeat_s * 1000)),
     ):
         opt = getattr(socket, name, None)
-        if opt is not None:  # Linux has all four; elsewhere the kernel's defaults stay
-            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+        # Linux has all four; elsewhere (or refused) the kernel's defaults stay.
+        if opt is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
     tv = np.array([0, int(_SLICE_S * 1e6)], dtype=np.int64).tobytes()  # struct timeval
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)

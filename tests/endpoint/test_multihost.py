@@ -412,7 +412,7 @@ async def test_a_cable_cut_mid_pull_fails_it_within_its_deadline(
     pull fails within its deadline plus a stated slack and writes nothing after; healed, a
     new link carries a byte-exact pull."""
     if fault != "cable" and WHY_DROP is not None:
-        pytest.fail(f"CI=true, but packets cannot be dropped here: {WHY_DROP}")
+        (pytest.fail if CI else pytest.skip)(f"packets cannot be dropped here: {WHY_DROP}")
     deadline_ms = 1500
     big = (64, 128 << 10)  # 8 MiB a tensor, one layer of K and V: about 1.3 s at 100 Mbit/s
     opts = {

@@ -33,6 +33,7 @@ from llmdd_async.testing import (
     cache_entry,
     has_link,
     link_of,
+    linked_pair,
     links_of,
     populated,
     wait_link_down,
@@ -254,8 +255,28 @@ def test_link_limits_are_validated() -> None:
         parse_options({**base, "llm.LinkServing": "4", "llm.LinkQueue": "2"})
     limits = parse_options({**base, "llm.LinkQueue": "2", "llm.LinkServing": "1"}).limits
     assert (limits.queued, limits.serving, limits.threads) == (2, 1, 8)
-    assert limits.heartbeat_s == 10.0
+    assert limits.heartbeat_s == 0.0  # unset: the stall timeout (tests/unit/test_tcp_helpers)
     assert parse_options({**base, "llm.LinkHeartbeat": "4000"}).limits.heartbeat_s == 4.0
+
+
+@pytest.mark.parametrize(
+    ("options", "want_ms"),
+    [
+        ({}, 10_000),  # the stall timeout: at least 10 s
+        ({"llm.SyncKvCacheWaitTime": "60000"}, 60_000),  # a slow receiver is still waited for
+        ({"llm.SyncKvCacheWaitTime": "60000", "llm.LinkHeartbeat": "4000"}, 4_000),
+    ],
+)
+async def test_the_kernel_heartbeat_of_a_link_is_the_stall_timeout_unless_set(
+    options: dict[str, str], want_ms: int
+) -> None:
+    """Unset, ``llm.LinkHeartbeat`` is the stall timeout: the kernel (TCP_USER_TIMEOUT, which
+    also ends a link whose peer leaves its window shut) must not break a link the library
+    would still wait for; set, each side's link sockets use it."""
+    async with linked_pair({**endpoint_options(), **options}) as (prompt, decoder):
+        for ep, peer in ((decoder, 1), (prompt, 2)):
+            sock = link_of(ep, peer)._link.sock
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == want_ms
 
 
 # ---------------------------------------------------------------------------- 3. queue cap
