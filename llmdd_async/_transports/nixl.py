@@ -92,6 +92,10 @@ async def start_endpoint(host: EndpointHost) -> NixlEndpoint:
     return await NixlEndpoint.start(host)
 
 
+#: how long a load of a peer's agent waits for a drop of the same agent still running
+DROP_WAIT_S = 30.0
+
+
 class NixlEndpoint(TransportEndpoint):
     """The NIXL agent of one endpoint and the caches registered with it."""
 
@@ -479,7 +483,8 @@ class NixlEndpoint(TransportEndpoint):
         reference, given back with :meth:`forget_peer`.
 
         Raises:
-            OSError: NIXL refused the metadata.
+            OSError: NIXL refused the metadata, or a drop of the same agent did not end
+                within :data:`DROP_WAIT_S`.
         """
         if acquire:
             # The reference is taken before anything is awaited: an old link that gives back
@@ -493,7 +498,15 @@ class NixlEndpoint(TransportEndpoint):
             # first (two links loading at once: the second must not add the agent while the
             # drop still runs, which would then remove it under both).
             try:
-                await anyio.to_thread.run_sync(pending.join)
+                # Polled, not joined in a thread: a disconnect UCX never finishes must fail
+                # this load (and its link), not hang it and a worker thread for ever.
+                with anyio.move_on_after(DROP_WAIT_S):
+                    while pending.is_alive():  # noqa: ASYNC110 (a thread, no event)
+                        await anyio.sleep(0.005)
+                if pending.is_alive():
+                    raise OSError(
+                        f"NIXL is still dropping the peer's agent {name!r} after {DROP_WAIT_S:g} s"
+                    )
             except BaseException:
                 if acquire:
                     self.forget_peer(name)

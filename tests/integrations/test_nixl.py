@@ -240,7 +240,8 @@ class _SlowDropAgent:
     """A stand-in for a NIXL agent that records which peers are loaded; dropping one takes a
     while (UCX closing its endpoints), in the dropping thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, drop_s: float = 0.2) -> None:
+        self.drop_s = drop_s
         self.loaded: set[str] = set()
         self.dropping: set[str] = set()
         #: agents added while their drop still ran: lost once it ends, NIXL_ERR_NOT_FOUND
@@ -257,7 +258,7 @@ class _SlowDropAgent:
         import time
 
         self.dropping.add(name)
-        time.sleep(0.2)
+        time.sleep(self.drop_s)
         self.loaded.discard(name)
         self.dropping.discard(name)
 
@@ -289,5 +290,30 @@ async def test_two_links_loading_a_peer_while_its_drop_runs_keep_it_loaded() -> 
         ep.forget_peer("peer")
         await anyio.to_thread.run_sync(lambda: [t.join() for t in list(ep._removing.values())])
         assert agent.loaded == set()
+    finally:
+        ep.poller.close()
+
+
+async def test_a_drop_that_does_not_end_fails_the_load_and_gives_its_reference_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A drop UCX does not finish (a disconnect hanging on a dead peer) fails a new load of
+    that agent with OSError after ``DROP_WAIT_S``, never hangs it; a load cancelled while it
+    waits gives its reference back too."""
+    monkeypatch.setattr(nixl_mod, "DROP_WAIT_S", 0.1)
+    agent = _SlowDropAgent(drop_s=0.8)
+    ep = nixl_mod.NixlEndpoint(None, agent, "self", None, None)  # type: ignore[arg-type]
+    try:
+        await ep.load_peer("peer", b"peer")
+        ep.forget_peer("peer")
+        with anyio.fail_after(0.6), pytest.raises(OSError, match="still dropping"):
+            await ep.load_peer("peer", b"peer")
+        assert ep._peer_refs.get("peer", 0) == 0
+        with anyio.move_on_after(0.05):
+            await ep.load_peer("peer", b"peer")
+        assert ep._peer_refs.get("peer", 0) == 0
+        await anyio.to_thread.run_sync(lambda: [t.join() for t in list(ep._removing.values())])
+        assert await ep.load_peer("peer", b"peer") == "peer"  # once the drop ended: loads
+        assert agent.loaded == {"peer"} and ep._peer_refs["peer"] == 1
     finally:
         ep.poller.close()
