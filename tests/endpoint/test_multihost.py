@@ -26,6 +26,7 @@ import pytest
 from helpers import expected_tensor
 
 import llmdd_async as dd
+from llmdd_async._errors import ChildError
 from llmdd_async.testing import (
     NetnsBed,
     NetnsHost,
@@ -525,6 +526,114 @@ async def test_a_partition_of_an_idle_link_is_noticed_within_the_heartbeat(
                     assert transport == "nixl", code  # UCX may still settle (see above)
                 await anyio.sleep(0.5)
         assert await d.request("digest", cache_id=dst) == digests(27)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+async def test_a_rebooted_peer_host_is_relinked_and_serves_its_new_registrations(
+    child_loop: str, transport: str
+) -> None:
+    """The prompt's host "reboots": its endpoint is killed and a new one starts there with
+    the same cluster id, its caches registered anew at other addresses. The old link fails
+    (the decoder's pulls fail, never hang); a new link_clusters works and pulls the new
+    registration's bytes, never the old one's (remote-accessible, so NIXL plans one-sided
+    pulls from the table it fetched)."""
+    opts = {"llm.Transport": transport, "llm.EnableRemoteCacheAccessible": "1"}
+    ucx = transport == "nixl"
+    async with NetnsBed.create(2) as bed:
+        a, b = bed.hosts
+        async with b.peer(
+            dd.LLMRole.DECODER, DECODER, opts, child_loop, b.ucx_env() if ucx else None
+        ) as d:
+            dst = await target(d)
+            pull = ("pull_blocks", blocks_key(PROMPT), {"cache": dst}, BLOCKS, SHUFFLED)
+            async with a.peer(
+                dd.LLMRole.PROMPT, PROMPT, opts, child_loop, a.ucx_env() if ucx else None
+            ) as p:
+                await source(p, seed=28)
+                assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+                assert await d.call(*pull) == S.LLM_SUCCESS
+                assert await d.request("digest", cache_id=dst) == digests(28, BLOCKS, SHUFFLED)
+                p.kill()
+                await d.request("wait_link_down", cluster_id=PROMPT, timeout_s=5)
+            with anyio.fail_after(10), pytest.raises(ChildError, match="is down"):
+                await d.call(*pull)  # the old link is gone: refused at once, with why
+            async with a.peer(
+                dd.LLMRole.PROMPT, PROMPT, opts, child_loop, a.ucx_env() if ucx else None
+            ) as p2:
+                await source(p2, seed=None, model_id=9)  # the pool's first blocks: elsewhere now
+                await source(p2, seed=29)
+                assert await link(d, p2, PROMPT) == S.LLM_SUCCESS
+                assert await d.call(*pull) == S.LLM_SUCCESS
+                assert await d.request("digest", cache_id=dst) == digests(29, BLOCKS, SHUFFLED)
+                stats = await d.request("link_statistics", cluster_id=PROMPT)
+                assert stats["transport"] == transport, stats
+
+
+@needs_rate
+@pytest.mark.usefixtures("shaping")
+@pytest.mark.parametrize(
+    "transport",
+    ["tcp", pytest.param("nixl", marks=pytest.mark.slow)],  # NIXL: its fence wait
+)
+async def test_a_peer_slowed_to_a_trickle_keeps_deadlines_and_other_links_served(
+    child_loop: str, transport: str
+) -> None:
+    """One prompt's host slows to 1 Mbit/s while a 4 MiB pull from it is in flight: the pull
+    fails by its deadline (plus the stated slack), and meanwhile the decoder's pulls from a
+    second prompt on another host go on, byte-exact."""
+    deadline_ms = 1500
+    opts = {"llm.Transport": transport, "llm.SyncKvCacheWaitTime": str(deadline_ms)}
+    ucx = transport == "nixl"
+    other = 3
+    async with NetnsBed.create(3) as bed:
+        slow, fast, home = bed.hosts
+
+        def env(h: NetnsHost) -> dict[str, str] | None:
+            return h.ucx_env() if ucx else None
+
+        async with (
+            slow.peer(dd.LLMRole.PROMPT, PROMPT, opts, child_loop, env(slow)) as p,
+            fast.peer(dd.LLMRole.PROMPT, other, opts, child_loop, env(fast)) as q,
+            home.peer(dd.LLMRole.DECODER, DECODER, opts, child_loop, env(home)) as d,
+        ):  # fmt: skip
+            await source(p, seed=30)
+            key = blocks_key(other)["key"]
+            await q.request(
+                "alloc", kind="blocks", num_tensors=TENSORS, shape=list(SHAPE),
+                blocks_key=key, seed=31,
+            )  # fmt: skip
+            dst, dst2 = await target(d), await target(d)
+            assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+            assert await link(d, q, other) == S.LLM_SUCCESS
+            await slow.set_rate("1mbit")
+            ended: list[float] = []
+            served: list[int] = []
+
+            async def trickle() -> None:
+                code = await d.call(
+                    "pull_blocks", blocks_key(PROMPT), {"cache": dst}, BLOCKS, BLOCKS
+                )
+                ended.append(anyio.current_time())
+                assert code in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), code
+
+            async with anyio.create_task_group() as tg:
+                start = anyio.current_time()
+                tg.start_soon(trickle)
+                while not ended:
+                    code = await d.call(
+                        "pull_blocks", {"key": key}, {"cache": dst2}, BLOCKS, BLOCKS
+                    )
+                    assert code == S.LLM_SUCCESS, code
+                    served.append(code)
+            took = ended[0] - start
+            print(
+                f"{transport}: the trickled pull failed after {took:.2f} s; {len(served)} pulls "
+                "of the other prompt served meanwhile"
+            )
+            bound = deadline_ms / 1000 + CUT_SLACK_S + (NIXL_FENCE_S if ucx else 0)
+            assert took < bound, f"{took:.2f} s"
+            assert len(served) >= 3
+            assert await d.request("digest", cache_id=dst2) == digests(31)
 
 
 # ------------------------------------------------------------------ shaped links (slow)
