@@ -330,6 +330,105 @@ async def test_same_host_transport_is_refused_between_hosts(child_loop: str) -> 
         assert why is not None and "another network namespace" in why, why
 
 
+async def test_two_prefills_and_two_decodes_all_linked_survive_one_prefill_dying(
+    child_loop: str,
+) -> None:
+    """Four hosts: prefills 1 and 3, decodes 2 and 4, every decode linked to every prefill.
+    Every decode pulls from every prefill and every prefill pushes layer-wise to every decode,
+    all at once, over and over; prefill 1 is killed mid-way. The pairs of prefill 3 go on
+    (work of theirs finishes after the kill) and end byte-exact; prefill 1's pairs fail, never
+    hang."""
+    opts = {"llm.Transport": "tcp"}
+    prefill_ids, decode_ids = (1, 3), (2, 4)
+    async with NetnsBed.create(4) as bed:
+        h = bed.hosts
+        async with (
+            h[0].peer(dd.LLMRole.PROMPT, 1, opts, child_loop) as p1,
+            h[1].peer(dd.LLMRole.PROMPT, 3, opts, child_loop) as p3,
+            h[2].peer(dd.LLMRole.DECODER, 2, opts, child_loop) as d2,
+            h[3].peer(dd.LLMRole.DECODER, 4, opts, child_loop) as d4,
+        ):
+            prefills = dict(zip(prefill_ids, (p1, p3), strict=True))
+            decodes = dict(zip(decode_ids, (d2, d4), strict=True))
+            layers: dict[int, int] = {}
+            for cid, p in prefills.items():
+                await p.request(
+                    "alloc", kind="blocks", num_tensors=TENSORS, shape=list(SHAPE),
+                    blocks_key=blocks_key(cid)["key"], seed=40 + cid,
+                )  # fmt: skip
+                layers[cid] = await source(p, seed=None, model_id=9)
+            pulled: dict[tuple[int, int], int] = {}
+            pushed: dict[tuple[int, int], int] = {}
+            for did, d in decodes.items():
+                for cid, p in prefills.items():
+                    pulled[did, cid] = await target(d)
+                    pushed[did, cid] = await d.request(
+                        "register", kind="blocks", num_tensors=TENSORS, shape=list(SHAPE),
+                        blocks_key=blocks_key(did, cid)["key"],
+                    )  # fmt: skip
+                    assert await link(d, p, cid) == S.LLM_SUCCESS
+            stop = anyio.Event()
+            killed_at: list[float] = []
+            after_kill: dict[str, int] = {}
+            failed: list[str] = []
+
+            async def keep_at(name: str, cid: int, op: Any) -> None:
+                while not stop.is_set():
+                    try:
+                        code = await op()
+                    except ChildError:  # the killed prefill, or a decode told its link is down
+                        assert cid == 1, name
+                        failed.append(name)
+                        return
+                    if code != S.LLM_SUCCESS:
+                        assert cid == 1, (name, code)
+                        assert code in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK, S.LLM_TIMEOUT)
+                        failed.append(name)
+                        return
+                    if killed_at:
+                        after_kill[name] = after_kill.get(name, 0) + 1
+
+            def pull(did: int, cid: int) -> Any:
+                args = (blocks_key(cid), {"cache": pulled[did, cid]}, BLOCKS, SHUFFLED)
+                return partial(decodes[did].call, "pull_blocks", *args)
+
+            def push(did: int, cid: int) -> Any:
+                async def once() -> int:
+                    result = await prefills[cid].request(
+                        "transfer_layers", cache_id=layers[cid],
+                        blocks_key=blocks_key(did, cid)["key"], src_blocks=BLOCKS,
+                        dst_blocks=SHUFFLED, fill_seed=50 + cid,
+                    )  # fmt: skip
+                    return int(result["status"])
+
+                return once
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for did in decode_ids:
+                        for cid in prefill_ids:
+                            tg.start_soon(keep_at, f"pull {cid}->{did}", cid, pull(did, cid))
+                            tg.start_soon(keep_at, f"push {cid}->{did}", cid, push(did, cid))
+                    await anyio.sleep(1.0)
+                    p1.kill()
+                    killed_at.append(anyio.current_time())
+                    await anyio.sleep(1.5)
+                    stop.set()
+            print(f"after the kill: {after_kill}; failed: {sorted(failed)}")
+            for did in decode_ids:
+                assert (
+                    after_kill.get(f"pull 3->{did}", 0) >= 1
+                    and after_kill.get(f"push 3->{did}", 0) >= 1
+                )
+                assert await decodes[did].request("digest", cache_id=pulled[did, 3]) == digests(
+                    43, BLOCKS, SHUFFLED
+                )
+                assert await decodes[did].request("digest", cache_id=pushed[did, 3]) == digests(
+                    53, BLOCKS, SHUFFLED
+                )
+            assert {f"pull 1->{did}" for did in decode_ids} <= set(failed)
+
+
 # ------------------------------------------------------------------ faults of the network
 async def test_a_host_whose_interface_is_down_or_cable_unplugged_cannot_link(
     child_loop: str,
