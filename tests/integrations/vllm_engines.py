@@ -28,7 +28,25 @@ __all__ = ["BLOCK", "EngineProc", "kv_config", "make_tiny_llama"]
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 
 
-def _engine_main(conn: Any, model: str, kv: dict[str, Any] | None, extra: dict[str, Any]) -> None:
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded, just spawned) process into network namespace ``name``
+    (``ip netns``: /run/netns/NAME), so everything it opens later lives on that host."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name!r} failed")
+    finally:
+        os.close(fd)
+
+
+def _engine_main(
+    conn: Any, model: str, kv: dict[str, Any] | None, extra: dict[str, Any], netns: str | None
+) -> None:
+    if netns is not None:
+        _enter_netns(netns)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
@@ -224,15 +242,18 @@ class EngineProc:
         kv: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         startup_s: float = 180,
+        netns: str | None = None,
         **extra: Any,
     ) -> None:
+        """``netns``: run the engine in that network namespace (a host of a
+        :class:`~llmdd_async.testing.NetnsBed`); the pipe to it still works."""
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         old = {k: os.environ.get(k) for k in (env or {})}
         os.environ.update(env or {})
         try:
             self.proc = ctx.Process(
-                target=_engine_main, args=(child, str(model), kv, extra), daemon=True
+                target=_engine_main, args=(child, str(model), kv, extra, netns), daemon=True
             )
             self.proc.start()
         finally:
