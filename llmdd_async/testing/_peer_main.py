@@ -190,31 +190,42 @@ class Peer(CommandServer):
         src_blocks: list[int],
         dst_blocks: list[int],
         fill_seed: int | None = None,
+        compute_s: float = 0.0,
     ) -> dict[str, Any]:
         """``transfer_cache_async`` of every layer (K and V: 2 tensors) of a blocks cache to
         the peer's ``blocks_key``, signalled through ``LayerEvents`` layer by layer as a
         forward pass would; with ``fill_seed``, layer ``i``'s tensors are filled from it just
-        before layer ``i`` is signalled (so only a layer-wise send can carry those bytes).
-        Its status code (0 on success), per-config results and the layers moved."""
+        before layer ``i`` is signalled (so only a layer-wise send can carry those bytes);
+        ``compute_s``: each layer "computes" that long first (a sleep, as an accelerator's
+        forward pass leaves the CPU free). Its status code (0 on success), per-config results,
+        the layers moved, ``exposed_s`` (last layer signalled -> transfer done) and
+        ``total_s``."""
         cache = self.caches[cache_id]
         layers = len(cache.tensors) // 2
         cfg = dd.TransferWithCacheKeyConfig(decode_key(blocks_key), range(layers), range(layers))
         events = dd.LayerEvents()
         cm = self.dd.cache_manager  # type: ignore[union-attr]
+        t0 = time.perf_counter()
         task = cm.transfer_cache_async(cache, events, [cfg], src_blocks, dst_blocks)
         for layer in range(layers):
+            if compute_s:
+                await anyio.sleep(compute_s)
             if fill_seed is not None:
                 for t in (2 * layer, 2 * layer + 1):
                     arr = cache.tensors[t].reshape(-1).view(np.uint8)
                     arr[:] = pattern(fill_seed + t, arr.nbytes)
             events.layer_ready(layer)
             await anyio.lowlevel.checkpoint()  # the next layer computes while this one moves
+        signalled = time.perf_counter()
         status = await _status_of(task)
+        done = time.perf_counter()
         results = await task.get_results()
         return {
             "status": status,
             "results": [None if r is None else int(r) for r in results],
             "layers": [lt.layer for lt in task.statistics().layers],
+            "exposed_s": done - signalled,
+            "total_s": done - t0,
         }
 
     async def wait_task(self, task: int) -> int:
