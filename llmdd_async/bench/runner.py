@@ -110,7 +110,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--modes",
         type=_choices(*_MODES),
         default=["remote-accessible"],
-        help="llm.EnableRemoteCacheAccessible=1 (remote-accessible) or not (default)",
+        help="llm.EnableRemoteCacheAccessible=1 (remote-accessible) or not (default: pulls "
+        "only, as pushes need remote-accessible mode)",
     )
     p.add_argument(
         "--requests", type=_ints, default=[200], help="requests per measurement (first value)"
@@ -169,7 +170,7 @@ async def _measure(
                     dd.CacheDesc(2, shape, dd.DataType.DT_UINT8), arrays
                 )
                 rng = np.random.default_rng(0)
-                for op in args.ops:
+                for op in _ops_of(mode, args.ops):
                     for per in args.blocks:
                         for conc in args.concurrency:
                             rows.append(
@@ -311,6 +312,11 @@ def run(args: argparse.Namespace) -> int:
             f"the sweep needs about {need / 2**30:.1f} GiB, more than {MEMORY_FRACTION:.0%} of "
             f"the {free / 2**30:.1f} GiB available: lower --blocks, --concurrency or --block-kib"
         )
+    if args.modes == ["default"] and args.ops == ["push"]:
+        problems.append(
+            "--modes default runs pulls only (pushes need llm.EnableRemoteCacheAccessible=1): "
+            "add --ops pull or --modes remote-accessible"
+        )
     problems = [p for p in problems if p]
     if problems:
         for p in problems:
@@ -324,8 +330,12 @@ def run(args: argparse.Namespace) -> int:
         for m in args.modes
     ]
     combos = list(dict.fromkeys(combos))  # a peer engine runs once, whatever the loops
-    points = len(args.block_kib) * len(args.ops) * len(args.blocks) * len(args.concurrency)
-    progress = _Progress(len(combos) * points, sys.stderr)
+    per_op = len(args.block_kib) * len(args.blocks) * len(args.concurrency)
+    points = per_op * len(args.ops)
+    progress = _Progress(
+        sum(per_op * len(_ops_of(m, args.ops)) if m != "-" else points for _, _, m in combos),
+        sys.stderr,
+    )
     rows: list[dict[str, Any]] = []
     for transport, loop, mode in combos:
         if transport in peers.ENGINES:
@@ -375,6 +385,12 @@ def run(args: argparse.Namespace) -> int:
         _plot(rows, limits, args.plot)
         print(f"wrote {args.plot}", file=table)
     return 0
+
+
+def _ops_of(mode: str, ops: list[str]) -> list[str]:
+    """The operations a mode runs: pushes need remote-accessible mode (as upstream's push
+    APIs do), so default mode runs the pulls only."""
+    return [op for op in ops if mode != "default" or op != "push"]
 
 
 def _unavailable(transport: str) -> str | None:

@@ -100,12 +100,17 @@ def test_both_modes_run_in_one_sweep(tmp_path: Path) -> None:
     llm.EnableRemoteCacheAccessible, each row naming its mode."""
     done = _bench(
         "--block-kib", "16", "--blocks", "1", "--concurrency", "1", "--requests", "8",
-        "--ops", "pull", "--transports", "tcp", "--loops", "asyncio",
+        "--ops", "pull,push", "--transports", "tcp", "--loops", "asyncio",
         "--modes", "remote-accessible,default", "--json", "-", cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert [r["mode"] for r in result["rows"]] == ["remote-accessible", "default"]
+    # pushes need remote-accessible mode (as upstream): default mode runs the pull only
+    assert [(r["mode"], r["op"]) for r in result["rows"]] == [
+        ("remote-accessible", "pull"),
+        ("remote-accessible", "push"),
+        ("default", "pull"),
+    ]
     assert all(r["cpu_us"] > 0 and r["peer_cpu_us"] > 0 for r in result["rows"])
     assert result["meta"]["modes"] == ["remote-accessible", "default"]
     assert "peer_cpu_us" in done.stderr  # the table, on stderr with --json -
@@ -121,6 +126,12 @@ def test_json_to_stdout_and_no_file_unless_asked(tmp_path: Path) -> None:
     assert len(json.loads(done.stdout)["rows"]) == 1  # stdout is the JSON alone
     assert "req_per_s" in done.stderr  # the table went to stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pushes_alone_in_default_mode_are_refused_before_the_sweep(tmp_path: Path) -> None:
+    done = _bench("--ops", "push", "--modes", "default", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "pulls only" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_outputs_and_memory_are_checked_before_the_sweep(tmp_path: Path) -> None:
