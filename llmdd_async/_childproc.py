@@ -197,7 +197,12 @@ class ChildProcess:
         rid = next(self._ids)
         ev = anyio.Event()
         self._waiters[rid] = ev
-        await self._send(rid, op, args)
+        try:
+            await self._send(rid, op, args)
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            # The child exited before this command reached it: the same as dying under it.
+            self._waiters.pop(rid, None)
+            raise ChildError("the child process exited", kind="EOF") from None
         await ev.wait()
         reply = self._results.pop(rid, None)
         if reply is None:

@@ -509,7 +509,13 @@ class NixlEndpoint(TransportEndpoint):
                     )
             except BaseException:
                 if acquire:
-                    self.forget_peer(name)
+                    # Only the count: this load added nothing, and the drop it waited for is
+                    # still in _removing for later loads (a new drop would only chain on it).
+                    left = self._peer_refs.get(name, 0) - 1
+                    if left > 0:
+                        self._peer_refs[name] = left
+                    else:
+                        self._peer_refs.pop(name, None)
                 raise
             if self._removing.get(name) is pending:
                 del self._removing[name]

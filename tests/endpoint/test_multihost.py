@@ -378,8 +378,11 @@ async def test_two_prefills_and_two_decodes_all_linked_survive_one_prefill_dying
             after_kill: dict[str, int] = {}
             failed: list[str] = []
 
+            done: dict[str, int] = {}
+
             async def keep_at(name: str, cid: int, op: Any) -> None:
                 while not stop.is_set():
+                    started_after_kill = bool(killed_at)
                     try:
                         code = await op()
                     except ChildError:  # the killed prefill, or a decode told its link is down
@@ -391,7 +394,8 @@ async def test_two_prefills_and_two_decodes_all_linked_survive_one_prefill_dying
                         assert code in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK, S.LLM_TIMEOUT)
                         failed.append(name)
                         return
-                    if killed_at:
+                    done[name] = done.get(name, 0) + 1
+                    if started_after_kill:  # work that began once prefill 1 was gone
                         after_kill[name] = after_kill.get(name, 0) + 1
 
             def pull(did: int, cid: int) -> Any:
@@ -415,17 +419,17 @@ async def test_two_prefills_and_two_decodes_all_linked_survive_one_prefill_dying
                         for cid in prefill_ids:
                             tg.start_soon(keep_at, f"pull {cid}->{did}", cid, pull(did, cid))
                             tg.start_soon(keep_at, f"push {cid}->{did}", cid, push(did, cid))
-                    await anyio.sleep(1.0)
+                    names = [f"{op} {c}->{d}" for op in ("pull", "push") for c in prefill_ids
+                             for d in decode_ids]  # fmt: skip
+                    # mid-way: every pair has moved its bytes at least once
+                    await wait_until(lambda: all(done.get(n) for n in names), 30)
                     p1.kill()
                     killed_at.append(anyio.current_time())
-                    await anyio.sleep(1.5)
+                    survivors = [n for n in names if " 3->" in n]
+                    await wait_until(lambda: all(after_kill.get(n) for n in survivors), 30)
                     stop.set()
             print(f"after the kill: {after_kill}; failed: {sorted(failed)}")
             for did in decode_ids:
-                assert (
-                    after_kill.get(f"pull 3->{did}", 0) >= 1
-                    and after_kill.get(f"push 3->{did}", 0) >= 1
-                )
                 assert await decodes[did].request("digest", cache_id=pulled[did, 3]) == digests(
                     43, BLOCKS, SHUFFLED
                 )
@@ -683,7 +687,7 @@ async def test_a_rebooted_peer_host_is_relinked_and_serves_its_new_registrations
 async def test_a_peer_slowed_to_a_trickle_keeps_deadlines_and_other_links_served(
     child_loop: str, transport: str
 ) -> None:
-    """One prompt's host slows to 1 Mbit/s while a 4 MiB pull from it is in flight: the pull
+    """One prompt's host slows to 1 Mbit/s, then a 4 MiB pull from it starts: the pull
     fails by its deadline (plus the stated slack), and meanwhile the decoder's pulls from a
     second prompt on another host go on, byte-exact."""
     deadline_ms = 1500
@@ -712,7 +716,7 @@ async def test_a_peer_slowed_to_a_trickle_keeps_deadlines_and_other_links_served
             assert await link(d, q, other) == S.LLM_SUCCESS
             await slow.set_rate("1mbit")
             ended: list[float] = []
-            served: list[int] = []
+            served: list[float] = []  # when each pull of the other prompt finished
 
             async def trickle() -> None:
                 code = await d.call(
@@ -721,23 +725,25 @@ async def test_a_peer_slowed_to_a_trickle_keeps_deadlines_and_other_links_served
                 ended.append(anyio.current_time())
                 assert code in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), code
 
-            async with anyio.create_task_group() as tg:
-                start = anyio.current_time()
-                tg.start_soon(trickle)
-                while not ended:
-                    code = await d.call(
-                        "pull_blocks", {"key": key}, {"cache": dst2}, BLOCKS, BLOCKS
-                    )
-                    assert code == S.LLM_SUCCESS, code
-                    served.append(code)
+            bound = deadline_ms / 1000 + CUT_SLACK_S + (NIXL_FENCE_S if ucx else 0)
+            with anyio.fail_after(bound + 30):
+                async with anyio.create_task_group() as tg:
+                    start = anyio.current_time()
+                    tg.start_soon(trickle)
+                    while not ended:
+                        code = await d.call(
+                            "pull_blocks", {"key": key}, {"cache": dst2}, BLOCKS, BLOCKS
+                        )
+                        assert code == S.LLM_SUCCESS, code
+                        served.append(anyio.current_time())
             took = ended[0] - start
             print(
                 f"{transport}: the trickled pull failed after {took:.2f} s; {len(served)} pulls "
                 "of the other prompt served meanwhile"
             )
-            bound = deadline_ms / 1000 + CUT_SLACK_S + (NIXL_FENCE_S if ucx else 0)
             assert took < bound, f"{took:.2f} s"
-            assert len(served) >= 3
+            # the other link was served while the trickled pull still waited
+            assert any(t < ended[0] for t in served)
             assert await d.request("digest", cache_id=dst2) == digests(31)
 
 

@@ -9,6 +9,7 @@ agent and talk UCX over loopback (``conftest.py`` sets ``UCX_NET_DEVICES=lo``).
 from __future__ import annotations
 
 import os
+import threading
 
 import anyio
 import numpy as np
@@ -19,7 +20,14 @@ import llmdd_async as dd
 from llmdd_async._options import parse_options
 from llmdd_async._transports import _nixl_agent as nixl_agent
 from llmdd_async._transports import nixl as nixl_mod
-from llmdd_async.testing import DEFAULT_OPTIONS, PeerProcess, encode_key, engine_of, linked_pair
+from llmdd_async.testing import (
+    DEFAULT_OPTIONS,
+    PeerProcess,
+    encode_key,
+    engine_of,
+    linked_pair,
+    wait_until,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -242,6 +250,10 @@ class _SlowDropAgent:
 
     def __init__(self, drop_s: float = 0.2) -> None:
         self.drop_s = drop_s
+        #: set: drops end after ``drop_s``; cleared: a drop hangs until it is set again
+        self.release = threading.Event()
+        self.release.set()
+        self.removes = 0
         self.loaded: set[str] = set()
         self.dropping: set[str] = set()
         #: agents added while their drop still ran: lost once it ends, NIXL_ERR_NOT_FOUND
@@ -257,8 +269,10 @@ class _SlowDropAgent:
     def remove_remote_agent(self, name: str) -> None:
         import time
 
+        self.removes += 1
         self.dropping.add(name)
         time.sleep(self.drop_s)
+        self.release.wait()
         self.loaded.discard(name)
         self.dropping.discard(name)
 
@@ -299,21 +313,29 @@ async def test_a_drop_that_does_not_end_fails_the_load_and_gives_its_reference_b
 ) -> None:
     """A drop UCX does not finish (a disconnect hanging on a dead peer) fails a new load of
     that agent with OSError after ``DROP_WAIT_S``, never hangs it; a load cancelled while it
-    waits gives its reference back too."""
+    waits gives its reference back too, and neither starts another drop. Once the drop ends,
+    the agent loads."""
     monkeypatch.setattr(nixl_mod, "DROP_WAIT_S", 0.1)
-    agent = _SlowDropAgent(drop_s=0.8)
+    agent = _SlowDropAgent(drop_s=0.0)
     ep = nixl_mod.NixlEndpoint(None, agent, "self", None, None)  # type: ignore[arg-type]
     try:
         await ep.load_peer("peer", b"peer")
+        agent.release.clear()  # the drop below hangs until released
         ep.forget_peer("peer")
-        with anyio.fail_after(0.6), pytest.raises(OSError, match="still dropping"):
+        with pytest.raises(OSError, match="still dropping"):
             await ep.load_peer("peer", b"peer")
         assert ep._peer_refs.get("peer", 0) == 0
-        with anyio.move_on_after(0.05):
-            await ep.load_peer("peer", b"peer")
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ep.load_peer, "peer", b"peer")
+                await wait_until(lambda: ep._peer_refs.get("peer") == 1, 5)
+                scope.cancel()
         assert ep._peer_refs.get("peer", 0) == 0
+        agent.release.set()
         await anyio.to_thread.run_sync(lambda: [t.join() for t in list(ep._removing.values())])
+        assert agent.removes == 1  # the failed and the cancelled load started no drop
         assert await ep.load_peer("peer", b"peer") == "peer"  # once the drop ended: loads
         assert agent.loaded == {"peer"} and ep._peer_refs["peer"] == 1
     finally:
+        agent.release.set()
         ep.poller.close()

@@ -29,8 +29,10 @@ BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 
 
 def _enter_netns(name: str) -> None:
-    """Move this (single-threaded, just spawned) process into network namespace ``name``
-    (``ip netns``: /run/netns/NAME), so everything it opens later lives on that host."""
+    """Move the calling thread (the main thread of a just spawned child) into network
+    namespace ``name`` (``ip netns``: /run/netns/NAME); the threads it starts afterwards, and
+    every socket opened from them, live on that host (threads started before, e.g. BLAS's,
+    stay behind but open no sockets)."""
     import ctypes
 
     clone_newnet = 0x40000000
@@ -45,11 +47,11 @@ def _enter_netns(name: str) -> None:
 def _engine_main(
     conn: Any, model: str, kv: dict[str, Any] | None, extra: dict[str, Any], netns: str | None
 ) -> None:
-    if netns is not None:
-        _enter_netns(netns)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
+        if netns is not None:
+            _enter_netns(netns)
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
         from vllm.inputs import TokensPrompt
