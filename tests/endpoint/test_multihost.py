@@ -795,44 +795,39 @@ async def test_layerwise_overlap_on_a_link_slower_than_the_compute(child_loop: s
         "llm.MemPoolConfig": json.dumps({"memory_size": 96 << 20}),
         "llm.SyncKvCacheWaitTime": "30000",
     }
-    async with NetnsBed.create(2, rate="1gbit") as bed:
-        a, b = bed.hosts
-        async with (
-            a.peer(dd.LLMRole.PROMPT, PROMPT, opts, child_loop) as p,
-            b.peer(dd.LLMRole.DECODER, DECODER, opts, child_loop) as d,
-        ):
-            src = await p.request("alloc", kind="blocks", num_tensors=2 * layers, shape=list(shape))
-            key = blocks_key(DECODER, 0)["key"]
-            dst = await d.request(
-                "register", kind="blocks", num_tensors=2 * layers, shape=list(shape), blocks_key=key
-            )
-            assert await link(d, p, PROMPT) == S.LLM_SUCCESS
-            blocks = list(range(shape[0]))
+    async with _hosts(child_loop, opts, rate="1gbit") as (_, p, d):
+        src = await p.request("alloc", kind="blocks", num_tensors=2 * layers, shape=list(shape))
+        key = blocks_key(DECODER, 0)["key"]
+        dst = await d.request(
+            "register", kind="blocks", num_tensors=2 * layers, shape=list(shape), blocks_key=key
+        )
+        assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+        blocks = list(range(shape[0]))
 
-            async def send(compute_s: float, seed: int) -> dict[str, Any]:
-                result = await p.request(
-                    "transfer_layers", cache_id=src, blocks_key=key, src_blocks=blocks,
-                    dst_blocks=blocks, fill_seed=seed, compute_s=compute_s,
-                )  # fmt: skip
-                assert result["status"] == 0, result
-                return dict(result)
+        async def send(compute_s: float, seed: int) -> dict[str, Any]:
+            result = await p.request(
+                "transfer_layers", cache_id=src, blocks_key=key, src_blocks=blocks,
+                dst_blocks=blocks, fill_seed=seed, compute_s=compute_s,
+            )  # fmt: skip
+            assert result["status"] == 0, result
+            return dict(result)
 
-            await send(0.0, 60)  # warm-up: first touch on both sides
-            after = statistics.median([(await send(0.0, 61))["total_s"] for _ in range(3)])
-            per_layer = after / layers
-            compute = per_layer / 2
-            exposed = statistics.median([(await send(compute, 62))["exposed_s"] for _ in range(3)])
-            hidden = 100 * max(0.0, 1 - exposed / after)
-            wire = 8 * 2 * layers * shape[0] * shape[1] / 1e9  # the shaped rate alone, s
-            print(
-                f"1 Gbit/s, {layers} layers of 4 MiB: transfer {per_layer * 1e3:.1f} ms/layer, "
-                f"compute {compute * 1e3:.1f} ms/layer; exposed {exposed * 1e3:.0f} ms "
-                f"layer-wise vs {after * 1e3:.0f} ms after the prefill: hidden {hidden:.0f} %; "
-                f"prefill + exposed {(layers * compute + exposed) * 1e3:.0f} ms, the link "
-                f"alone {wire * 1e3:.0f} ms"
-            )
-            want = [
-                hashlib.sha256(pattern(62 + t, shape[0] * shape[1]).tobytes()).hexdigest()
-                for t in range(2 * layers)
-            ]
-            assert await d.request("digest", cache_id=dst) == want
+        await send(0.0, 60)  # warm-up: first touch on both sides
+        after = statistics.median([(await send(0.0, 61))["total_s"] for _ in range(3)])
+        per_layer = after / layers
+        compute = per_layer / 2
+        exposed = statistics.median([(await send(compute, 62))["exposed_s"] for _ in range(3)])
+        hidden = 100 * max(0.0, 1 - exposed / after)
+        wire = 8 * 2 * layers * shape[0] * shape[1] / 1e9  # the shaped rate alone, s
+        print(
+            f"1 Gbit/s, {layers} layers of 4 MiB: transfer {per_layer * 1e3:.1f} ms/layer, "
+            f"compute {compute * 1e3:.1f} ms/layer; exposed {exposed * 1e3:.0f} ms "
+            f"layer-wise vs {after * 1e3:.0f} ms after the prefill: hidden {hidden:.0f} %; "
+            f"prefill + exposed {(layers * compute + exposed) * 1e3:.0f} ms, the link "
+            f"alone {wire * 1e3:.0f} ms"
+        )
+        want = [
+            hashlib.sha256(pattern(62 + t, shape[0] * shape[1]).tobytes()).hexdigest()
+            for t in range(2 * layers)
+        ]
+        assert await d.request("digest", cache_id=dst) == want
