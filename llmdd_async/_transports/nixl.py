@@ -455,16 +455,22 @@ class NixlEndpoint(TransportEndpoint):
             raise CopyCancelled
         raise OSError("NIXL failed a transfer (peer gone or memory refused)")
 
+    def _unref(self, name: str) -> bool:
+        """Give back one reference to ``name``; True while others remain."""
+        left = self._peer_refs.get(name, 0) - 1
+        if left > 0:
+            self._peer_refs[name] = left
+            return True
+        self._peer_refs.pop(name, None)
+        return False
+
     def forget_peer(self, name: str) -> None:
         """Give back one reference to a peer's metadata (:meth:`load_peer`); the last one
         drops it and disconnects, in a thread of its own (UCX may wait for the peer while it
         closes its endpoints). An old link closing after a new link to the same peer loaded
         it again therefore leaves the new one working. Never raises."""
-        left = self._peer_refs.get(name, 0) - 1
-        if left > 0:
-            self._peer_refs[name] = left
+        if self._unref(name):
             return
-        self._peer_refs.pop(name, None)
         before = self._removing.get(name)
 
         def remove() -> None:
@@ -511,11 +517,7 @@ class NixlEndpoint(TransportEndpoint):
                 if acquire:
                     # Only the count: this load added nothing, and the drop it waited for is
                     # still in _removing for later loads (a new drop would only chain on it).
-                    left = self._peer_refs.get(name, 0) - 1
-                    if left > 0:
-                        self._peer_refs[name] = left
-                    else:
-                        self._peer_refs.pop(name, None)
+                    self._unref(name)
                 raise
             if self._removing.get(name) is pending:
                 del self._removing[name]
@@ -529,11 +531,7 @@ class NixlEndpoint(TransportEndpoint):
             raise
         agent = got.decode() if isinstance(got, bytes) else str(got)
         if acquire and agent != name:  # NIXL knows it by another name: move the reference
-            left = self._peer_refs.get(name, 0) - 1
-            if left > 0:
-                self._peer_refs[name] = left
-            else:
-                self._peer_refs.pop(name, None)
+            self._unref(name)
             self._peer_refs[agent] = self._peer_refs.get(agent, 0) + 1
         return agent
 

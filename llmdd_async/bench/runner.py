@@ -313,8 +313,10 @@ def run(args: argparse.Namespace) -> int:
             f"the {free / 2**30:.1f} GiB available: lower --blocks, --concurrency or --block-kib"
         )
     ours = [t for t in args.transports if t not in peers.ENGINES]
-    if ours and len(ours) == len(args.transports) and not any(
-        _ops_of(m, args.ops) for m in args.modes
+    if (
+        ours
+        and len(ours) == len(args.transports)
+        and not any(_ops_of(m, args.ops) for m in args.modes)
     ):
         problems.append(
             "--modes default runs pulls only (pushes need llm.EnableRemoteCacheAccessible=1): "
