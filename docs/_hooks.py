@@ -86,8 +86,9 @@ OPTION_DOCS: dict[str, tuple[str, str]] = {
     "llm.ListenIp": ("address", "derived from `llm.listenIpInfo` in cache-manager mode"),
     "llm.ListenPort": ("port", "derived from `llm.listenIpInfo` in cache-manager mode"),
     "llm.Transport": (
-        "one of {transports}; `nixl` needs NIXL installed",
-        "how links move data (`auto` never picks `nixl`); anything else is `LLM_PARAM_INVALID`",
+        "one of {transports}; `nixl` needs NIXL installed, `mooncake` Mooncake TE",
+        "how links move data (`auto` never picks `nixl` or `mooncake`); anything else is "
+        "`LLM_PARAM_INVALID`",
     ),
     "llm.DeviceAdapter": ("`host`, `torch`", "what `Placement.DEVICE` memory is"),
     "llm.TorchDevice": (

@@ -152,7 +152,9 @@ class LLMConfig:
     output_max_size = _prop("output_max_size", _opt_int, "Legacy output size.")
     enable_switch_role = _prop("enable_switch_role", _bool, "Legacy switch_role switch.")
     mem_utilization = _prop("mem_utilization", _mem_utilization, "Legacy memory ratio.")
-    transport = _prop("transport", _opt_str, "llm.Transport: auto, tcp, same-host or nixl.")
+    transport = _prop(
+        "transport", _opt_str, "llm.Transport: auto, tcp, same-host, nixl or mooncake."
+    )
     auth_key = _prop("auth_key", _opt_str, "llm.AuthKey: shared secret for link handshakes.")
     payload_auth = _prop(
         "payload_auth", _opt_bool, "llm.PayloadAuth: a MAC over every DATA payload (needs a key)."

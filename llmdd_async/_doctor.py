@@ -77,6 +77,11 @@ def _nixl_works() -> object:
     return load_api()
 
 
+def _mooncake_works() -> object:
+    # Importing the engine loads its shared libraries (libibverbs, librdmacm, libnuma).
+    return importlib.import_module("mooncake.engine").TransferEngine
+
+
 def checks() -> list[Check]:
     """Every check, in the order they are printed."""
     found = [
@@ -107,6 +112,13 @@ def checks() -> list[Check]:
             "nixl-cu12",
             "pip install --no-deps nixl-cu12 (UCX bundled; or the 'nixl' extra, several GB)",
             _nixl_works,
+        ),
+        _probe(
+            "mooncake",
+            "mooncake",
+            "mooncake-transfer-engine-non-cuda",
+            "pip install 'llmdd-async[mooncake]' (and Debian's libibverbs1 librdmacm1 libnuma1)",
+            _mooncake_works,
         ),
         _probe("matplotlib", "matplotlib", "matplotlib", "pip install 'llmdd-async[demo]'", None),
     ]

@@ -76,6 +76,11 @@ class Engine:
         self.epoch: EpochPage | None = None
 
     @property
+    def listen_host(self) -> str | None:
+        """The address of ``llm.listenIpInfo``, or None when the endpoint does not listen."""
+        return self.options.listen[0] if self.options.listen is not None else None
+
+    @property
     def sync_kv_timeout_s(self) -> float:
         return self.options.sync_kv_timeout_ms / 1000
 

@@ -92,7 +92,7 @@ KNOWN_OPTIONS = UPSTREAM_OPTIONS | OWN_OPTIONS
 _BY_LOWER = {k.lower(): k for k in KNOWN_OPTIONS}
 _LLM_LOWER = sorted(k for k in _BY_LOWER if k.startswith("llm."))
 
-TRANSPORTS = ("auto", "tcp", "same-host", "nixl")
+TRANSPORTS = ("auto", "tcp", "same-host", "nixl", "mooncake")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 #: legacy mode without ge.flowGraphMemMaxSize: a lazily touched 1 GiB mapping
 LEGACY_DEFAULT_KV_BYTES = 1 << 30
@@ -319,7 +319,7 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
     raise_if_false(
         transport in TRANSPORTS, f"llm.Transport must be one of {TRANSPORTS}, got {transport!r}"
     )
-    # A transport's optional package (NIXL) is checked here, where the option is read.
+    # A transport's optional package (NIXL, Mooncake) is checked here, where the option is read.
     from ._transports import require_installed
 
     require_installed(transport)

@@ -43,7 +43,22 @@ def nixl_params() -> list[Any]:
     return [pytest.param(t, marks=marks, id=t) for t in ("nixl", "nixl-tcp")]
 
 
-TRANSPORTS = ["tcp", "same-host", *nixl_params()]
+def mooncake_params() -> list[Any]:
+    """``mooncake`` (Mooncake Transfer Engine, its TCP protocol): skipped with a reason where
+    Mooncake is not installed, except under ``CI=true``, where a missing Mooncake must fail."""
+    import os
+
+    import pytest
+
+    from llmdd_async._transports.mooncake import INSTALL_HINT, available
+
+    marks = []
+    if not available() and os.environ.get("CI") != "true":
+        marks = [pytest.mark.skip(reason=f"Mooncake is not installed ({INSTALL_HINT})")]
+    return [pytest.param("mooncake", marks=marks, id="mooncake")]
+
+
+TRANSPORTS = ["tcp", "same-host", *nixl_params(), *mooncake_params()]
 
 
 def use_transport(request: Any, monkeypatch: Any) -> str:

@@ -15,8 +15,9 @@ always were; a peer's published table too (malformed entries count as nothing).
 
 * transfer: :class:`Request` (XFER_REQ), :class:`Grant`, :class:`Data`, :class:`Done`,
   :class:`Result`, :class:`Abort`;
-* control: :class:`TableRequest`, :class:`Table` (with its :class:`NixlInfo`), :class:`Ping`,
-  :class:`Pong`, :class:`Unlink`, :class:`UnlinkAck`, :class:`Bye`;
+* control: :class:`TableRequest`, :class:`Table` (with its :class:`NixlInfo` or
+  :class:`MooncakeInfo`), :class:`Ping`, :class:`Pong`, :class:`Unlink`, :class:`UnlinkAck`,
+  :class:`Bye`;
 * side channel: :class:`Prove`, :class:`ProveAck`, :class:`ProveFin` (with a :class:`Proof`);
 * handshake: :class:`Hello`, :class:`Challenge`, :class:`Identity` (a LINK_REQ's fields, and a
   successful LINK_ACK's, with its :class:`Host`), :class:`LinkRefused` (a LINK_ACK that says
@@ -33,6 +34,7 @@ from .control import (
     Host,
     Identity,
     LinkRefused,
+    MooncakeInfo,
     NixlInfo,
     Ping,
     Pong,
@@ -65,6 +67,7 @@ __all__ = [
     "LinkRefused",
     "MAX_REASON",
     "Mode",
+    "MooncakeInfo",
     "NixlInfo",
     "Op",
     "Ping",

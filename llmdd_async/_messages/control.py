@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import ipaddress
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -135,13 +136,14 @@ class CacheInfo:
 class Table:
     """TABLE: a peer's published caches, its blocks keys (model id -> cache id), its slot
     keys (``kind, id, model id, cache id, slot``), its epoch word (``base, value``: where
-    one-sided readers check their view) and its NIXL entry."""
+    one-sided readers check their view) and its NIXL or Mooncake entry."""
 
     caches: tuple[CacheInfo, ...] = ()
     blocks_keys: Mapping[str, int] = dataclasses.field(default_factory=dict)
     slot_keys: tuple[tuple[str, int, int, int, int], ...] = ()
     epoch: tuple[int, int] | None = None
     nixl: Mapping[str, Any] | None = None
+    mooncake: Mapping[str, Any] | None = None
 
     def encode(self) -> Message:
         fields: dict[str, Any] = {
@@ -153,6 +155,8 @@ class Table:
             fields["epoch"] = list(self.epoch)
         if self.nixl is not None:
             fields["nixl"] = dict(self.nixl)
+        if self.mooncake is not None:
+            fields["mooncake"] = dict(self.mooncake)
         return Message(MT.TABLE, 0, fields)
 
     @classmethod
@@ -199,12 +203,14 @@ class Table:
             and 0 <= words[1] <= U64_MAX
         )
         nixl = f.get("nixl")
+        mooncake = f.get("mooncake")
         return cls(
             infos,
             blocks_keys,
             slot_keys,
             (words[0], words[1]) if valid else None,
             nixl if isinstance(nixl, dict) else None,
+            mooncake if isinstance(mooncake, dict) else None,
         )
 
 
@@ -262,6 +268,58 @@ class NixlInfo:
             return base64.b64decode(self.md, validate=True)
         except ValueError as exc:
             raise ProtocolError(f"bad NIXL metadata: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MooncakeInfo:
+    """A TABLE's Mooncake entry (a peer of ``llm.Transport=mooncake``, to a peer linked over
+    Mooncake): its transfer engine's session (an address literal and the port of its
+    handshake listener), the generation of its registrations and the caches registered with
+    it."""
+
+    session_host: str
+    session_port: int
+    gen: int
+    caches: tuple[int, ...] = ()
+
+    @property
+    def session(self) -> str:
+        """Mooncake's name of the peer's engine (``host:port``; IPv6 hosts in brackets)."""
+        host = f"[{self.session_host}]" if ":" in self.session_host else self.session_host
+        return f"{host}:{self.session_port}"
+
+    def fields(self) -> dict[str, Any]:
+        """The wire's dict (what ``MooncakeEndpoint.table_entry`` publishes)."""
+        return {
+            "host": self.session_host,
+            "port": self.session_port,
+            "gen": self.gen,
+            "caches": list(self.caches),
+        }
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any] | None) -> MooncakeInfo | None:
+        """A peer's :attr:`Table.mooncake` (None: it published none).
+
+        Raises:
+            ProtocolError: a missing or malformed host, port, generation or cache list."""
+        if raw is None:
+            return None
+        caches = raw.get("caches")
+        if not isinstance(caches, list):
+            raise bad_field("Mooncake caches", caches)
+        host = str_field(raw.get("host"), "Mooncake host")
+        try:
+            # An address literal, as llm.listenIpInfo is: compared with the link's address.
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise bad_field("Mooncake host", host) from None
+        return cls(
+            host,
+            int_field(raw.get("port"), "Mooncake port", 1, 65535),
+            int_field(raw.get("gen"), "Mooncake generation", 0),
+            tuple(int_field(c, "Mooncake cache id", 0) for c in caches),
+        )
 
 
 def _no_regions() -> tuple[np.ndarray, np.ndarray]:

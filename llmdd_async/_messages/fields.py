@@ -77,6 +77,9 @@ class Cap(_Words):
     #: it takes a local grant of what a key grants in a cache the target does not publish,
     #: where it reaches the target's process itself (releases before this one refuse one)
     KEY_READS = "key_reads"
+    #: what is registered with its Mooncake transfer engine (new words go last: a request's
+    #: bytes stay what they were when it does not use them)
+    MOONCAKE = "mooncake"
 
 
 #: each vocabulary by its wire strings

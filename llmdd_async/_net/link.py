@@ -172,6 +172,14 @@ class Link:
 
     # ------------------------------------------------------------------ state
     @property
+    def peer_host(self) -> str:
+        """The address the link's socket is connected to ("" once it is closed)."""
+        try:
+            return str(self.sock.getpeername()[0])
+        except OSError:
+            return ""
+
+    @property
     def alive(self) -> bool:
         return self.broken is None and not self.closed
 

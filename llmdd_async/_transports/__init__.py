@@ -8,6 +8,8 @@
 * ``in_process``: both endpoints share an address space; one memmove.
 * ``nixl``: one-sided NIXL READ/WRITE (UCX: RDMA, cma, shm, tcp, cuda_ipc) between the granted
   ranges, when both endpoints set ``llm.Transport=nixl`` (loaded only then).
+* ``mooncake``: one-sided Mooncake Transfer Engine READ/WRITE (its TCP protocol) between the
+  granted ranges, when both endpoints set ``llm.Transport=mooncake`` (loaded only then).
 
 The link picks per transfer; ``llm.Transport`` (one key of :data:`TRANSPORTS`) constrains it.
 Two interfaces, both here:
@@ -19,8 +21,8 @@ Two interfaces, both here:
   agent), made when the engine starts by the module :data:`TRANSPORTS` names, loaded lazily.
 
 Accesses to a process the same-host side channel proved (``_net/side_channel``) come from
-:func:`direct_access`. Another transfer engine (Mooncake TE) would be one more entry of
-:data:`TRANSPORTS` and one more module offering both shapes.
+:func:`direct_access`. Each transfer engine (NIXL, Mooncake TE) is one entry of
+:data:`TRANSPORTS` and one module offering both shapes.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "AccessLink",
     "CopyRunner",
     "EndpointHost",
+    "EngineAccess",
     "PeerAccess",
     "RegisteredCache",
     "Transport",
@@ -101,6 +104,11 @@ class AccessLink(Protocol):
     threads: anyio.CapacityLimiter
 
     @property
+    def peer_host(self) -> str:
+        """The address the link's socket is connected to (where the peer really is)."""
+        ...
+
+    @property
     def alive(self) -> bool: ...
 
     def fail(self, exc: BaseException, expected: bool = False) -> None: ...
@@ -114,6 +122,11 @@ class EndpointHost(Protocol):
     cluster_id: int
     log: Any
     adapter: DeviceAdapter
+
+    @property
+    def listen_host(self) -> str | None:
+        """The address of ``llm.listenIpInfo``, or None when the endpoint does not listen."""
+        ...
 
     @property
     def sync_kv_timeout_s(self) -> float: ...
@@ -201,6 +214,42 @@ class PeerAccess(ABC):
         return {}
 
 
+class EngineAccess(PeerAccess):
+    """A :class:`PeerAccess` through a transfer engine (NIXL, Mooncake): reads and writes are
+    one :meth:`_move` each, between ranges the peer granted."""
+
+    @abstractmethod
+    async def _move(
+        self,
+        op: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        nbytes: np.ndarray,
+        token: CancelToken,
+    ) -> int:
+        """Move ``nbytes`` between local and granted peer ranges (``op``: ``READ`` from the
+        peer, ``WRITE`` to it); returns bytes.
+
+        Raises:
+            CopyCancelled: the token tripped (what the engine had in flight finished first).
+            OSError: the engine failed, or the peer's entry does not cover the ranges.
+        """
+
+    async def read(
+        self, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, token: CancelToken
+    ) -> int:
+        """Engine READ of granted peer ranges into local ranges; returns bytes (raises as
+        :meth:`_move`)."""
+        return await self._move("READ", local, remote, nbytes, token)
+
+    async def write(
+        self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, token: CancelToken
+    ) -> int:
+        """Engine WRITE of local ranges into granted peer ranges; returns bytes (raises as
+        :meth:`_move`)."""
+        return await self._move("WRITE", local, remote, nbytes, token)
+
+
 class TransportEndpoint(ABC):
     """The endpoint-wide half of a transport (one per engine, e.g. NIXL's agent): made when the
     engine starts, closed after its registry (every cache deregistered)."""
@@ -261,6 +310,16 @@ TRANSPORTS: dict[str, Transport] = {
         install_hint=(
             "pip install --no-deps nixl-cu12  (NIXL with UCX bundled, about 68 MB, enough on "
             "CPU); 'pip install llmdd-async[nixl]' pulls NIXL's CUDA dependencies too"
+        ),
+    ),
+    "mooncake": Transport(
+        direct=False,
+        module=".mooncake",
+        packages=("mooncake",),
+        install_hint=(
+            "pip install mooncake-transfer-engine-non-cuda  (CPU build; it needs the system "
+            "libraries libibverbs1, librdmacm1 and libnuma1), or mooncake-transfer-engine for "
+            "CUDA; 'pip install llmdd-async[mooncake]' installs the CPU build"
         ),
     ),
 }

@@ -15,7 +15,7 @@ from .._memory import CancelToken
 from .._messages import CacheInfo, NixlInfo, Table, regions_of
 from .._planner import check_within
 from .._protocol import MT, Message
-from . import NO_CAPS, AccessLink, PeerAccess, RegisteredCache
+from . import NO_CAPS, AccessLink, EngineAccess, RegisteredCache
 from ._nixl_agent import (
     CHUNK_BYTES,
     SMALL_BYTES,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["NixlAccess"]
 
 
-class NixlAccess(PeerAccess):
+class NixlAccess(EngineAccess):
     """Initiator-side access to a linked peer through NIXL. Its ``regions`` are the peer's
     reachable regions (``Link.view.regions``) once its table was fetched."""
 
@@ -191,28 +191,6 @@ class NixlAccess(PeerAccess):
         return self._ids[j]
 
     # ---------------------------------------------------------------- transfers
-    async def read(
-        self, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, token: CancelToken
-    ) -> int:
-        """NIXL READ of granted peer ranges into local ranges; returns bytes.
-
-        Raises:
-            CopyCancelled: the token tripped (every posted request finished first).
-            OSError: NIXL failed, or its metadata does not cover the ranges.
-        """
-        return await self._move("READ", local, remote, nbytes, token)
-
-    async def write(
-        self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, token: CancelToken
-    ) -> int:
-        """NIXL WRITE of local ranges into granted peer ranges; returns bytes.
-
-        Raises:
-            CopyCancelled: the token tripped (every posted request finished first).
-            OSError: NIXL failed, or its metadata does not cover the ranges.
-        """
-        return await self._move("WRITE", local, remote, nbytes, token)
-
     async def _move(
         self,
         op: str,

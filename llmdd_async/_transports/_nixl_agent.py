@@ -24,6 +24,7 @@ from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._memory import CancelToken
 from . import TRANSPORTS
+from ._runs import U64, cuts, merged_runs
 
 __all__ = [
     "BACKOFF_MAX",
@@ -64,7 +65,6 @@ BACKOFF_MAX = 1e-3
 #: for ``_BUSY_S`` after this side granted a NIXL request (UCX tcp needs the target to progress)
 _IDLE_S = 1e-3
 _BUSY_S = 2.0
-U64 = np.uint64
 
 _api: Any = None
 _api_lock = threading.Lock()
@@ -232,17 +232,6 @@ def find1(starts: list[int], ends: list[int], ids: list[int], addr: int, nbytes:
     return ids[j]
 
 
-def merged_runs(addrs: np.ndarray, size: int) -> np.ndarray:
-    """``(start, len)`` rows of the tensors at ``addrs`` (``size`` bytes each), adjacent ones
-    merged: what one cache registers."""
-    s = np.sort(np.asarray(addrs, dtype=U64))
-    e = s + U64(size)
-    brk = np.flatnonzero(s[1:] != e[:-1]) + 1
-    lo = s[np.concatenate(([0], brk))]
-    hi = e[np.concatenate((brk - 1, [len(s) - 1]))]
-    return np.stack([lo, hi - lo], axis=1)
-
-
 class _Wait:
     __slots__ = ("event", "handle", "state", "token")
 
@@ -369,19 +358,3 @@ class Chunk:
         return agent.initialize_xfer(
             op, agent.get_xfer_descs(lrows, lmem), agent.get_xfer_descs(rrows, rmem), peer
         )
-
-
-def cuts(nbytes: np.ndarray, limit: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` descriptor ranges of at most ``limit`` bytes each (a bigger descriptor is
-    a range of its own)."""
-    csum = np.cumsum(nbytes, dtype=np.int64)
-    out = []
-    lo, base = 0, 0
-    n = len(nbytes)
-    while lo < n:
-        hi = int(np.searchsorted(csum, base + limit, side="right"))
-        hi = max(hi, lo + 1)
-        out.append((lo, hi))
-        base = int(csum[hi - 1])
-        lo = hi
-    return out

@@ -62,6 +62,7 @@ NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 _DISTRIBUTIONS = {
     "nixl": ("nixl", "nixl-cu12", "nixl-cu13"),  # ours over llm.Transport=nixl
     "nixl-raw": ("nixl", "nixl-cu12", "nixl-cu13"),
+    "mooncake": ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"),  # ours
     "mooncake-raw": ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"),
 }
 MARK = "LLMDD-PEER-ROWS "

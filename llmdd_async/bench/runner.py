@@ -1,8 +1,9 @@
 """``llmdd-async bench``: pulls and pushes against a real peer process, swept over block size,
 blocks per request, requests in flight, operation, transport and event loop.
 
-Transports: ours over ``llm.Transport`` ``tcp``, ``same-host`` or ``nixl`` (NIXL over UCX as
-the environment configures it, e.g. ``UCX_NET_DEVICES=lo UCX_TLS=cma,tcp,self``); and the peer
+Transports: ours over ``llm.Transport`` ``tcp``, ``same-host``, ``nixl`` (NIXL over UCX as
+the environment configures it, e.g. ``UCX_NET_DEVICES=lo UCX_TLS=cma,tcp,self``) or
+``mooncake`` (Mooncake Transfer Engine, its TCP protocol); and the peer
 engines through their own Python APIs on the same workloads in the same run: ``nixl-raw``
 (NIXL's agent API: prepared descriptor lists, busy polling) and ``mooncake-raw`` (Mooncake
 Transfer Engine over TCP, P2P handshake, no metadata server); these have no event loop (their
@@ -53,7 +54,7 @@ from llmdd_async.testing import PeerProcess, encode_key
 __all__ = ["build_parser", "run"]
 
 _LOOPS = ("asyncio", "uvloop", "trio")
-_TRANSPORTS = ("tcp", "same-host", "nixl", *peers.ENGINES)
+_TRANSPORTS = ("tcp", "same-host", "nixl", "mooncake", *peers.ENGINES)
 #: UCX transports that move bytes between processes of one host through memory (not a socket)
 _UCX_MEMORY_TLS = {"all", "cma", "shm", "sm", "posix", "sysv", "xpmem", "knem"}
 _OPS = ("pull", "push")
@@ -100,7 +101,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--transports",
         type=_choices(*_TRANSPORTS),
         default=["tcp", "same-host"],
-        help="transports: ours over llm.Transport tcp, same-host or nixl; nixl-raw and "
+        help="transports: ours over llm.Transport tcp, same-host, nixl or mooncake; nixl-raw and "
         "mooncake-raw: those engines' own APIs on the same workloads",
     )
     p.add_argument(
@@ -289,7 +290,9 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
         "loops": list(args.loops),
         "modes": list(args.modes),
         "transports": list(args.transports),
-        "engines": peers.versions([t for t in args.transports if t in ("nixl", *peers.ENGINES)]),
+        "engines": peers.versions(
+            [t for t in args.transports if t in ("nixl", "mooncake", *peers.ENGINES)]
+        ),
         "ucx": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
         "argv": sys.argv[1:],
     }
@@ -407,6 +410,13 @@ def _unavailable(transport: str) -> str | None:
 
         if not available():
             return f"--transports nixl needs NIXL, not installed here: {INSTALL_HINT}"
+    if transport == "mooncake":
+        from llmdd_async._transports import mooncake
+
+        if not mooncake.available():
+            return (
+                f"--transports mooncake needs Mooncake, not installed here: {mooncake.INSTALL_HINT}"
+            )
     return None
 
 
@@ -497,6 +507,7 @@ def _plot(rows: list[dict[str, Any]], limits: dict[str, Any], path: str) -> None
         "same-host": "tab:orange",
         "nixl": "tab:green",
         "nixl-raw": "tab:olive",
+        "mooncake": "tab:purple",
         "mooncake-raw": "tab:red",
     }
     styles = {"asyncio": "-", "uvloop": "--", "trio": ":", "-": "-."}

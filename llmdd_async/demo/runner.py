@@ -460,7 +460,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--transport",
         type=installed_transport,
-        choices=["auto", "tcp", "same-host", "nixl"],
+        choices=["auto", "tcp", "same-host", "nixl", "mooncake"],
         default=d.transport,
         help="llm.Transport of both endpoints",
     )

@@ -465,13 +465,14 @@ async def test_a_host_whose_interface_is_down_or_cable_unplugged_cannot_link(
 
 
 # ------------------------------------------------------------------ NIXL between hosts
-def nixl_hosts(loop: str, options: dict[str, str] | None = None) -> Any:
-    """:func:`two_hosts` over NIXL, UCX on each host's veth over TCP."""
-    return _hosts(loop, {"llm.Transport": "nixl", **(options or {})}, ucx=True)
-
-
-async def test_pull_and_push_over_nixl_between_hosts_are_byte_exact(child_loop: str) -> None:
-    async with nixl_hosts(child_loop) as (_, p, d):
+@pytest.mark.parametrize("engine", ["nixl", "mooncake"])
+async def test_pull_and_push_over_a_transfer_engine_between_hosts_are_byte_exact(
+    child_loop: str, engine: str
+) -> None:
+    """NIXL (UCX tcp on the veth) and Mooncake (its TCP protocol; both hosts listen, so each
+    publishes its engine) between hosts: pulls and pushes byte-exact, on the engine."""
+    opts = {"llm.Transport": engine}
+    async with _hosts(child_loop, opts, ucx=engine == "nixl") as (_, p, d):
         src = await source(p, seed=31)
         dst, pushed_to = await target(d), await target(d, model_id=0)
         assert await link(d, p, PROMPT) == S.LLM_SUCCESS
@@ -481,8 +482,9 @@ async def test_pull_and_push_over_nixl_between_hosts_are_byte_exact(child_loop: 
         code = await p.call("push_blocks", blocks_key(DECODER, 0), {"cache": src}, SHUFFLED, BLOCKS)
         assert code == S.LLM_SUCCESS
         assert await d.request("digest", cache_id=pushed_to) == digests(31, SHUFFLED, BLOCKS)
-        stats = await d.request("link_statistics", cluster_id=PROMPT)
-        assert stats["transport"] == "nixl", stats
+        for side, peer in ((d, PROMPT), (p, DECODER)):
+            stats = await side.request("link_statistics", cluster_id=peer)
+            assert stats["transport"] == engine, stats
 
 
 # ------------------------------------------------------------------ a cable cut mid-transfer
@@ -512,6 +514,9 @@ async def _fault(host: NetnsHost, fault: str, on: bool) -> None:
         ("nixl", "cable"),
         # As the cable over NIXL (its fence waits out the stall): 20 s each, so on request.
         *[pytest.param("nixl", f, marks=pytest.mark.slow) for f in ("partition", "one-way")],
+        ("mooncake", "cable"),
+        # As the cable over Mooncake (measured the same, 2.0 s): 9 s each, so on request.
+        *[pytest.param("mooncake", f, marks=pytest.mark.slow) for f in ("partition", "one-way")],
     ],
 )
 async def test_a_cable_cut_mid_pull_fails_it_within_its_deadline(
@@ -597,7 +602,7 @@ HEARTBEAT_SLACK_S = 2.5
 
 
 @needs_drop
-@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "mooncake"])
 async def test_a_partition_of_an_idle_link_is_noticed_within_the_heartbeat(
     child_loop: str, transport: str
 ) -> None:
@@ -637,7 +642,7 @@ async def test_a_partition_of_an_idle_link_is_noticed_within_the_heartbeat(
         assert await d.request("digest", cache_id=dst) == digests(27)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "mooncake"])
 async def test_a_rebooted_peer_host_is_relinked_and_serves_its_new_registrations(
     child_loop: str, transport: str
 ) -> None:
@@ -682,7 +687,7 @@ async def test_a_rebooted_peer_host_is_relinked_and_serves_its_new_registrations
 @pytest.mark.usefixtures("shaping")
 @pytest.mark.parametrize(
     "transport",
-    ["tcp", pytest.param("nixl", marks=pytest.mark.slow)],  # NIXL: its fence wait
+    ["tcp", pytest.param("nixl", marks=pytest.mark.slow), "mooncake"],  # NIXL: its fence wait
 )
 async def test_a_peer_slowed_to_a_trickle_keeps_deadlines_and_other_links_served(
     child_loop: str, transport: str

@@ -42,7 +42,7 @@ def test_the_command_lists_every_check() -> None:
     )
     assert done.returncode == 0, done.stderr
     names = [line.split()[0] for line in done.stdout.splitlines() if not line.startswith(" ")]
-    assert names == ["python", "uvloop", "trio", "torch", "vllm", "nixl", "matplotlib"]
+    assert names == ["python", "uvloop", "trio", "torch", "vllm", "nixl", "mooncake", "matplotlib"]
     assert "python      ok" in done.stdout
     for line in done.stdout.splitlines():
         state = line.split()[1] if not line.startswith(" ") else None

@@ -35,6 +35,7 @@ from llmdd_async._messages import (
     Identity,
     LinkRefused,
     Mode,
+    MooncakeInfo,
     NixlInfo,
     Op,
     Ping,
@@ -229,7 +230,7 @@ def test_the_vocabularies_are_the_wire_strings() -> None:
     assert [s.value for s in Shape] == ["slot", "blocks", "slot_to_blocks"]
     assert [m.value for m in Mode] == ["local", "stream"]
     assert [b.value for b in By] == ["req_key", "prefix_key", "blocks_key", "cache_id", "addrs"]
-    assert [c.value for c in Cap] == ["inproc", "pools", "pvr", "nixl", "key_reads"]
+    assert [c.value for c in Cap] == ["inproc", "pools", "pvr", "nixl", "key_reads", "mooncake"]
     assert Op.PULL == "pull" and str(Shape.SLOT_TO_BLOCKS) == "slot_to_blocks"
 
 
@@ -253,8 +254,8 @@ def _old_request(r: Request) -> Message:
 
     caps = {"inproc": Cap.INPROC in r.caps, "pools": Cap.POOLS in r.caps}
     caps |= {"pvr": Cap.PVR in r.caps, "nixl": Cap.NIXL in r.caps}
-    # What came since is added at the end, only when used: key_reads, then dtype.
-    caps |= {"key_reads": Cap.KEY_READS in r.caps}
+    # What came since is added at the end, only when used: key_reads, mooncake, then dtype.
+    caps |= {"key_reads": Cap.KEY_READS in r.caps, "mooncake": Cap.MOONCAKE in r.caps}
     fields: dict[str, Any] = {
         "op": str(r.op),
         "target": r.target.encode(),
@@ -815,6 +816,57 @@ def test_any_nixl_entry_decodes_or_raises_protocol_error_and_nothing_else(
         nx = NixlInfo.of(table.nixl)
         if nx is not None:
             nx.metadata()
+
+
+#: a TABLE's Mooncake entry as ``MooncakeEndpoint.table_entry`` publishes it
+MOONCAKE_ENTRY: dict[str, Any] = {"host": "10.0.0.1", "port": 15000, "gen": 2, "caches": [1, 4]}
+
+
+def test_a_mooncake_entry_is_read_once_from_the_table() -> None:
+    table = Table.decode(wire(Message(MT.TABLE, 0, {"caches": [], "mooncake": MOONCAKE_ENTRY})))
+    mc = MooncakeInfo.of(table.mooncake)
+    assert mc == MooncakeInfo("10.0.0.1", 15000, 2, (1, 4))
+    assert mc.session == "10.0.0.1:15000" and mc.fields() == MOONCAKE_ENTRY
+    assert Table.decode(wire(Table(mooncake=MOONCAKE_ENTRY).encode())).mooncake == MOONCAKE_ENTRY
+    assert MooncakeInfo.of(Table.decode(wire(Table().encode())).mooncake) is None
+    assert MooncakeInfo("fd00::1", 7, 0).session == "[fd00::1]:7"  # Mooncake's IPv6 names
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {k: v for k, v in MOONCAKE_ENTRY.items() if k != "host"},
+        {**MOONCAKE_ENTRY, "host": ""},
+        {**MOONCAKE_ENTRY, "host": 7},
+        {**MOONCAKE_ENTRY, "host": "10.0.0.1:99"},  # a port smuggled into the host: no
+        {**MOONCAKE_ENTRY, "host": "[fd00::1]"},
+        {**MOONCAKE_ENTRY, "host": "a b"},
+        {**MOONCAKE_ENTRY, "host": "h" * 256},
+        {**MOONCAKE_ENTRY, "port": 0},
+        {**MOONCAKE_ENTRY, "port": 65536},
+        {**MOONCAKE_ENTRY, "port": "15000"},
+        {**MOONCAKE_ENTRY, "gen": -1},
+        {**MOONCAKE_ENTRY, "gen": True},
+        {**MOONCAKE_ENTRY, "caches": "1"},
+        {**MOONCAKE_ENTRY, "caches": [-1]},
+        {**MOONCAKE_ENTRY, "caches": [1.5]},
+        {k: v for k, v in MOONCAKE_ENTRY.items() if k != "caches"},
+    ],
+)
+def test_a_malformed_mooncake_entry_is_a_protocol_error(entry: dict[str, Any]) -> None:
+    table = Table.decode(wire(Message(MT.TABLE, 0, {"caches": [], "mooncake": entry})))
+    with pytest.raises(ProtocolError):
+        MooncakeInfo.of(table.mooncake)
+
+
+@SETTINGS
+@given(st.dictionaries(st.sampled_from([*MOONCAKE_ENTRY, "x"]), junk, max_size=5))
+def test_any_mooncake_entry_decodes_or_raises_protocol_error_and_nothing_else(
+    changed: dict[str, Any],
+) -> None:
+    table = Table.decode(wire(Message(MT.TABLE, 0, {"mooncake": {**MOONCAKE_ENTRY, **changed}})))
+    with contextlib.suppress(ProtocolError):  # anything else fails the test
+        MooncakeInfo.of(table.mooncake)
 
 
 def test_malformed_table_entries_count_as_nothing() -> None:

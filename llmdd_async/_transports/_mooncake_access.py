@@ -1,0 +1,209 @@
+"""Mooncake Transfer Engine: one link's access to its peer's engine (``mooncake`` explains the
+design): the peer's entry fetched over the link and checked, granted ranges moved by the
+endpoint's engine."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from .._errors import CopyCancelled, ProtocolError
+from .._memory import CancelToken
+from .._messages import Cap, MooncakeInfo, Table, regions_of
+from .._planner import check_within
+from .._protocol import MT, Message
+from . import NO_CAPS, AccessLink, EngineAccess, RegisteredCache
+from ._runs import U64, tensor_regions
+
+if TYPE_CHECKING:
+    from .mooncake import MooncakeEndpoint
+
+__all__ = ["MooncakeAccess"]
+
+
+def _same_address(a: str, b: str) -> bool:
+    """True if two address literals name the same address (``fd00::1`` is ``fd00:0::1``)."""
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return False
+
+
+class MooncakeAccess(EngineAccess):
+    """Initiator-side access to a linked peer through Mooncake. Its ``regions`` are the peer's
+    reachable regions (``Link.view.regions``) once its table was fetched."""
+
+    name: ClassVar[str] = "mooncake"
+    peer_caps: ClassVar[tuple[str, ...]] = (Cap.MOONCAKE.value,)
+
+    def __init__(self, ep: MooncakeEndpoint) -> None:
+        super().__init__()
+        self.ep = ep
+        self.link: AccessLink | None = None
+        #: the peer engine's name, once its table was fetched and checked
+        self.session: str | None = None
+        self.peer_gen = -1
+        self._starts = np.zeros(0, dtype=U64)
+        self._ends = np.zeros(0, dtype=U64)
+        self._refresh_lock = anyio.Lock()
+        self._primed: anyio.Event | None = None
+        self.closed = False
+
+    @property
+    def _served(self) -> AccessLink:
+        """The link this access serves. Raises OSError before :meth:`attach`."""
+        if self.link is None:
+            raise OSError("the link's Mooncake access is not attached to a link")
+        return self.link
+
+    def attach(self, link: AccessLink) -> None:
+        """Bind to the link and fetch the peer's Mooncake entry in the background."""
+        self.link = link
+        self._primed = anyio.Event()
+        self.ep.host.spawn(self._prime)
+
+    async def _prime(self) -> None:
+        assert self._primed is not None
+        try:
+            await self.refresh(max(10.0, self.ep.host.sync_kv_timeout_s))
+        except Exception as exc:  # transfers fetch the table again and report failures
+            self._served.log.info("mooncake.prime_failed", reason=str(exc) or repr(exc))
+        finally:
+            self._primed.set()
+
+    async def ready(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the background table fetch has finished."""
+        if self._primed is not None:
+            with anyio.move_on_after(timeout_s):
+                await self._primed.wait()
+
+    def caps(self) -> dict[str, bool]:
+        return {**NO_CAPS, Cap.MOONCAKE.value: True}
+
+    def caps_for(self, entry: RegisteredCache, host_reachable: bool) -> dict[str, bool]:
+        """Caps of a request from/to ``entry``: Mooncake only when that cache is registered with
+        our engine (remote accessible, host memory) and the peer's engine is known (its table
+        fetched, naming the link's host); otherwise the request moves over the stream."""
+        if self.session is not None and self.ep.registered(entry):
+            return self.caps()
+        return dict(NO_CAPS)
+
+    def table_fields(self) -> dict[str, Any]:
+        """Our engine's entry: only a peer linked over Mooncake is told where it is."""
+        entry = self.ep.table_entry()
+        return {} if entry is None else {"mooncake": entry}
+
+    async def refresh(self, timeout_s: float) -> None:
+        """Fetch the peer's table over the link and take its Mooncake entry. A peer that
+        publishes none (it does not listen) is reached over the link's stream.
+
+        Raises:
+            OSError: no answer, a malformed entry, or one naming another host.
+            LLMException: the link failed meanwhile.
+        """
+        link = self._served
+        async with self._refresh_lock:
+            msg = await link.roundtrip(Message(MT.TABLE_REQ), MT.TABLE, timeout_s)
+            if msg is None:
+                raise OSError("the peer did not send its cache table in time")
+            table = Table.decode(msg)
+            try:
+                info = MooncakeInfo.of(table.mooncake)
+            except ProtocolError as exc:
+                raise OSError(f"malformed Mooncake entry: {exc}") from exc
+            if info is None:
+                self.session = None  # our requests to it move over the stream
+                self.regions = regions_of(table.caches)
+                link.view.regions = self.regions
+                return
+            if not _same_address(info.session_host, link.peer_host):
+                # Never open a Mooncake session where the peer says: only where it is.
+                self.session = None
+                link.log.warning(
+                    "mooncake.peer_refused",
+                    named=info.session_host,
+                    linked=link.peer_host,
+                    reason="the peer names another host for its engine: its transfers use "
+                    "the link's stream",
+                )
+                raise OSError(
+                    f"the peer's Mooncake engine is on {info.session_host!r}, not on the "
+                    f"link's address {link.peer_host!r}: refused"
+                )
+            ids = set(info.caches)
+            mine = [c for c in table.caches if c.cache_id in ids and c.remote_accessible]
+            starts, ends = tensor_regions(
+                [np.asarray(c.addrs, dtype=U64) for c in mine], [c.tensor_bytes for c in mine]
+            )
+            if self.closed:
+                raise OSError("the link closed")
+            self.session = info.session
+            self.peer_gen = info.gen
+            self._starts, self._ends = starts, ends
+            self.regions = regions_of(table.caches)
+            link.view.regions = self.regions
+
+    async def _move(
+        self,
+        op: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        nbytes: np.ndarray,
+        token: CancelToken,
+    ) -> int:
+        if self.closed or self.link is None:
+            raise OSError("the link's Mooncake access is closed")
+        if not len(nbytes):
+            return 0
+        if token.cancelled:
+            raise CopyCancelled
+        if self._primed is not None and not self._primed.is_set():
+            await self._primed.wait()  # bounded by the task's deadline
+        if self.session is None or not check_within(remote, nbytes, self._starts, self._ends):
+            await self.refresh(self.ep.host.sync_kv_timeout_s)
+            if self.session is None:
+                raise OSError("the peer publishes no Mooncake engine")
+            if not check_within(remote, nbytes, self._starts, self._ends):
+                raise OSError("the peer's Mooncake registrations do not cover the granted ranges")
+        if not self.ep.covers(local, nbytes):
+            raise OSError("local ranges are not registered with Mooncake")
+        session = self.session
+        assert session is not None
+        try:
+            return int(
+                await anyio.to_thread.run_sync(
+                    self.ep.pump,
+                    op,
+                    session,
+                    local,
+                    remote,
+                    nbytes,
+                    token,
+                    limiter=self._served.threads,
+                )
+            )
+        except OSError:
+            await self._settle()
+            raise
+
+    async def _settle(self) -> None:
+        """A Mooncake failure is most often the peer dying: give the link a moment to notice,
+        so the task fails with the link's reason (LLM_LINK_FAILED), not a bare Mooncake
+        error."""
+        with anyio.move_on_after(1.0):
+            while self._served.alive:  # noqa: ASYNC110 (the link has no event for this)
+                await anyio.sleep(0.01)
+
+    def close(self) -> None:
+        """Forget the peer (called once no request of the link runs). Mooncake keeps its
+        session to the peer's engine; it is reopened when the peer's engine restarts. Never
+        raises."""
+        if self.closed:
+            return
+        self.closed = True
+        self.session = None
+        self.ep.accesses.discard(self)
