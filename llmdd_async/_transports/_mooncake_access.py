@@ -173,30 +173,39 @@ class MooncakeAccess(EngineAccess):
             raise OSError("local ranges are not registered with Mooncake")
         session = self.session
         assert session is not None
-        try:
-            return int(
-                await anyio.to_thread.run_sync(
-                    self.ep.pump,
-                    op,
-                    session,
-                    local,
-                    remote,
-                    nbytes,
-                    token,
-                    limiter=self._served.threads,
+        for attempt in (1, 2):
+            try:
+                return int(
+                    await anyio.to_thread.run_sync(
+                        self.ep.pump,
+                        op,
+                        session,
+                        local,
+                        remote,
+                        nbytes,
+                        token,
+                        limiter=self._served.threads,
+                    )
                 )
-            )
-        except OSError:
-            await self._settle()
-            raise
+            except OSError as exc:
+                # A peer that is still linked after a failure: most often Mooncake's cached
+                # description of an engine that is gone (another engine took its port since),
+                # which it drops on the failure. Once more, from the start: reads and writes of
+                # granted ranges repeat safely while the grant holds.
+                if attempt == 2 or not await self._settle(0.2):
+                    await self._settle(1.0)
+                    raise
+                self._served.log.info("mooncake.retry", reason=str(exc))
+        raise AssertionError("unreachable")
 
-    async def _settle(self) -> None:
-        """A Mooncake failure is most often the peer dying: give the link a moment to notice,
-        so the task fails with the link's reason (LLM_LINK_FAILED), not a bare Mooncake
-        error."""
-        with anyio.move_on_after(1.0):
+    async def _settle(self, wait_s: float) -> bool:
+        """A Mooncake failure is most often the peer dying: give the link up to ``wait_s`` to
+        notice, so the task fails with the link's reason (LLM_LINK_FAILED), not a bare
+        Mooncake error. True if the link is still alive then."""
+        with anyio.move_on_after(wait_s):
             while self._served.alive:  # noqa: ASYNC110 (the link has no event for this)
                 await anyio.sleep(0.01)
+        return self._served.alive
 
     def close(self) -> None:
         """Forget the peer (called once no request of the link runs). Mooncake keeps its
