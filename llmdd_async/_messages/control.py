@@ -274,13 +274,15 @@ class NixlInfo:
 class MooncakeInfo:
     """A TABLE's Mooncake entry (a peer of ``llm.Transport=mooncake``, to a peer linked over
     Mooncake): its transfer engine's session (an address literal and the port of its
-    handshake listener), the generation of its registrations and the caches registered with
-    it."""
+    handshake listener), the engine's instance (a random id: a new engine that took the name
+    of one that is gone has another), the generation of its registrations and the caches
+    registered with it."""
 
     session_host: str
     session_port: int
     gen: int
     caches: tuple[int, ...] = ()
+    instance: int = 0
 
     @property
     def session(self) -> str:
@@ -295,6 +297,7 @@ class MooncakeInfo:
             "port": self.session_port,
             "gen": self.gen,
             "caches": list(self.caches),
+            "instance": self.instance,
         }
 
     @classmethod
@@ -302,7 +305,8 @@ class MooncakeInfo:
         """A peer's :attr:`Table.mooncake` (None: it published none).
 
         Raises:
-            ProtocolError: a missing or malformed host, port, generation or cache list."""
+            ProtocolError: a missing or malformed host, port, generation, cache list or
+                instance."""
         if raw is None:
             return None
         caches = raw.get("caches")
@@ -319,6 +323,7 @@ class MooncakeInfo:
             int_field(raw.get("port"), "Mooncake port", 1, 65535),
             int_field(raw.get("gen"), "Mooncake generation", 0),
             tuple(int_field(c, "Mooncake cache id", 0) for c in caches),
+            int_field(raw.get("instance"), "Mooncake engine instance", 0),
         )
 
 

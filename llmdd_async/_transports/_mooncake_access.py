@@ -99,7 +99,8 @@ class MooncakeAccess(EngineAccess):
 
     async def refresh(self, timeout_s: float) -> None:
         """Fetch the peer's table over the link and take its Mooncake entry. A peer that
-        publishes none (it does not listen) is reached over the link's stream.
+        publishes none (it does not listen), or whose engine has the name of another that our
+        engine knew, is reached over the link's stream.
 
         Raises:
             OSError: no answer, a malformed entry, or one naming another host.
@@ -134,6 +135,17 @@ class MooncakeAccess(EngineAccess):
                     f"the peer's Mooncake engine is on {info.session_host!r}, not on the "
                     f"link's address {link.peer_host!r}: refused"
                 )
+            if not self.ep.reaches(info):
+                self.session = None  # our requests to it move over the stream
+                link.log.warning(
+                    "mooncake.stale_peer",
+                    session=info.session,
+                    reason="our Mooncake engine knew another engine by this name (a process "
+                    "that is gone; Mooncake cannot forget it): transfers use the link's stream",
+                )
+                self.regions = regions_of(table.caches)
+                link.view.regions = self.regions
+                return
             ids = set(info.caches)
             mine = [c for c in table.caches if c.cache_id in ids and c.remote_accessible]
             starts, ends = tensor_regions(
@@ -173,44 +185,34 @@ class MooncakeAccess(EngineAccess):
             raise OSError("local ranges are not registered with Mooncake")
         session = self.session
         assert session is not None
-        for attempt in (1, 2):
-            try:
-                return int(
-                    await anyio.to_thread.run_sync(
-                        self.ep.pump,
-                        op,
-                        session,
-                        local,
-                        remote,
-                        nbytes,
-                        token,
-                        limiter=self._served.threads,
-                    )
+        try:
+            return int(
+                await anyio.to_thread.run_sync(
+                    self.ep.pump,
+                    op,
+                    session,
+                    local,
+                    remote,
+                    nbytes,
+                    token,
+                    limiter=self._served.threads,
                 )
-            except OSError as exc:
-                # A peer that is still linked after a failure: most often Mooncake's cached
-                # description of an engine that is gone (another engine took its port since),
-                # which it drops on the failure. Once more, from the start: reads and writes of
-                # granted ranges repeat safely while the grant holds.
-                if attempt == 2 or not await self._settle(0.2):
-                    await self._settle(1.0)
-                    raise
-                self._served.log.info("mooncake.retry", reason=str(exc))
-        raise AssertionError("unreachable")
+            )
+        except OSError:
+            await self._settle()
+            raise
 
-    async def _settle(self, wait_s: float) -> bool:
-        """A Mooncake failure is most often the peer dying: give the link up to ``wait_s`` to
-        notice, so the task fails with the link's reason (LLM_LINK_FAILED), not a bare
-        Mooncake error. True if the link is still alive then."""
-        with anyio.move_on_after(wait_s):
+    async def _settle(self) -> None:
+        """A Mooncake failure is most often the peer dying: give the link a moment to notice,
+        so the task fails with the link's reason (LLM_LINK_FAILED), not a bare Mooncake
+        error."""
+        with anyio.move_on_after(1.0):
             while self._served.alive:  # noqa: ASYNC110 (the link has no event for this)
                 await anyio.sleep(0.01)
-        return self._served.alive
 
     def close(self) -> None:
-        """Forget the peer (called once no request of the link runs). Mooncake keeps its
-        session to the peer's engine; it is reopened when the peer's engine restarts. Never
-        raises."""
+        """Forget the peer (called once no request of the link runs; Mooncake keeps what it
+        learned of the peer's engine). Never raises."""
         if self.closed:
             return
         self.closed = True

@@ -32,6 +32,14 @@ ordering and layer-wise scheduling are the link's and the task's.
   the GIL for about a second; a closed endpoint's engine (nothing registered any more) is
   kept for the process's next endpoint of the same address instead.
 
+* **A restarted peer by an old name.** Mooncake names an engine ``host:port`` and keeps
+  what it learned of a name for as long as the engine that learned it lives (no call forgets
+  it): a peer engine that restarts on a port an earlier one had (Mooncake picks one of
+  15000..17000 at random, or among those ``MC_MIN_PRC_PORT``..``MC_MAX_PRC_PORT`` pin) is out
+  of its reach. Each engine publishes a random instance id with its name; a link to a peer
+  whose engine's name ours knew with another id moves over its stream (``mooncake.stale_peer``
+  says so), byte-exact, as a link without Mooncake.
+
 **Trust.** Mooncake's listeners authenticate no one and bind every address of the host, whatever
 ``llm.listenIpInfo`` says: any process that reaches them can read and write the memory
 registered with the engine (it refuses addresses outside it). Only remote-accessible caches are
@@ -47,6 +55,7 @@ import contextlib
 import importlib
 import math
 import os
+import secrets
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -104,21 +113,38 @@ _QUEUE_ENV, _QUEUE = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535"
 _PROGRESS_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
 
 
+class _Engine:
+    """A Mooncake engine and what it learned of its peers' engines (pooled together)."""
+
+    __slots__ = ("instance", "peers", "te")
+
+    def __init__(self, te: Any) -> None:
+        self.te = te
+        #: published with its name: a new engine that takes the name of one that is gone has
+        #: another (Mooncake picks a port of 15000..17000 at random, or the one a user pins)
+        self.instance = secrets.randbits(63)
+        #: the instance each peer engine's name was first used with: Mooncake keeps what it
+        #: learns of a name (the engine's data port, its session) for as long as this engine
+        #: lives, and has no call that forgets it, so another engine by that name is out of
+        #: this engine's reach (its transfers fail or wait for Mooncake's timeout)
+        self.peers: dict[str, int] = {}
+
+
 #: engines of endpoints that closed, by name, for this process's next endpoint of that name:
 #: Mooncake has no shutdown call, and dropping an engine holds the GIL for about a second
 #: (it joins its threads), which would stop every thread and event loop of the process. So
 #: none is dropped while the process runs; an idle one has nothing registered.
-_IDLE: dict[str, list[Any]] = {}
+_IDLE: dict[str, list[_Engine]] = {}
 _IDLE_LOCK = threading.Lock()
 
 
-def _take_idle(name: str) -> Any | None:
+def _take_idle(name: str) -> _Engine | None:
     with _IDLE_LOCK:
         engines = _IDLE.get(name)
         return engines.pop() if engines else None
 
 
-def _give_back(name: str, engine: Any) -> None:
+def _give_back(name: str, engine: _Engine) -> None:
     with _IDLE_LOCK:
         _IDLE.setdefault(name, []).append(engine)
 
@@ -177,14 +203,16 @@ class MooncakeEndpoint(TransportEndpoint):
 
     def __init__(
         self,
-        engine: Any,
+        engine: _Engine,
         name: str,
         host_name: str | None,
         port: int,
         adapter: DeviceAdapter,
         host: EndpointHost,
     ) -> None:
-        self.engine = engine
+        self._pooled = engine
+        #: Mooncake's engine (None once closed)
+        self.engine: Any = engine.te
         #: the host the engine was started with (its name without the port)
         self.name = name
         self.host = host
@@ -216,15 +244,15 @@ class MooncakeEndpoint(TransportEndpoint):
         os.environ.setdefault(_PROGRESS_ENV, str(max(1, math.ceil(host.sync_kv_timeout_s))))
         os.environ.setdefault(_QUEUE_ENV, _QUEUE)
 
-        def make() -> tuple[Any, int]:
+        def make() -> tuple[_Engine, int]:
             engine = _take_idle(name)
-            if engine is not None:
-                return engine, int(engine.get_rpc_port())
-            engine = engine_class()
-            rc = engine.initialize(name, "P2PHANDSHAKE", "tcp", "")
-            if rc != 0:
-                raise OSError(f"TransferEngine.initialize returned {rc}")
-            return engine, int(engine.get_rpc_port())
+            if engine is None:
+                te = engine_class()
+                rc = te.initialize(name, "P2PHANDSHAKE", "tcp", "")
+                if rc != 0:
+                    raise OSError(f"TransferEngine.initialize returned {rc}")
+                engine = _Engine(te)
+            return engine, int(engine.te.get_rpc_port())
 
         try:
             engine, port = await anyio.to_thread.run_sync(make)
@@ -320,8 +348,18 @@ class MooncakeEndpoint(TransportEndpoint):
         if self.info_host is None:
             return None
         return MooncakeInfo(
-            self.info_host, self.info_port, self.gen, tuple(sorted(self.caches))
+            self.info_host,
+            self.info_port,
+            self.gen,
+            tuple(sorted(self.caches)),
+            self._pooled.instance,
         ).fields()
+
+    def reaches(self, info: MooncakeInfo) -> bool:
+        """True unless this engine knew another engine by the name of ``info``'s (a process
+        that is gone): Mooncake would use what it learned of that one, so a link to this one
+        moves over its stream."""
+        return self._pooled.peers.setdefault(info.session, info.instance) == info.instance
 
     def new_access(self, peer: Identity, log: Any) -> MooncakeAccess | None:
         """A Mooncake access when the peer asked for ``llm.Transport=mooncake`` too, else None
@@ -407,6 +445,6 @@ class MooncakeEndpoint(TransportEndpoint):
             self._unregister(reg)
         self.caches.clear()
         self._changed()
-        engine, self.engine = self.engine, None
-        if engine is not None:
-            _give_back(self.name, engine)  # not dropped: see _IDLE
+        if self.engine is not None:
+            self.engine = None
+            _give_back(self.name, self._pooled)  # not dropped: see _IDLE

@@ -264,6 +264,25 @@ class NetnsHost:
                 NFT, "add", "rule", "inet", _FAULT_TABLE, hook, match, self.device, "drop"
             )
 
+    async def reboot(self) -> None:
+        """ "Reboot" this host: kill every process in it and make its namespace anew, with
+        the same name, addresses and rate. What its kernel held goes with the old one (TCP
+        connections, ports in TIME-WAIT, nftables rules), as after a real reboot; its peers
+        are told nothing (no FIN, no RST).
+
+        Raises:
+            RuntimeError: a process would not die, or remaking the namespace failed.
+        """
+        # Its interface keeps its MAC address, as a NIC does: its peers' ARP entries stay
+        # right (a new one would leave them sending into the void until those expire).
+        shown = (await _run(IP, "-n", self.netns, "-o", "link", "show", self.device)).decode()
+        mac = shown.split("link/ether", 1)[1].split()[0]
+        await _kill_all_in(self.netns)
+        await _run(IP, "-n", self.bed.bridge_netns, "link", "del", self.port)
+        await _run(IP, "netns", "del", self.netns)
+        rate, self.rate = self.rate, None
+        await self.bed._build_host(self, rate, mac)
+
     async def set_rate(self, rate: str | None) -> None:
         """Shape this host's link to ``rate`` (a ``tc`` rate: ``1gbit``, ``100mbit``) in both
         directions, or with None stop shaping it.
@@ -336,27 +355,34 @@ class NetnsBed:
         await _run(IP, "-n", br, "link", "add", BRIDGE, "type", "bridge")
         await _run(IP, "-n", br, "link", "set", BRIDGE, "up")
         for h in self.hosts:
-            await self._add_netns(h.netns)
-            await _run(IP, "-n", h.netns, "link", "set", "lo", "up")
-            # made inside the bridge's namespace with its peer sent straight to the host's,
-            # so the veth never exists in (nor can clash with anything of) the caller's
-            await _run(
-                IP, "-n", br, "link", "add", h.port, "type", "veth",
-                "peer", "name", h.device, "netns", h.netns,
-            )  # fmt: skip
-            await _run(IP, "-n", br, "link", "set", h.port, "master", BRIDGE, "up")
-            cidr = f"{h.address}/{PREFIX_LEN}"
-            await _run(IP, "-n", h.netns, "addr", "add", cidr, "dev", h.device)
-            # nodad: usable at once (duplicate detection would hold it for a second or two)
-            cidr6 = f"{h.address6}/{PREFIX_LEN6}"
-            await _run(IP, "-n", h.netns, "addr", "add", cidr6, "dev", h.device, "nodad")
-            await _run(IP, "-n", h.netns, "link", "set", h.device, "up")
-            if rate is not None:
-                await h.set_rate(rate)
+            await self._build_host(h, rate)
+
+    async def _build_host(self, h: NetnsHost, rate: str | None, mac: str | None = None) -> None:
+        """Make ``h``'s namespace, its veth on the bridge (its end's MAC address ``mac`` when
+        given) and its addresses."""
+        br = self.bridge_netns
+        await self._add_netns(h.netns)
+        await _run(IP, "-n", h.netns, "link", "set", "lo", "up")
+        # made inside the bridge's namespace with its peer sent straight to the host's,
+        # so the veth never exists in (nor can clash with anything of) the caller's
+        await _run(
+            IP, "-n", br, "link", "add", h.port, "type", "veth",
+            "peer", "name", h.device, *(("address", mac) if mac else ()), "netns", h.netns,
+        )  # fmt: skip
+        await _run(IP, "-n", br, "link", "set", h.port, "master", BRIDGE, "up")
+        cidr = f"{h.address}/{PREFIX_LEN}"
+        await _run(IP, "-n", h.netns, "addr", "add", cidr, "dev", h.device)
+        # nodad: usable at once (duplicate detection would hold it for a second or two)
+        cidr6 = f"{h.address6}/{PREFIX_LEN6}"
+        await _run(IP, "-n", h.netns, "addr", "add", cidr6, "dev", h.device, "nodad")
+        await _run(IP, "-n", h.netns, "link", "set", h.device, "up")
+        if rate is not None:
+            await h.set_rate(rate)
 
     async def _add_netns(self, name: str) -> None:
         await _run(IP, "netns", "add", name)
-        self._made.append(name)
+        if name not in self._made:  # (a rebooted host's is made again)
+            self._made.append(name)
 
     async def _remove(self) -> None:
         """Kill what runs in the bed, delete its veths and namespaces.

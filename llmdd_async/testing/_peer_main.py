@@ -179,6 +179,15 @@ class Peer(CommandServer):
             "recent": recent,
         }
 
+    async def mooncake_entry(self) -> dict[str, Any] | None:
+        """This endpoint's Mooncake entry as a linked peer fetches it (its engine's ``host``,
+        ``port``, ``instance``, ...), or None (no Mooncake engine, or it does not listen)."""
+        from .._transports.mooncake import MooncakeEndpoint
+
+        engine = self.dd._engine  # type: ignore[union-attr]
+        ep = None if engine is None else engine.transport_endpoint
+        return ep.table_entry() if isinstance(ep, MooncakeEndpoint) else None
+
     async def link_failure(self, cluster_id: int) -> str | None:
         """Why the last link to ``cluster_id`` failed or broke, or None."""
         return self.dd.link_failure(cluster_id)  # type: ignore[union-attr]

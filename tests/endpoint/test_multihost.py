@@ -232,6 +232,31 @@ async def test_the_bed_leaves_nothing_behind(ending: str, child_loop: str) -> No
         await stray.aclose()
 
 
+@needs_drop
+@pytest.mark.usefixtures("shaping")
+async def test_a_rebooted_host_loses_its_processes_and_kernel_state_and_keeps_its_address(
+    child_loop: str,
+) -> None:
+    async with NetnsBed.create(2, rate="100mbit") as bed:
+        a, b = bed.hosts
+        stray = await anyio.open_process([*a.prefix, "sleep", "60"])
+        await a.set_partition(inbound=True, outbound=True)
+        await a.reboot()
+        with anyio.fail_after(5):
+            assert await stray.wait() == -signal.SIGKILL
+        await stray.aclose()
+        rules = (await a.run("nft", "list", "ruleset")).decode()
+        assert "drop" not in rules, rules  # its firewall went with its kernel
+        qdisc = (await a.run("tc", "qdisc", "show", "dev", a.device)).decode()
+        assert "tbf" in qdisc and "100Mbit" in qdisc, qdisc  # its link is as it was
+        async with (
+            a.peer(dd.LLMRole.PROMPT, PROMPT, {"llm.Transport": "tcp"}, child_loop) as p,
+            b.peer(dd.LLMRole.DECODER, DECODER, {"llm.Transport": "tcp"}, child_loop) as d,
+        ):  # fmt: skip
+            assert p.listen is not None and p.listen[0] == a.address
+            assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+
+
 async def test_a_bed_needs_one_host_at_least() -> None:
     with pytest.raises(ValueError, match="n_hosts"):
         async with NetnsBed.create(0):
@@ -681,6 +706,46 @@ async def test_a_rebooted_peer_host_is_relinked_and_serves_its_new_registrations
                 assert await d.request("digest", cache_id=dst) == digests(29, BLOCKS, SHUFFLED)
                 stats = await d.request("link_statistics", cluster_id=PROMPT)
                 assert stats["transport"] == transport, stats
+
+
+async def test_a_peer_engine_restarted_under_a_name_mooncake_knew_is_served_over_the_stream(
+    child_loop: str,
+) -> None:
+    """Mooncake keeps what it learned of a peer engine's name (``host:port``) for as long as
+    the engine that learned it lives. The prompt's host reboots again and again, its engine's
+    ports pinned to two (``MC_MIN_PRC_PORT``..``MC_MAX_PRC_PORT``: its handshake and data
+    ports), so by the third boot its name repeats one the decoder's engine knew: a pull from
+    an engine by a new name runs on Mooncake, one by a known name over the link's stream,
+    byte-exact either way (left to Mooncake, it failed or waited for its timeout)."""
+    opts = {"llm.Transport": "mooncake", "llm.EnableRemoteCacheAccessible": "1"}
+    pinned = {"MC_MIN_PRC_PORT": "16100", "MC_MAX_PRC_PORT": "16101"}
+    async with NetnsBed.create(2) as bed:
+        a, b = bed.hosts
+        async with b.peer(dd.LLMRole.DECODER, DECODER, opts, child_loop) as d:
+            dst = await target(d)
+            pull = ("pull_blocks", blocks_key(PROMPT), {"cache": dst}, BLOCKS, SHUFFLED)
+            known: set[int] = set()
+            modes: list[str] = []
+            for boot in range(3):
+                async with a.peer(dd.LLMRole.PROMPT, PROMPT, opts, child_loop, pinned) as p:
+                    await source(p, seed=40 + boot)
+                    entry = await p.request("mooncake_entry")
+                    assert entry is not None and entry["port"] in (16100, 16101), entry
+                    assert await link(d, p, PROMPT) == S.LLM_SUCCESS
+                    with anyio.fail_after(10):
+                        assert await d.call(*pull) == S.LLM_SUCCESS
+                    assert await d.request("digest", cache_id=dst) == digests(
+                        40 + boot, BLOCKS, SHUFFLED
+                    )
+                    stats = await d.request("link_statistics", cluster_id=PROMPT)
+                    mode = stats["recent"][-1]["mode"]
+                    assert mode == ("stream" if entry["port"] in known else "local"), stats
+                    known.add(entry["port"])
+                    modes.append(mode)
+                    p.kill()
+                    await d.request("wait_link_down", cluster_id=PROMPT, timeout_s=5)
+                await a.reboot()  # its ports are free at once: no TIME-WAIT left on them
+            assert modes[0] == "local" and "stream" in modes[1:], modes
 
 
 @needs_rate

@@ -819,13 +819,15 @@ def test_any_nixl_entry_decodes_or_raises_protocol_error_and_nothing_else(
 
 
 #: a TABLE's Mooncake entry as ``MooncakeEndpoint.table_entry`` publishes it
-MOONCAKE_ENTRY: dict[str, Any] = {"host": "10.0.0.1", "port": 15000, "gen": 2, "caches": [1, 4]}
+MOONCAKE_ENTRY: dict[str, Any] = {
+    "host": "10.0.0.1", "port": 15000, "gen": 2, "caches": [1, 4], "instance": 9
+}  # fmt: skip
 
 
 def test_a_mooncake_entry_is_read_once_from_the_table() -> None:
     table = Table.decode(wire(Message(MT.TABLE, 0, {"caches": [], "mooncake": MOONCAKE_ENTRY})))
     mc = MooncakeInfo.of(table.mooncake)
-    assert mc == MooncakeInfo("10.0.0.1", 15000, 2, (1, 4))
+    assert mc == MooncakeInfo("10.0.0.1", 15000, 2, (1, 4), 9)
     assert mc.session == "10.0.0.1:15000" and mc.fields() == MOONCAKE_ENTRY
     assert Table.decode(wire(Table(mooncake=MOONCAKE_ENTRY).encode())).mooncake == MOONCAKE_ENTRY
     assert MooncakeInfo.of(Table.decode(wire(Table().encode())).mooncake) is None
@@ -847,6 +849,9 @@ def test_a_mooncake_entry_is_read_once_from_the_table() -> None:
         {**MOONCAKE_ENTRY, "port": "15000"},
         {**MOONCAKE_ENTRY, "gen": -1},
         {**MOONCAKE_ENTRY, "gen": True},
+        {k: v for k, v in MOONCAKE_ENTRY.items() if k != "instance"},
+        {**MOONCAKE_ENTRY, "instance": -1},
+        {**MOONCAKE_ENTRY, "instance": "9"},
         {**MOONCAKE_ENTRY, "caches": "1"},
         {**MOONCAKE_ENTRY, "caches": [-1]},
         {**MOONCAKE_ENTRY, "caches": [1.5]},
