@@ -215,8 +215,66 @@ class PeerAccess(ABC):
 
 
 class EngineAccess(PeerAccess):
-    """A :class:`PeerAccess` through a transfer engine (NIXL, Mooncake): reads and writes are
-    one :meth:`_move` each, between ranges the peer granted."""
+    """A :class:`PeerAccess` through a transfer engine (NIXL, Mooncake): the peer's entry is
+    fetched over the link when it is attached (:meth:`refresh`), and reads and writes are one
+    :meth:`_move` each, between ranges the peer granted."""
+
+    #: the engine as messages name it (``NIXL``)
+    label: ClassVar[str] = ""
+
+    def __init__(self, host: EndpointHost) -> None:
+        super().__init__()
+        self._host = host
+        self.link: AccessLink | None = None
+        #: the generation of the peer's registrations last fetched
+        self.peer_gen = -1
+        self._refresh_lock = anyio.Lock()
+        self._primed: anyio.Event | None = None
+        self.closed = False
+
+    @property
+    def _served(self) -> AccessLink:
+        """The link this access serves. Raises OSError before :meth:`attach`."""
+        if self.link is None:
+            raise OSError(f"the link's {self.label} access is not attached to a link")
+        return self.link
+
+    def attach(self, link: AccessLink) -> None:
+        """Bind to the link and fetch the peer's entry in the background (the first transfer
+        then does not pay for it within its deadline)."""
+        self.link = link
+        self._primed = anyio.Event()
+        self._host.spawn(self._prime)
+
+    async def _prime(self) -> None:
+        assert self._primed is not None
+        try:
+            await self.refresh(max(10.0, self._host.sync_kv_timeout_s))
+            await self._connect()
+        except Exception as exc:  # transfers fetch the entry again and report failures
+            self._served.log.info(f"{self.name}.prime_failed", reason=str(exc) or repr(exc))
+        finally:
+            self._primed.set()
+
+    async def _connect(self) -> None:
+        """After the first fetch: what else the engine sets up ahead of the first transfer
+        (NIXL: its connection to the peer's agent). Default: nothing."""
+        return None
+
+    async def ready(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the background fetch has finished."""
+        if self._primed is not None:
+            with anyio.move_on_after(timeout_s):
+                await self._primed.wait()
+
+    @abstractmethod
+    async def refresh(self, timeout_s: float) -> None:
+        """Fetch the peer's table over the link (at most ``timeout_s``) and take its entry.
+
+        Raises:
+            OSError: no answer, or an entry that is malformed or refused.
+            LLMException: the link failed meanwhile.
+        """
 
     @abstractmethod
     async def _move(

@@ -16,7 +16,7 @@ from .._memory import CancelToken
 from .._messages import Cap, MooncakeInfo, Table, regions_of
 from .._planner import check_within
 from .._protocol import MT, Message
-from . import NO_CAPS, AccessLink, EngineAccess, RegisteredCache
+from . import NO_CAPS, EngineAccess, RegisteredCache
 from ._runs import U64, tensor_regions
 
 if TYPE_CHECKING:
@@ -40,46 +40,15 @@ class MooncakeAccess(EngineAccess):
     name: ClassVar[str] = "mooncake"
     peer_caps: ClassVar[tuple[str, ...]] = (Cap.MOONCAKE.value,)
 
+    label: ClassVar[str] = "Mooncake"
+
     def __init__(self, ep: MooncakeEndpoint) -> None:
-        super().__init__()
+        super().__init__(ep.host)
         self.ep = ep
-        self.link: AccessLink | None = None
         #: the peer engine's name, once its table was fetched and checked
         self.session: str | None = None
-        self.peer_gen = -1
         self._starts = np.zeros(0, dtype=U64)
         self._ends = np.zeros(0, dtype=U64)
-        self._refresh_lock = anyio.Lock()
-        self._primed: anyio.Event | None = None
-        self.closed = False
-
-    @property
-    def _served(self) -> AccessLink:
-        """The link this access serves. Raises OSError before :meth:`attach`."""
-        if self.link is None:
-            raise OSError("the link's Mooncake access is not attached to a link")
-        return self.link
-
-    def attach(self, link: AccessLink) -> None:
-        """Bind to the link and fetch the peer's Mooncake entry in the background."""
-        self.link = link
-        self._primed = anyio.Event()
-        self.ep.host.spawn(self._prime)
-
-    async def _prime(self) -> None:
-        assert self._primed is not None
-        try:
-            await self.refresh(max(10.0, self.ep.host.sync_kv_timeout_s))
-        except Exception as exc:  # transfers fetch the table again and report failures
-            self._served.log.info("mooncake.prime_failed", reason=str(exc) or repr(exc))
-        finally:
-            self._primed.set()
-
-    async def ready(self, timeout_s: float) -> None:
-        """Wait (at most ``timeout_s``) until the background table fetch has finished."""
-        if self._primed is not None:
-            with anyio.move_on_after(timeout_s):
-                await self._primed.wait()
 
     def caps(self) -> dict[str, bool]:
         return {**NO_CAPS, Cap.MOONCAKE.value: True}

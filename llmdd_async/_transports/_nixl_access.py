@@ -15,7 +15,7 @@ from .._memory import CancelToken
 from .._messages import CacheInfo, NixlInfo, Table, regions_of
 from .._planner import check_within
 from .._protocol import MT, Message
-from . import NO_CAPS, AccessLink, EngineAccess, RegisteredCache
+from . import NO_CAPS, EngineAccess, RegisteredCache
 from ._nixl_agent import (
     CHUNK_BYTES,
     SMALL_BYTES,
@@ -40,53 +40,24 @@ class NixlAccess(EngineAccess):
     name: ClassVar[str] = "nixl"
     peer_caps: ClassVar[tuple[str, ...]] = ("nixl",)
 
+    label: ClassVar[str] = "NIXL"
+
     def __init__(self, ep: NixlEndpoint) -> None:
-        super().__init__()
+        super().__init__(ep.host)
         self.ep = ep
-        self.link: AccessLink | None = None
         self.peer_agent: str | None = None
-        self.peer_gen = -1
         self._remote: dict[int, Layout] = {}
         self._starts = np.zeros(0, dtype=U64)
         self._ends = np.zeros(0, dtype=U64)
         self._ids = np.zeros(0, dtype=np.int64)
         self._lists: tuple[list[int], list[int], list[int]] = ([], [], [])
-        self._refresh_lock = anyio.Lock()
-        self._primed: anyio.Event | None = None
         #: prepared lists of the peer's caches that changed, kept until the link closes
         self._retired: list[Any] = []
-        self.closed = False
 
-    @property
-    def _served(self) -> AccessLink:
-        """The link this access serves. Raises OSError before :meth:`attach`."""
-        if self.link is None:
-            raise OSError("the link's NIXL access is not attached to a link")
-        return self.link
-
-    def attach(self, link: AccessLink) -> None:
-        """Bind to the link and start fetching the peer's metadata and connecting to it in
-        the background (the first transfer then does not pay for it within its deadline)."""
-        self.link = link
-        self._primed = anyio.Event()
-        self.ep.host.spawn(self._prime)
-
-    async def _prime(self) -> None:
-        assert self._primed is not None
-        try:
-            await self.refresh(max(10.0, self.ep.host.sync_kv_timeout_s))
-            if self.peer_agent is not None:
-                await anyio.to_thread.run_sync(self.ep.agent.make_connection, self.peer_agent)
-        except Exception as exc:  # transfers fetch the metadata again and report failures
-            self._served.log.info("nixl.prime_failed", reason=str(exc) or repr(exc))
-        finally:
-            self._primed.set()
-
-    async def ready(self, timeout_s: float) -> None:
-        """Wait (at most ``timeout_s``) until the background metadata fetch has finished."""
-        if self._primed is not None:
-            with anyio.move_on_after(timeout_s):
-                await self._primed.wait()
+    async def _connect(self) -> None:
+        """Connect to the peer's agent ahead of the first transfer."""
+        if self.peer_agent is not None:
+            await anyio.to_thread.run_sync(self.ep.agent.make_connection, self.peer_agent)
 
     def caps(self) -> dict[str, bool]:
         return {"inproc": False, "pools": False, "pvr": False, "nixl": True}
