@@ -62,6 +62,7 @@ __all__ = [
     "TransportEndpoint",
     "direct_access",
     "installed",
+    "peer_asks_for",
     "require_installed",
     "start_endpoint",
     "transport",
@@ -212,6 +213,19 @@ class PeerAccess(ABC):
         """Fields this endpoint adds to its cache table when the peer on this access's link
         fetches it (NIXL: the agent's metadata, for NIXL links only). Default: none."""
         return {}
+
+
+def peer_asks_for(peer: Identity, transport: str, log: Any) -> bool:
+    """True if the peer asked for ``llm.Transport=<transport>`` too; else ``log`` says
+    ``transport.fallback`` (the link moves bytes over its stream)."""
+    if peer.transport == transport:
+        return True
+    log.info(
+        "transport.fallback",
+        peer_cluster_id=peer.cluster_id,
+        reason=f"the peer does not use llm.Transport={transport} ({peer.transport!r})",
+    )
+    return False
 
 
 class EngineAccess(PeerAccess):

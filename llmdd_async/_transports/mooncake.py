@@ -75,6 +75,7 @@ from . import (
     RegisteredCache,
     TransportEndpoint,
     installed,
+    peer_asks_for,
 )
 from ._mooncake_access import MooncakeAccess
 from ._runs import U64, merged_runs, tensor_regions
@@ -364,12 +365,7 @@ class MooncakeEndpoint(TransportEndpoint):
     def new_access(self, peer: Identity, log: Any) -> MooncakeAccess | None:
         """A Mooncake access when the peer asked for ``llm.Transport=mooncake`` too, else None
         (the link moves bytes over its stream, and ``log`` says ``transport.fallback``)."""
-        if peer.transport != "mooncake":
-            log.info(
-                "transport.fallback",
-                peer_cluster_id=peer.cluster_id,
-                reason=f"the peer does not use llm.Transport=mooncake ({peer.transport!r})",
-            )
+        if not peer_asks_for(peer, "mooncake", log):
             return None
         access = MooncakeAccess(self)
         self.accesses.add(access)

@@ -55,7 +55,7 @@ from .._errors import CopyCancelled, FenceLost, LLMException
 from .._memory import CancelToken
 from .._messages import Cap, Identity
 from .._planner import check_within
-from . import EndpointHost, RegisteredCache, TransportEndpoint, installed
+from . import EndpointHost, RegisteredCache, TransportEndpoint, installed, peer_asks_for
 from ._nixl_access import NixlAccess
 from ._nixl_agent import (
     BACKOFF_MAX,
@@ -538,12 +538,7 @@ class NixlEndpoint(TransportEndpoint):
     def new_access(self, peer: Identity, log: Any) -> NixlAccess | None:
         """A NIXL access when the peer asked for ``llm.Transport=nixl`` too, else None (the
         link moves bytes over its stream, and ``log`` says ``transport.fallback``)."""
-        if peer.transport != "nixl":
-            log.info(
-                "transport.fallback",
-                peer_cluster_id=peer.cluster_id,
-                reason=f"the peer does not use llm.Transport=nixl ({peer.transport!r})",
-            )
+        if not peer_asks_for(peer, "nixl", log):
             return None
         access = NixlAccess(self)
         self.accesses.add(access)
