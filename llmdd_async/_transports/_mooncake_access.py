@@ -45,8 +45,9 @@ class MooncakeAccess(EngineAccess):
     def __init__(self, ep: MooncakeEndpoint) -> None:
         super().__init__(ep.host)
         self.ep = ep
-        #: the peer engine's name, once its table was fetched and checked
+        #: the peer engine's name and instance, once its table was fetched and checked
         self.session: str | None = None
+        self.instance = 0
         self._starts = np.zeros(0, dtype=U64)
         self._ends = np.zeros(0, dtype=U64)
 
@@ -90,6 +91,8 @@ class MooncakeAccess(EngineAccess):
                 self.regions = regions_of(table.caches)
                 link.view.regions = self.regions
                 return
+            if self.closed or not link.alive:
+                raise OSError("the link closed")
             if not _same_address(info.session_host, link.peer_host):
                 # Never open a Mooncake session where the peer says: only where it is.
                 self.session = None
@@ -104,7 +107,7 @@ class MooncakeAccess(EngineAccess):
                     f"the peer's Mooncake engine is on {info.session_host!r}, not on the "
                     f"link's address {link.peer_host!r}: refused"
                 )
-            if not self.ep.reaches(info):
+            if not self.ep.reaches(info.session, info.instance):
                 self.session = None  # our requests to it move over the stream
                 link.log.warning(
                     "mooncake.stale_peer",
@@ -123,6 +126,7 @@ class MooncakeAccess(EngineAccess):
             if self.closed:
                 raise OSError("the link closed")
             self.session = info.session
+            self.instance = info.instance
             self.peer_gen = info.gen
             self._starts, self._ends = starts, ends
             self.regions = regions_of(table.caches)
@@ -154,6 +158,7 @@ class MooncakeAccess(EngineAccess):
             raise OSError("local ranges are not registered with Mooncake")
         session = self.session
         assert session is not None
+        self.ep.opening(session, self.instance)
         try:
             return int(
                 await anyio.to_thread.run_sync(

@@ -37,8 +37,8 @@ ordering and layer-wise scheduling are the link's and the task's.
   it): a peer engine that restarts on a port an earlier one had (Mooncake picks one of
   15000..17000 at random, or among those ``MC_MIN_PRC_PORT``..``MC_MAX_PRC_PORT`` pin) is out
   of its reach. Each engine publishes a random instance id with its name; a link to a peer
-  whose engine's name ours knew with another id moves over its stream (``mooncake.stale_peer``
-  says so), byte-exact, as a link without Mooncake.
+  whose engine's name ours moved bytes with under another id moves over its stream
+  (``mooncake.stale_peer`` says so), byte-exact, as a link without Mooncake.
 
 **Trust.** Mooncake's listeners authenticate no one and bind every address of the host, whatever
 ``llm.listenIpInfo`` says: any process that reaches them can read and write the memory
@@ -341,7 +341,9 @@ class MooncakeEndpoint(TransportEndpoint):
         (remote-accessible host-memory caches), nothing else."""
         if not isinstance(caps, dict) or caps.get(Cap.MOONCAKE.value) is not True:
             return None
-        return self.covers(ranges, nbytes)
+        # An endpoint that does not listen published no engine: its peers' requests move
+        # over the stream, whatever caps they claim.
+        return self.info_host is not None and self.covers(ranges, nbytes)
 
     def table_entry(self) -> dict[str, Any] | None:
         """What a peer linked over Mooncake needs: the engine's name and registered caches
@@ -356,11 +358,16 @@ class MooncakeEndpoint(TransportEndpoint):
             self._pooled.instance,
         ).fields()
 
-    def reaches(self, info: MooncakeInfo) -> bool:
-        """True unless this engine knew another engine by the name of ``info``'s (a process
-        that is gone): Mooncake would use what it learned of that one, so a link to this one
-        moves over its stream."""
-        return self._pooled.peers.setdefault(info.session, info.instance) == info.instance
+    def reaches(self, session: str, instance: int) -> bool:
+        """True unless this engine moved bytes with another engine by the name ``session`` (a
+        process that is gone): Mooncake would use what it learned of that one, so a link to
+        this one moves over its stream."""
+        return self._pooled.peers.get(session, instance) == instance
+
+    def opening(self, session: str, instance: int) -> None:
+        """Mooncake is about to open (or use) its session to ``session``: from now on it keeps
+        what it learns of that name, for engine ``instance``."""
+        self._pooled.peers.setdefault(session, instance)
 
     def new_access(self, peer: Identity, log: Any) -> MooncakeAccess | None:
         """A Mooncake access when the peer asked for ``llm.Transport=mooncake`` too, else None

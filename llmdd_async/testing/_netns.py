@@ -266,9 +266,9 @@ class NetnsHost:
 
     async def reboot(self) -> None:
         """ "Reboot" this host: kill every process in it and make its namespace anew, with
-        the same name, addresses and rate. What its kernel held goes with the old one (TCP
-        connections, ports in TIME-WAIT, nftables rules), as after a real reboot; its peers
-        are told nothing (no FIN, no RST).
+        the same name, addresses, MAC address and rate, its cable plugged in. What its
+        kernel held goes with the old one (TCP connections, ports in TIME-WAIT, nftables
+        rules), as after a real reboot; its peers are told nothing (no FIN, no RST).
 
         Raises:
             RuntimeError: a process would not die, or remaking the namespace failed.
@@ -280,6 +280,7 @@ class NetnsHost:
         await _kill_all_in(self.netns)
         await _run(IP, "-n", self.bed.bridge_netns, "link", "del", self.port)
         await _run(IP, "netns", "del", self.netns)
+        self.bed._made.remove(self.netns)  # (made again next: then the bed's once more)
         rate, self.rate = self.rate, None
         await self.bed._build_host(self, rate, mac)
 
@@ -381,8 +382,7 @@ class NetnsBed:
 
     async def _add_netns(self, name: str) -> None:
         await _run(IP, "netns", "add", name)
-        if name not in self._made:  # (a rebooted host's is made again)
-            self._made.append(name)
+        self._made.append(name)
 
     async def _remove(self) -> None:
         """Kill what runs in the bed, delete its veths and namespaces.

@@ -18,7 +18,9 @@ import pytest
 import llmdd_async as dd
 from llmdd_async._errors import CopyCancelled
 from llmdd_async._memory import CancelToken
+from llmdd_async._messages import Cap
 from llmdd_async._options import parse_options
+from llmdd_async._transports import NO_CAPS
 from llmdd_async._transports import mooncake as mooncake_mod
 from llmdd_async.testing import DEFAULT_OPTIONS, engine_of, linked_pair
 
@@ -204,6 +206,12 @@ async def test_a_peer_that_does_not_listen_is_pushed_to_over_the_stream() -> Non
         await decoder.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), back, [4], [0])
         assert decoder.link_statistics(1).recent[-1].mode == "local"
         assert all(np.array_equal(back.tensors[t][0], src.tensors[t][4]) for t in range(2))
+        # A peer that claims Mooncake in its request anyway is served over the stream: this
+        # endpoint published no engine (its caches are registered: its own pulls need them).
+        assert ep.registered(engine_of(decoder).registry.get(dst.cache_id))
+        start = np.array([dst.tensors[0].ctypes.data], dtype=np.uint64)
+        claim = {**dict(NO_CAPS), Cap.MOONCAKE.value: True}
+        assert ep.serves(claim, start, np.array([64], dtype=np.uint64)) is False
 
 
 @needs_mooncake
