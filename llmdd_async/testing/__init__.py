@@ -25,8 +25,11 @@ an address of its own, to run peers as if on separate machines (:meth:`NetnsHost
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
+import secrets
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -145,6 +148,22 @@ def decode_key(data: Any) -> Any:
 PeerError = ChildError
 
 
+#: the next Mooncake port pair of this process's peer processes (their handshake and data
+#: ports, from 20000 up, a random start): Mooncake keeps a connection to a gone peer's data
+#: port, which a later peer on that port would be read through (docs/how-to/mooncake.md), so
+#: no two peers of one test session share a port
+_MOONCAKE_PORTS = itertools.count(secrets.randbelow(5000))
+
+
+def _mooncake_env(options: Mapping[str, str]) -> dict[str, str]:
+    """The port pair of a peer of ``llm.Transport=mooncake`` (none when the environment
+    pins Mooncake's ports itself, or for another transport)."""
+    if options.get("llm.Transport") != "mooncake" or "MC_MIN_PRC_PORT" in os.environ:
+        return {}
+    low = 20000 + 2 * (next(_MOONCAKE_PORTS) % 5000)
+    return {"MC_MIN_PRC_PORT": str(low), "MC_MAX_PRC_PORT": str(low + 1)}
+
+
 class PeerProcess(ChildProcess):
     """A child process running one endpoint, driven by JSON commands."""
 
@@ -168,7 +187,10 @@ class PeerProcess(ChildProcess):
         Raises:
             PeerError: the endpoint failed to start.
         """
-        async with cls.spawn("llmdd_async.testing._peer_main", loop, prefix=prefix) as peer:
+        env = _mooncake_env(options)
+        async with cls.spawn(
+            "llmdd_async.testing._peer_main", loop, env=env, prefix=prefix
+        ) as peer:
             listen = await peer.request(
                 "start", role=int(role), cluster_id=cluster_id, options=options
             )
