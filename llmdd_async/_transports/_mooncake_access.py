@@ -173,7 +173,8 @@ class MooncakeAccess(EngineAccess):
                 )
             )
         except OSError:
-            await self._settle()
+            if not token.cancelled:  # (past its deadline the task fails by it, at once)
+                await self._settle()
             raise
 
     async def _settle(self) -> None:

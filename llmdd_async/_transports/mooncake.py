@@ -84,6 +84,7 @@ if TYPE_CHECKING:
     from .._devices import DeviceAdapter
 
 __all__ = [
+    "BATCH_GROWTH",
     "CHUNK_BYTES",
     "CHUNK_MAX_RANGES",
     "CHUNK_MIN_BYTES",
@@ -102,6 +103,8 @@ CHUNK_BYTES = 64 << 20
 #: for about that long on a slow link, not for 16 MiB at its rate
 CHUNK_MIN_BYTES = 64 << 10
 CHUNK_SECONDS = 0.05
+#: a batch is at most this many times the one before it
+BATCH_GROWTH = 4
 #: ranges in one batch at most: Mooncake refuses a batch longer than its per-peer queue, and
 #: each range costs it about 25 us
 CHUNK_MAX_RANGES = 1024
@@ -391,8 +394,8 @@ class MooncakeEndpoint(TransportEndpoint):
         """Move the ranges in Mooncake batches, in a worker thread; returns bytes moved. Each
         batch is waited for (a cancel stops before the next) and is sized to take about
         :data:`CHUNK_SECONDS` at the rate the last one ran (:data:`CHUNK_MIN_BYTES` to
-        :data:`CHUNK_BYTES`, at most :data:`CHUNK_MAX_RANGES` ranges, ranges split where a
-        batch ends).
+        :data:`CHUNK_BYTES`, at most :data:`BATCH_GROWTH` times the last, at most
+        :data:`CHUNK_MAX_RANGES` ranges, ranges split where a batch ends).
 
         Raises:
             CopyCancelled: ``token`` tripped (every batch started before is done: fenced).
@@ -435,7 +438,11 @@ class MooncakeEndpoint(TransportEndpoint):
                     f"(returned {rc}: peer gone, memory refused or its timeout)"
                 )
             took = max(time.monotonic() - t0, 1e-6)
-            limit = int(min(CHUNK_BYTES, max(CHUNK_MIN_BYTES, size / took * CHUNK_SECONDS)))
+            # At most fourfold from one batch to the next: a shaped link's burst (a token
+            # bucket's) moves a first batch at a rate the link cannot keep, and the batch in
+            # flight at a deadline is waited for.
+            estimate = min(size * BATCH_GROWTH, size / took * CHUNK_SECONDS)
+            limit = int(min(CHUNK_BYTES, max(CHUNK_MIN_BYTES, estimate)))
             done = stop
         return done
 

@@ -514,6 +514,11 @@ async def test_pull_and_push_over_a_transfer_engine_between_hosts_are_byte_exact
 
 # ------------------------------------------------------------------ a cable cut mid-transfer
 CUT_SLACK_S = 2.0  # past the deadline: the task's own scope ends it
+#: a Mooncake batch cannot be aborted: on a link that drops packets (a trickle's full queue)
+#: the batch in flight at the deadline ends when Mooncake's TCP finishes it or its progress
+#: timeout (the deadline rounded up to seconds) ends it: measured 1.56-5.83 s in all, so
+#: twice that timeout (docs/how-to/mooncake.md)
+MOONCAKE_STALL_S = 4.0
 #: NIXL's fence waits up to the stall timeout (10 s) for UCX requests already posted, which a
 #: partition never finishes; only then does the task fail (FenceLost: bytes may still land).
 #: Not yet bounded by the deadline alone (issue 23).
@@ -752,7 +757,11 @@ async def test_a_peer_engine_restarted_under_a_name_mooncake_knew_is_served_over
 @pytest.mark.usefixtures("shaping")
 @pytest.mark.parametrize(
     "transport",
-    ["tcp", pytest.param("nixl", marks=pytest.mark.slow), "mooncake"],  # NIXL: its fence wait
+    [
+        "tcp",
+        pytest.param("nixl", marks=pytest.mark.slow),  # its fence wait
+        pytest.param("mooncake", marks=pytest.mark.slow),  # its stall (MOONCAKE_STALL_S)
+    ],
 )
 async def test_a_peer_slowed_to_a_trickle_keeps_deadlines_and_other_links_served(
     child_loop: str, transport: str
@@ -796,6 +805,7 @@ async def test_a_peer_slowed_to_a_trickle_keeps_deadlines_and_other_links_served
                 assert code in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED), code
 
             bound = deadline_ms / 1000 + CUT_SLACK_S + (NIXL_FENCE_S if ucx else 0)
+            bound += MOONCAKE_STALL_S if transport == "mooncake" else 0
             with anyio.fail_after(bound + 30):
                 async with anyio.create_task_group() as tg:
                     start = anyio.current_time()

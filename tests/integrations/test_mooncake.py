@@ -10,6 +10,7 @@ over loopback).
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -76,6 +77,10 @@ def test_a_request_moves_in_batches_that_split_its_ranges_and_stop_at_a_cancel()
     assert moved == int(sizes.sum())
     assert sum(n for _, _, n in engine.batches[0]) == mooncake_mod.CHUNK_MIN_BYTES
     assert max(sum(n for *_, n in b) for b in engine.batches) <= mooncake_mod.CHUNK_BYTES
+    # Batches grow at most fourfold, however fast the last one ran (this engine: at once).
+    sums = [sum(n for *_, n in b) for b in engine.batches]
+    assert all(b <= a * mooncake_mod.BATCH_GROWTH for a, b in itertools.pairwise(sums))
+    assert sums[1] == sums[0] * mooncake_mod.BATCH_GROWTH
     # Joined again, the pieces are exactly the ranges, in order.
     pieces = [p for b in engine.batches for p in b]
     joined: list[list[int]] = []
