@@ -11,7 +11,14 @@ import pytest
 
 import llmdd_async as dd
 from llmdd_async._net.link import Link
-from llmdd_async.testing import DEFAULT_OPTIONS, cache_entries, engine_of, link_of, linked_pair
+from llmdd_async.testing import (
+    DEFAULT_OPTIONS,
+    cache_entries,
+    engine_of,
+    link_of,
+    linked_pair,
+    wait_until,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -65,7 +72,9 @@ async def test_a_small_pull_is_served_without_a_task(
         assert len(tasks) == 1  # 2 MiB: a serving task, with its worker threads
         assert np.array_equal(dst[big[::-1]], src[big])
         served = link_of(prompt, 2)
-        assert not served.serving and served.send_path_free
+        # The pull returned once its bytes landed; the prompt lets go of it when the
+        # decoder's DONE arrives, a moment later.
+        await wait_until(lambda: not served.serving and served.send_path_free, 5)
 
 
 async def test_small_pulls_the_socket_takes_in_parts_are_finished_and_queued(
