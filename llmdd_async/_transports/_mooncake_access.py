@@ -86,16 +86,16 @@ class MooncakeAccess(EngineAccess):
                 info = MooncakeInfo.of(table.mooncake)
             except ProtocolError as exc:
                 raise OSError(f"malformed Mooncake entry: {exc}") from exc
-            if info is None:
-                self.session = None  # our requests to it move over the stream
-                self.regions = regions_of(table.caches)
-                link.view.regions = self.regions
-                return
+            # What the peer publishes, for its requests over the stream too.
+            self.regions = regions_of(table.caches)
+            link.view.regions = self.regions
             if self.closed or not link.alive:
                 raise OSError("the link closed")
+            self.session = None  # until the entry passed every check: the stream
+            if info is None:
+                return
             if not _same_address(info.session_host, link.peer_host):
                 # Never open a Mooncake session where the peer says: only where it is.
-                self.session = None
                 link.log.warning(
                     "mooncake.peer_refused",
                     named=info.session_host,
@@ -108,29 +108,21 @@ class MooncakeAccess(EngineAccess):
                     f"link's address {link.peer_host!r}: refused"
                 )
             if not self.ep.reaches(info.session, info.instance):
-                self.session = None  # our requests to it move over the stream
                 link.log.warning(
                     "mooncake.stale_peer",
                     session=info.session,
                     reason="our Mooncake engine knew another engine by this name (a process "
                     "that is gone; Mooncake cannot forget it): transfers use the link's stream",
                 )
-                self.regions = regions_of(table.caches)
-                link.view.regions = self.regions
                 return
             ids = set(info.caches)
             mine = [c for c in table.caches if c.cache_id in ids and c.remote_accessible]
-            starts, ends = tensor_regions(
+            self._starts, self._ends = tensor_regions(
                 [np.asarray(c.addrs, dtype=U64) for c in mine], [c.tensor_bytes for c in mine]
             )
-            if self.closed:
-                raise OSError("the link closed")
             self.session = info.session
             self.instance = info.instance
             self.peer_gen = info.gen
-            self._starts, self._ends = starts, ends
-            self.regions = regions_of(table.caches)
-            link.view.regions = self.regions
 
     async def _move(
         self,
