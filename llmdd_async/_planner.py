@@ -69,6 +69,13 @@ class Layout:
         return cls(np.asarray(addrs, dtype=_U64), int(tensor_bytes), int(count), bool(is_blocks))
 
 
+def u64_sum(arr: np.ndarray) -> int:
+    """The sum of a uint64 array, modulo 2**64 (numpy costs microseconds on a few items)."""
+    if len(arr) <= 64:
+        return sum(arr.tolist()) & _MASK
+    return int(arr.sum(dtype=_U64))
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Copy descriptors: copy ``nbytes[i]`` bytes from ``src[i]`` to ``dst[i]``."""
@@ -82,7 +89,8 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
-        return int(self.nbytes.sum(dtype=_U64))
+        """The bytes the plan moves (modulo 2**64, as numpy sums them)."""
+        return u64_sum(self.nbytes)
 
     @classmethod
     def empty(cls) -> Plan:

@@ -221,7 +221,7 @@ async def raw_link(
     import anyio
 
     from llmdd_async._net.handshake import new_nonce
-    from llmdd_async._protocol import MT, Message
+    from llmdd_async._protocol import MT, PROTOCOL_VERSION, Message
 
     s = socket.socket()
     if rcvbuf:  # a small window: a peer that never reads stalls the sender sooner
@@ -236,7 +236,7 @@ async def raw_link(
         raise OSError(err, os.strerror(err))
     peer = RawPeer(s)
     try:
-        await peer.send(Message(MT.HELLO, 0, {"version": 1, "nonce": new_nonce()}))
+        await peer.send(Message(MT.HELLO, 0, {"version": PROTOCOL_VERSION, "nonce": new_nonce()}))
         await peer.recv(MT.CHALLENGE)
         await peer.send(Message(MT.LINK_REQ, 0, peer_identity(cluster_id, **fields)))
         ack = await peer.recv(MT.LINK_ACK)

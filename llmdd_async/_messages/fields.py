@@ -188,7 +188,13 @@ def expect_type(msg: Message, mtype: MT) -> None:
 
 
 def wire_status(msg: Message) -> LLMStatusCode:
-    """The ``status`` field of a peer's frame; missing, malformed or unknown is LLM_FAILED."""
+    """The ``status`` field of a peer's frame; missing, malformed or unknown is LLM_FAILED.
+    (A packed GRANT, DONE or RESULT starts with its status, an int32.)"""
+    packed = msg.packed
+    if packed is not None:
+        return status_field(
+            int.from_bytes(packed[:4], "little", signed=True) if len(packed) >= 4 else None
+        )
     return status_field(msg.fields.get("status"))
 
 

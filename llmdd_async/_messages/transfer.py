@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Any, ClassVar
 
 import numpy as np
@@ -12,6 +13,7 @@ from .._enums import LLMStatusCode
 from .._errors import ProtocolError
 from .._planner import MAX_DESCRIPTORS
 from .._protocol import MT, Message
+from . import packed
 from .fields import (
     CAPS_ORDER,
     FLAG_TO_INITIATOR,
@@ -140,6 +142,75 @@ class Request(ArraysEqual):
     dtype: int | None = None
 
     def encode(self) -> Message:
+        body = self._packed()
+        arrays: dict[str, bytes | memoryview] = {"local_addrs": u64_bytes(self.local_addrs)}
+        for name, arr in (
+            ("src_blocks", self.src_blocks),
+            ("dst_blocks", self.dst_blocks),
+            ("raw_addrs", self.raw_addrs),
+        ):
+            if arr is not None:
+                arrays[name] = u64_bytes(arr)
+        if body is not None:
+            return Message(MT.XFER_REQ, self.req_id, {}, arrays, packed=body)
+        return Message(MT.XFER_REQ, self.req_id, self._fields(), arrays)
+
+    def _packed(self) -> bytes | None:
+        t = self.target
+        tb, count, is_blocks = self.layout
+        present = packed.BLOCKS if is_blocks else 0
+        src_r, dst_r, dbb, raw, dtype = (
+            self.src_range,
+            self.dst_range,
+            self.dst_block_bytes,
+            self.raw,
+            self.dtype,
+        )
+        if src_r is not None:
+            present |= packed.HAS_SRC_RANGE
+        if dst_r is not None:
+            present |= packed.HAS_DST_RANGE
+        if dbb is not None:
+            present |= packed.HAS_DST_BB
+        if raw is not None:
+            present |= packed.HAS_RAW | (packed.RAW_BLOCKS if raw[2] else 0)
+        if dtype is not None:
+            present |= packed.HAS_DTYPE
+        caps = 0
+        for c in self.caps:
+            caps |= packed.CAP_BIT[c]
+        try:
+            return packed.REQ.pack(
+                packed.OPS.index(self.op),
+                packed.SHAPES.index(self.shape),
+                packed.BYS.index(t.by),
+                present,
+                caps,
+                t.id,
+                t.model_id,
+                t.cache_id,
+                t.index,
+                tb,
+                count,
+                self.timeout_ms,
+                self.local_slot,
+                self.size,
+                self.src_offset,
+                self.dst_offset,
+                0 if src_r is None else src_r.start,
+                0 if src_r is None else src_r.stop,
+                0 if dst_r is None else dst_r.start,
+                0 if dst_r is None else dst_r.stop,
+                self.tensor_num_per_layer,
+                0 if dbb is None else dbb,
+                0 if raw is None else raw[0],
+                0 if raw is None else raw[1],
+                0 if dtype is None else dtype,
+            )
+        except struct.error:  # an integer outside int64: JSON carries it
+            return None
+
+    def _fields(self) -> dict[str, Any]:
         tb, count, is_blocks = self.layout
         fields: dict[str, Any] = {
             "op": self.op,
@@ -165,15 +236,7 @@ class Request(ArraysEqual):
             fields["raw"] = list(self.raw)
         if self.dtype is not None:
             fields["dtype"] = self.dtype
-        arrays: dict[str, bytes | memoryview] = {"local_addrs": u64_bytes(self.local_addrs)}
-        for name, arr in (
-            ("src_blocks", self.src_blocks),
-            ("dst_blocks", self.dst_blocks),
-            ("raw_addrs", self.raw_addrs),
-        ):
-            if arr is not None:
-                arrays[name] = u64_bytes(arr)
-        return Message(MT.XFER_REQ, self.req_id, fields, arrays)
+        return fields
 
     @classmethod
     def decode(cls, msg: Message) -> Request:
@@ -181,12 +244,14 @@ class Request(ArraysEqual):
         ProtocolError: any field missing (where it has no default) or malformed, a request
             without the initiator's tensors, or one by address without the target's."""
         expect_type(msg, MT.XFER_REQ)
-        f = msg.fields
         local_addrs = u64_array(msg, "local_addrs")
         if local_addrs is None or not len(local_addrs):
             raise ProtocolError("request without the initiator's layout")
-        target = Address.decode(f.get("target"))
         raw_addrs = u64_array(msg, "raw_addrs")
+        if msg.packed is not None:
+            return cls._decode_packed(msg, local_addrs, raw_addrs)
+        f = msg.fields
+        target = Address.decode(f.get("target"))
         if target.by is By.ADDRS and (raw_addrs is None or not len(raw_addrs)):
             raise ProtocolError("addressing by addresses without addresses")
         caps = f.get("caps")
@@ -224,6 +289,58 @@ class Request(ArraysEqual):
             dtype=opt_int_field(g("dtype"), "data type", 0),
         )
 
+    @classmethod
+    def _decode_packed(
+        cls, msg: Message, local_addrs: np.ndarray, raw_addrs: np.ndarray | None
+    ) -> Request:
+        """The packed form; checks as the JSON one (its integers fit int64 by construction)."""
+        (op, shape, by, present, caps, key_id, model_id, cache_id, index, tb, count, timeout,
+         local_slot, size, src_offset, dst_offset, src_a, src_b, dst_a, dst_b, tnpl, dbb,
+         raw_tb, raw_count, dtype) = packed.unpack(packed.REQ, msg)  # fmt: skip
+        by = packed.index(packed.BYS, by, "addressing")
+        if by is By.REQ_KEY or by is By.PREFIX_KEY:
+            target = Address(by, id=key_id, model_id=model_id)
+        elif by is By.BLOCKS_KEY:
+            target = Address(by, model_id=model_id)
+        elif by is By.CACHE_ID:
+            target = Address(by, cache_id=cache_id, index=index)
+        else:
+            if raw_addrs is None or not len(raw_addrs):
+                raise ProtocolError("addressing by addresses without addresses")
+            target = Address(by)
+        if tb < 0 or count < 0:
+            raise bad_field("layout", [tb, count])
+        raw = None
+        if present & packed.HAS_RAW:
+            if raw_tb < 0 or raw_count < 0:
+                raise bad_field("raw layout", [raw_tb, raw_count])
+            raw = (raw_tb, raw_count, bool(present & packed.RAW_BLOCKS))
+        return cls(
+            msg.req_id,
+            packed.index(packed.OPS, op, "op"),
+            target,
+            packed.index(packed.SHAPES, shape, "shape"),
+            (tb, count, bool(present & packed.BLOCKS)),
+            local_addrs,
+            caps=frozenset(c for c, bit in packed.CAP_BIT.items() if caps & bit)
+            if caps
+            else frozenset(),
+            timeout_ms=int_field(timeout, "timeout", 0),
+            local_slot=local_slot,
+            size=size,
+            src_offset=src_offset,
+            dst_offset=dst_offset,
+            src_range=range(src_a, src_b) if present & packed.HAS_SRC_RANGE else None,
+            dst_range=range(dst_a, dst_b) if present & packed.HAS_DST_RANGE else None,
+            tensor_num_per_layer=tnpl,
+            dst_block_bytes=dbb if present & packed.HAS_DST_BB else None,
+            src_blocks=u64_array(msg, "src_blocks"),
+            dst_blocks=u64_array(msg, "dst_blocks"),
+            raw=raw,
+            raw_addrs=raw_addrs,
+            dtype=int_field(dtype, "data type", 0) if present & packed.HAS_DTYPE else None,
+        )
+
     def caps_claimed(self) -> dict[str, bool]:
         """The caps as the link's policy reads them (name -> True)."""
         caps = self.caps
@@ -255,19 +372,32 @@ class Grant(ArraysEqual):
         return self.status == LLMStatusCode.LLM_SUCCESS
 
     def encode(self) -> Message:
-        fields: dict[str, Any] = {"status": int(self.status)}
-        if self.message is not None:
-            fields["message"] = self.message
-        if self.mode is not None:
-            fields["mode"] = self.mode
-        if self.total is not None:
-            fields["total"] = self.total
-        if not self.done:
-            fields["done"] = False
         arrays: dict[str, bytes | memoryview] = {}
         for name, arr in (("local", self.local), ("nbytes", self.nbytes), ("remote", self.remote)):
             if arr is not None:
                 arrays[name] = u64_bytes(arr)
+        mode, total = self.mode, self.total
+        if self.message is None and -(2**31) <= int(self.status) < 2**31:
+            present = (0 if mode is None else packed.HAS_MODE) | (
+                0 if total is None else packed.HAS_TOTAL
+            )
+            present |= 0 if self.done else packed.NO_DONE
+            with_mode = 0 if mode is None else packed.MODES.index(mode)
+            try:
+                body = packed.GRANT.pack(int(self.status), present, with_mode, total or 0)
+            except struct.error:  # a total outside int64: JSON carries it
+                pass
+            else:
+                return Message(MT.GRANT, self.req_id, {}, arrays, packed=body)
+        fields: dict[str, Any] = {"status": int(self.status)}
+        if self.message is not None:
+            fields["message"] = self.message
+        if mode is not None:
+            fields["mode"] = mode
+        if total is not None:
+            fields["total"] = total
+        if not self.done:
+            fields["done"] = False
         return Message(MT.GRANT, self.req_id, fields, arrays)
 
     @classmethod
@@ -276,21 +406,38 @@ class Grant(ArraysEqual):
         ProtocolError: a malformed field; a successful grant without a mode or a plan, with
             more than MAX_DESCRIPTORS descriptors, or in local mode without remote ranges."""
         expect_type(msg, MT.GRANT)
-        f = msg.fields
-        status = status_field(f.get("status"))
-        mode = f.get("mode")
-        done = f.get("done", True)
-        grant = cls(
-            msg.req_id,
-            status,
-            opt_str_field(f.get("message"), "message"),
-            None if mode is None else enum_field(Mode, mode, "mode"),
-            opt_int_field(f.get("total"), "total", 0),
-            bool_field(done, "done"),
-            u64_array(msg, "local"),
-            u64_array(msg, "nbytes"),
-            u64_array(msg, "remote"),
-        )
+        if msg.packed is not None:
+            code, present, mode_i, total = packed.unpack(packed.GRANT, msg)
+            status = status_field(code)
+            if present & packed.HAS_TOTAL and total < 0:
+                raise bad_field("total", total)
+            grant = cls(
+                msg.req_id,
+                status,
+                None,
+                packed.index(packed.MODES, mode_i, "mode") if present & packed.HAS_MODE else None,
+                total if present & packed.HAS_TOTAL else None,
+                not present & packed.NO_DONE,
+                u64_array(msg, "local"),
+                u64_array(msg, "nbytes"),
+                u64_array(msg, "remote"),
+            )
+        else:
+            f = msg.fields
+            status = status_field(f.get("status"))
+            mode = f.get("mode")
+            done = f.get("done", True)
+            grant = cls(
+                msg.req_id,
+                status,
+                opt_str_field(f.get("message"), "message"),
+                None if mode is None else enum_field(Mode, mode, "mode"),
+                opt_int_field(f.get("total"), "total", 0),
+                bool_field(done, "done"),
+                u64_array(msg, "local"),
+                u64_array(msg, "nbytes"),
+                u64_array(msg, "remote"),
+            )
         if status == LLMStatusCode.LLM_SUCCESS:
             local, nbytes, remote = grant.local, grant.nbytes, grant.remote
             if grant.mode is None or local is None or nbytes is None or len(local) != len(nbytes):
@@ -314,15 +461,28 @@ class Data:
 
     def encode(self) -> Message:
         flags = FLAG_TO_INITIATOR if self.to_initiator else 0
-        return Message(MT.DATA, self.req_id, {"off": self.off}, {}, self.payload_len, flags)
+        return Message(
+            MT.DATA, self.req_id, {}, {}, self.payload_len, flags, packed.OFF.pack(self.off)
+        )
 
     @classmethod
     def decode(cls, msg: Message) -> Data:
         """Raises:
         ProtocolError: a missing or negative offset."""
         expect_type(msg, MT.DATA)
-        off = int_field(msg.fields.get("off"), "DATA offset", 0)
-        return cls(msg.req_id, off, msg.payload_len, bool(msg.flags & FLAG_TO_INITIATOR))
+        return cls(
+            msg.req_id, cls.offset_of(msg), msg.payload_len, bool(msg.flags & FLAG_TO_INITIATOR)
+        )
+
+    @staticmethod
+    def offset_of(msg: Message) -> int:
+        """The offset of a DATA frame (what the reader needs of it, before its payload).
+
+        Raises:
+            ProtocolError: a missing or negative offset, or one past 2**64 - 1."""
+        if msg.packed is not None:
+            return int(packed.unpack(packed.OFF, msg)[0])
+        return int_field(msg.fields.get("off"), "DATA offset", 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -339,18 +499,26 @@ class _Status:
         return self.status == LLMStatusCode.LLM_SUCCESS
 
     def encode(self) -> Message:
-        fields: dict[str, Any] = {"status": int(self.status)}
+        code = int(self.status)
+        if self.message is None and -(2**31) <= code < 2**31:
+            return Message(self.TYPE, self.req_id, packed=packed.STATUS.pack(code))
+        fields: dict[str, Any] = {"status": code}
         if self.message is not None:
             fields["message"] = self.message
         return Message(self.TYPE, self.req_id, fields)
 
     @classmethod
     def decode(cls, msg: Message) -> Any:
-        """Never raises for a frame of its type (status and reason are read leniently).
+        """Never raises for a frame of its type (status and reason are read leniently; a
+        packed one of the wrong size fails).
 
         Raises:
             ProtocolError: a frame of another type."""
         expect_type(msg, cls.TYPE)
+        if msg.packed is not None:
+            body = msg.packed
+            code = packed.STATUS.unpack(body)[0] if len(body) == packed.STATUS.size else None
+            return cls(msg.req_id, status_field(code))
         return cls(
             msg.req_id,
             status_field(msg.fields.get("status")),

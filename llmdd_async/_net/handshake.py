@@ -282,7 +282,10 @@ async def server_handshake(
     hello = await recv_message(sock, decoder, MT.HELLO)
     version = Hello.version_of(hello)  # checked first: another version may differ in all else
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"client speaks protocol {version}")
+        raise ProtocolError(
+            f"client speaks protocol {version}, this endpoint {PROTOCOL_VERSION} (both sides "
+            "must run releases of the same wire version)"
+        )
     transcript.add(hello)
     if on_hello is not None:
         on_hello()

@@ -27,7 +27,7 @@ from .._enums import LLMStatusCode
 from .._errors import CopyCancelled, LinkBroken, LLMException, ProtocolError, raise_if_false
 from .._memory import CancelToken
 from .._messages import By, Cap, Done, Grant, Mode, Op, Result
-from .._planner import Plan, check_within
+from .._planner import Plan, check_within, u64_sum
 from .._protocol import Message
 from .grants import TransferRequest, grant_within_selection, plan_selection
 from .host import LinkHost
@@ -135,7 +135,7 @@ async def _initiate(
         local, nbytes = grant.local, grant.nbytes
         assert local is not None
         assert nbytes is not None
-        total = int(nbytes.sum(dtype=_U64))
+        total = u64_sum(nbytes)
         if grant.mode is Mode.LOCAL:
             remote = grant.remote
             if remote is None or link.access is None:

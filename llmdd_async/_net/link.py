@@ -705,13 +705,12 @@ class Link:
             raise ProtocolError(f"DATA frame of {n} bytes exceeds {CHUNK_BYTES}")
         table = self.pending if msg.flags & FLAG_TO_INITIATOR else self.serving
         req = table.get(msg.req_id)
-        off = msg.fields.get("off")
+        off = Data.offset_of(msg)
         stream = req.stream if req is not None else None
         if stream is None:
             req = None  # nothing of ours receives this frame: discard it, touching no request
-        elif not isinstance(off, int) or off < 0 or off + n > stream.total:
+        elif off + n > stream.total:
             raise ProtocolError(f"DATA frame [{off}, +{n}) outside its plan")
-        off = int(off or 0)
         views = stream.receive_views(off, n) if stream is not None else []
         pmac = None
         if auth is not None and tag is not None and req is not None:

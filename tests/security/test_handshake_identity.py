@@ -12,7 +12,7 @@ from helpers import RawPeer, endpoint_options, link, peer_identity
 import llmdd_async as dd
 from llmdd_async._messages import LinkRefused
 from llmdd_async._net.handshake import new_nonce
-from llmdd_async._protocol import MT, Message
+from llmdd_async._protocol import MT, PROTOCOL_VERSION, Message
 from llmdd_async.testing import has_link, link_of, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -36,7 +36,7 @@ async def _link_req(address: tuple[str, int], fields: dict[str, Any]) -> LinkRef
     s.setblocking(False)
     h = RawPeer(s)
     try:
-        await h.send(Message(MT.HELLO, 0, {"version": 1, "nonce": new_nonce()}))
+        await h.send(Message(MT.HELLO, 0, {"version": PROTOCOL_VERSION, "nonce": new_nonce()}))
         await h.recv(MT.CHALLENGE)
         await h.send(Message(MT.LINK_REQ, 0, fields))
         return LinkRefused.decode(await h.recv(MT.LINK_ACK))
@@ -89,7 +89,8 @@ async def test_a_peer_of_the_last_release_links_and_one_from_before_payload_auth
             s.setblocking(False)
             h = RawPeer(s)
             try:
-                await h.send(Message(MT.HELLO, 0, {"version": 1, "nonce": new_nonce()}))
+                hello = {"version": PROTOCOL_VERSION, "nonce": new_nonce()}
+                await h.send(Message(MT.HELLO, 0, hello))
                 await h.recv(MT.CHALLENGE)
                 await h.send(Message(MT.LINK_REQ, 0, fields))
                 ack = await h.recv(MT.LINK_ACK)
@@ -110,7 +111,7 @@ async def test_another_protocol_version_is_refused_before_anything_else_is_read(
         s.setblocking(False)
         h = RawPeer(s)
         try:
-            await h.send(Message(MT.HELLO, 0, {"version": 2, "nonce": 5}))
+            await h.send(Message(MT.HELLO, 0, {"version": PROTOCOL_VERSION + 1, "nonce": 5}))
             with pytest.raises((EOFError, OSError)):
                 await h.recv(MT.CHALLENGE)
         finally:

@@ -21,7 +21,7 @@ from helpers import RawPeer, cluster, endpoint_options, link, peer_identity, raw
 import llmdd_async as dd
 from llmdd_async._messages import Address
 from llmdd_async._net.handshake import new_nonce, recv_message, send_message
-from llmdd_async._protocol import MT, Decoder, Message, encode
+from llmdd_async._protocol import MT, PROTOCOL_VERSION, Decoder, Message, encode
 from llmdd_async.testing import (
     PeerProcess,
     cache_entry,
@@ -653,7 +653,7 @@ async def test_a_malformed_host_field_only_costs_the_peer_its_link() -> None:
         s = socket.create_connection(p.listen_address)
         s.setblocking(False)
         h = RawPeer(s)
-        await h.send(Message(MT.HELLO, 0, {"version": 1, "nonce": new_nonce()}))
+        await h.send(Message(MT.HELLO, 0, {"version": PROTOCOL_VERSION, "nonce": new_nonce()}))
         await h.recv(MT.CHALLENGE)
         await h.send(Message(MT.LINK_REQ, 0, peer_identity(9, host="x", uds="llmdd-async/1/zz")))
         ack = await h.recv(MT.LINK_ACK)

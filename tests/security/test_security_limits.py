@@ -26,7 +26,7 @@ import pytest
 from helpers import RawPeer, cluster, endpoint_options, link
 
 import llmdd_async as dd
-from llmdd_async._messages import wire_status
+from llmdd_async._messages import Grant, wire_status
 from llmdd_async._protocol import MT, Message, encode
 from llmdd_async.testing import (
     PeerProcess,
@@ -338,7 +338,7 @@ async def test_a_streamed_pull_is_one_round_trip_and_holds_nothing_after() -> No
                     seen.append((msg.req_id, msg.type.name))
                     if msg.type == MT.GRANT:
                         assert wire_status(msg) == S.LLM_SUCCESS
-                        assert msg.fields["done"] is False
+                        assert Grant.decode(msg).done is False
             assert sorted(seen) == [(r, t) for r in range(1, 6) for t in ("DATA", "GRANT")]
             lnk = link_of(p, 66, alive=False)
             await wait_until(lambda: not lnk.serving, 5, 0.001)

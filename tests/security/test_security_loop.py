@@ -29,7 +29,7 @@ from helpers import RawPeer, endpoint_options, link, raw_link
 
 import llmdd_async as dd
 from llmdd_async import _planner
-from llmdd_async._messages import wire_status
+from llmdd_async._messages import Grant, wire_status
 from llmdd_async._protocol import MT, Message, encode
 from llmdd_async._registry import CacheEntry, Registry
 from llmdd_async.testing import LoopLagProbe
@@ -277,7 +277,7 @@ async def test_a_flood_of_requests_that_do_not_merge_is_served_in_bounded_memory
                         if msg.type == MT.GRANT:
                             got[msg.req_id] = wire_status(msg)
                             if wire_status(msg) == S.LLM_SUCCESS:
-                                owed[msg.req_id] = int(msg.fields["total"])
+                                owed[msg.req_id] = int(Grant.decode(msg).total or 0)
                         elif msg.type == MT.DATA:
                             owed[msg.req_id] -= msg.payload_len
                             if not owed[msg.req_id]:

@@ -136,7 +136,8 @@ async def test_pre_auth_frames_over_the_small_cap_close_the_connection(
             s.setblocking(False)
             h = RawPeer(s)
             try:
-                await h.send(Message(MT.HELLO, 0, {"version": 1, "nonce": new_nonce(), "p": pad}))
+                hello = {"version": PROTOCOL_VERSION, "nonce": new_nonce(), "p": pad}
+                await h.send(Message(MT.HELLO, 0, hello))
                 got = await _first_frame_or_eof(h)
                 assert got is None, f"a 200 KB HELLO was answered with {got.type.name}"
             finally:
@@ -145,7 +146,8 @@ async def test_pre_auth_frames_over_the_small_cap_close_the_connection(
             s.setblocking(False)
             h = RawPeer(s)
             try:
-                await h.send(Message(MT.HELLO, 0, {"version": 1, "nonce": new_nonce()}))
+                hello = {"version": PROTOCOL_VERSION, "nonce": new_nonce()}
+                await h.send(Message(MT.HELLO, 0, hello))
                 await h.recv(MT.CHALLENGE)
                 await h.send(Message(MT.LINK_REQ, 0, peer_identity(66, pad=pad)))
                 got = await _first_frame_or_eof(h)
@@ -360,7 +362,7 @@ async def test_slowloris_setups_are_evicted(anyio_backend: Any, keyed: bool) -> 
     _raise_fd_limit(1000)
     extra = KEY if keyed else {}
     opts = endpoint_options("tcp", listen=True, **extra)
-    hello = encode(Message(MT.HELLO, 0, {"version": 1, "nonce": new_nonce()}))
+    hello = encode(Message(MT.HELLO, 0, {"version": PROTOCOL_VERSION, "nonce": new_nonce()}))
     async with PeerProcess.start(dd.LLMRole.PROMPT, 1, opts, loop=_loop(anyio_backend)) as p:
         assert p.listen is not None
         address = p.listen

@@ -8,6 +8,8 @@ typed (the old encoders are spelled out here); a malformed field is a ``Protocol
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import struct
 from typing import Any
 
 import numpy as np
@@ -291,8 +293,26 @@ def _old_request(r: Request) -> Message:
 
 @SETTINGS
 @given(requests())
-def test_a_request_is_the_bytes_it_always_was(r: Request) -> None:
-    assert encode(r.encode()) == encode(_old_request(r))
+def test_a_request_reads_the_same_packed_and_as_json(r: Request) -> None:
+    msg = r.encode()
+    if msg.packed is None:  # an integer outside int64: the JSON form, as it always was
+        assert encode(msg) == encode(_old_request(r))
+    assert Request.decode(wire(msg)) == r == Request.decode(wire(_old_request(r)))
+
+
+def test_a_packed_request_is_the_bytes_of_wire_version_2() -> None:
+    r = Request.decode(_valid_request())
+    r = dataclasses.replace(
+        r, caps=frozenset({Cap.PVR, Cap.MOONCAKE}), dtype=4, src_range=range(1, 3)
+    )
+    ints = [0, 0, 1, 0, 64, 8, 0, 0, -1, 0, 0, 1, 3, 0, 0, 2, 0, 0, 0, 4]
+    # pull, blocks, by cache id; src_range, dtype, a blocks layout; caps pvr and mooncake
+    fields = struct.pack("<BBBBH20q", 0, 1, 3, 0b110001, 0b100100, *ints)
+    sizes = struct.pack("<4I", 8, 8, 8, 0xFFFFFFFF)
+    arrays = struct.pack("<3Q", 4096, 2, 1)
+    meta = struct.pack("<I", len(fields) | 1 << 31) + fields + sizes + arrays
+    head = struct.pack("<IHHQIIQ", 0x3144444C, 2, 10, 1, len(meta), 0, 0)
+    assert encode(r.encode()) == head + meta
 
 
 def test_targets_are_the_dicts_they_always_were() -> None:
@@ -316,13 +336,16 @@ def test_control_frames_are_the_bytes_they_always_were() -> None:
     local, nbytes, remote = (np.array([1, 2], np.uint64) * k for k in (1, 8, 64))
     u8 = lambda a: np.ascontiguousarray(a, "<u8").data.cast("B")  # noqa: E731
     cases = [
+        # The hot frames are packed (wire version 2): status, presence bits (mode, total,
+        # no DONE), the mode's index (local 0, stream 1), the total.
         (
             Grant(3, mode=Mode.STREAM, total=24, done=False, local=local, nbytes=nbytes),
             Message(
                 MT.GRANT,
                 3,
-                {"status": 0, "mode": "stream", "total": 24, "done": False},
+                {},
                 {"local": u8(local), "nbytes": u8(nbytes)},
+                packed=struct.pack("<iBBq", 0, 7, 1, 24),
             ),
         ),
         (
@@ -330,8 +353,9 @@ def test_control_frames_are_the_bytes_they_always_were() -> None:
             Message(
                 MT.GRANT,
                 3,
-                {"status": 0, "mode": "local", "total": 24},
+                {},
                 {"local": u8(local), "nbytes": u8(nbytes), "remote": u8(remote)},
+                packed=struct.pack("<iBBq", 0, 3, 0, 24),
             ),
         ),
         (
@@ -339,11 +363,17 @@ def test_control_frames_are_the_bytes_they_always_were() -> None:
             Message(MT.GRANT, 5, {"status": int(LLMStatusCode.LLM_LINK_BUSY), "message": "busy"}),
         ),
         (
-            Data(9, 0, 100, to_initiator=True),
-            Message(MT.DATA, 9, {"off": 0}, payload_len=100, flags=FLAG_TO_INITIATOR),
+            Data(9, 5, 100, to_initiator=True),
+            Message(
+                MT.DATA, 9, payload_len=100, flags=FLAG_TO_INITIATOR, packed=struct.pack("<Q", 5)
+            ),
         ),
-        (Done(9), Message(MT.DONE, 9, {"status": 0})),
-        (Result(9), Message(MT.RESULT, 9, {"status": 0})),
+        (Done(9), Message(MT.DONE, 9, packed=struct.pack("<i", 0))),
+        (Result(9), Message(MT.RESULT, 9, packed=struct.pack("<i", 0))),
+        (
+            Done(9, LLMStatusCode.LLM_TIMEOUT, "late"),
+            Message(MT.DONE, 9, {"status": int(LLMStatusCode.LLM_TIMEOUT), "message": "late"}),
+        ),
         (
             Abort(9, LLMStatusCode.LLM_TIMEOUT, "late", to_initiator=True),
             Message(
@@ -465,11 +495,16 @@ def _valid_request() -> Message:
     ).encode()
 
 
+def _valid_json_request() -> Message:
+    """:func:`_valid_request` in the JSON form (a decoder reads both)."""
+    return _old_request(Request.decode(_valid_request()))
+
+
 @pytest.mark.parametrize(
     ("name", "bad"), [(k, v) for k, vs in BAD_REQUEST_FIELDS.items() for v in vs]
 )
 def test_a_malformed_request_field_is_a_protocol_error(name: str, bad: Any) -> None:
-    ok = wire(_valid_request())
+    ok = wire(_valid_json_request())
     Request.decode(ok)  # the valid one decodes
     msg = wire(Message(MT.XFER_REQ, 1, {**ok.fields, name: bad}, dict(ok.arrays)))
     with pytest.raises(ProtocolError):
@@ -477,7 +512,7 @@ def test_a_malformed_request_field_is_a_protocol_error(name: str, bad: Any) -> N
 
 
 def test_a_request_without_the_arrays_it_needs_is_a_protocol_error() -> None:
-    ok = wire(_valid_request())
+    ok = wire(_valid_json_request())
     with pytest.raises(ProtocolError, match="initiator's layout"):
         Request.decode(Message(MT.XFER_REQ, 1, ok.fields, {}))
     by_addr = {**ok.fields, "target": {"by": "addrs"}}
@@ -488,7 +523,7 @@ def test_a_request_without_the_arrays_it_needs_is_a_protocol_error() -> None:
 
 
 def test_unknown_fields_and_caps_are_ignored() -> None:
-    ok = wire(_valid_request())
+    ok = wire(_valid_json_request())
     extra = {**ok.fields, "junk": "x" * 100, "caps": {"pvr": True, "warp": True, "pools": 1}}
     r = Request.decode(Message(MT.XFER_REQ, 1, extra, dict(ok.arrays)))
     assert r.caps == frozenset({Cap.PVR})  # only true, known caps
@@ -1125,3 +1160,69 @@ def test_a_table_snapshot_is_the_dict_it_always_was_and_resolves_as_before() -> 
     lay = view.layout(1)
     assert lay is not None and lay.addr_list == [4096, 8192] and view.layout(2) is None
     assert [r.tolist() for r in view.regions] == [[4096, 8192], [4160, 8256]]
+
+
+def _packed_frame(mtype: MT, packed: bytes, sizes: list[int], arrays: bytes = b"") -> bytes:
+    """A packed frame written by hand (a hostile peer's)."""
+    meta = struct.pack("<I", len(packed) | 1 << 31) + packed
+    meta += struct.pack(f"<{len(sizes)}I", *sizes) + arrays
+    return struct.pack("<IHHQIIQ", 0x3144444C, 2, int(mtype), 1, len(meta), 0, 0) + meta
+
+
+_REQ_OK = struct.pack("<BBBBH20q", 0, 1, 2, 32, 0, *([0] * 4 + [64, 8] + [0] * 14))
+_NONE = 0xFFFFFFFF
+
+
+@pytest.mark.parametrize(
+    ("frame", "why"),
+    [
+        (_packed_frame(MT.XFER_REQ, _REQ_OK[:-1], [8, 8, 8, _NONE], b"\0" * 24), "packed XFER"),
+        (_packed_frame(MT.XFER_REQ, b"\x09" + _REQ_OK[1:], [8, 8, 8, _NONE], b"\0" * 24), "op"),
+        (
+            _packed_frame(
+                MT.XFER_REQ, _REQ_OK[:2] + b"\x09" + _REQ_OK[3:], [8] + [_NONE] * 3, b"\0" * 8
+            ),
+            "addressing",
+        ),
+        (_packed_frame(MT.XFER_REQ, _REQ_OK, [_NONE, 8, 8, _NONE], b"\0" * 16), "layout"),
+        (_packed_frame(MT.XFER_REQ, _REQ_OK, [12, _NONE, _NONE, _NONE], b"\0" * 12), "bad size"),
+        (_packed_frame(MT.XFER_REQ, _REQ_OK, [16, _NONE, _NONE, _NONE], b"\0" * 8), "bad size"),
+        (_packed_frame(MT.XFER_REQ, _REQ_OK, [8, _NONE, _NONE, _NONE], b"\0" * 16), "unexplained"),
+        (_packed_frame(MT.XFER_REQ, _REQ_OK, [8, _NONE], b"\0" * 8), "run past|bad size"),
+        (
+            _packed_frame(MT.GRANT, struct.pack("<iBBq", 0, 1, 7, 0), [8, 8, _NONE], b"\0" * 16),
+            "mode",
+        ),
+        (
+            _packed_frame(MT.GRANT, struct.pack("<iBBq", 0, 2, 1, -5), [8, 8, _NONE], b"\0" * 16),
+            "total",
+        ),
+        (_packed_frame(MT.DATA, b"\0" * 7, []), "packed DATA"),
+        (_packed_frame(MT.ABORT, struct.pack("<i", 0), []), "no packed form"),
+        (_packed_frame(MT.TABLE, b"", []), "no packed form"),
+    ],
+)
+def test_a_malformed_packed_frame_is_a_protocol_error(frame: bytes, why: str) -> None:
+    decoders = {MT.XFER_REQ: Request.decode, MT.GRANT: Grant.decode, MT.DATA: Data.decode}
+    with pytest.raises(ProtocolError, match=why):
+        d = Decoder()
+        d.receive_data(frame)
+        msg = d.next_event()
+        assert isinstance(msg, Message)
+        decoders[msg.type](msg)
+
+
+def test_a_packed_status_of_the_wrong_size_reads_as_failed() -> None:
+    frame = _packed_frame(MT.DONE, b"\0" * 3, [])
+    d = Decoder()
+    d.receive_data(frame)
+    msg = d.next_event()
+    assert isinstance(msg, Message)
+    assert Done.decode(msg).status == wire_status(msg) == LLMStatusCode.LLM_FAILED
+
+
+def test_a_packed_message_of_an_unpackable_type_is_refused_when_encoded() -> None:
+    with pytest.raises(ProtocolError, match="no packed form"):
+        encode(Message(MT.ABORT, 1, packed=b"\0" * 4))
+    with pytest.raises(ProtocolError, match="carries no arrays"):
+        encode(Message(MT.GRANT, 1, {}, {"bogus": b"\0" * 8}, packed=b"\0" * 14))

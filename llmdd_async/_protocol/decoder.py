@@ -1,238 +1,31 @@
-"""The wire protocol, sans-IO: bytes in, events out. No sockets, no anyio, no numpy.
-
-Every frame starts with a fixed 32-byte little-endian header::
-
-    magic u32 | version u16 | type u16 | req_id u64 | meta_len u32 | flags u32 | payload_len u64
-
-``meta`` follows: a u32 length-prefixed UTF-8 JSON object of scalar fields, then the raw bytes
-of the arrays it names (``"arrays": [[name, nbytes], ...]``; arrays hold little-endian u64 or
-i64 integers, so their sizes are multiples of 8). ``payload_len`` bytes of bulk data follow
-the meta; the decoder hands them out without copying them into messages, so the I/O layer can
-receive them straight into their destination. There is no pickle anywhere.
-
-On a keyed link (``llm.AuthKey``) every frame's meta ends with a 32-byte HMAC-SHA256 tag over
-the frame's sequence number in its direction, its header and its meta (a :class:`FrameAuth`
-on each side): a relay can neither inject, drop, replay nor reorder frames. Payload bytes are
-covered only with ``llm.PayloadAuth``: then a DATA frame's payload ends with a 32-byte
-trailer, :meth:`FrameAuth.payload_mac` over the frame's sequence number and the payload bytes
-before it (``payload_len`` counts the trailer). The frame's own tag binds its header to the
-same sequence number, so a relay can neither change payload bytes nor move a payload and its
-trailer onto another frame (see the README's security model).
-"""
+"""The incremental frame parser (:class:`Decoder`) and the budget its partial frames are
+charged to (:class:`MetaBudget`)."""
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import hashlib
 import hmac
-import json
 import mmap
-import struct
 import time
 from collections.abc import Callable
-from typing import Any
 
-from ._errors import ProtocolError
+from .._errors import ProtocolError
+from .frames import (
+    _TAG,
+    HEADER,
+    MAGIC,
+    MAX_META,
+    MAX_PAYLOAD,
+    MT,
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    FrameAuth,
+    Message,
+    PayloadBytes,
+    _decode_meta,
+    _NeedData,
+)
 
-__all__ = [
-    "HEADER",
-    "MAGIC",
-    "MAX_META",
-    "MT",
-    "NEED_DATA",
-    "PAYLOAD_TAG",
-    "PROTOCOL_VERSION",
-    "MAX_FIELDS",
-    "Decoder",
-    "FrameAuth",
-    "MetaBudget",
-    "Message",
-    "PayloadBytes",
-    "encode",
-]
-
-MAGIC = 0x3144444C  # b"LDD1" little-endian
-PROTOCOL_VERSION = 1
-HEADER = struct.Struct("<IHHQIIQ")
-MAX_META = 256 << 20  # descriptor arrays of very large requests; anything larger is hostile
-#: the JSON part of a frame's meta (scalar fields); arrays carry everything big
-MAX_FIELDS = 1 << 20
-MAX_PAYLOAD = 1 << 40
-_TAG = 32
-#: bytes of the MAC trailer of a DATA frame's payload (``llm.PayloadAuth``)
-PAYLOAD_TAG = 32
-
-
-class MT(enum.IntEnum):
-    """Message types."""
-
-    HELLO = 1  # client -> server: version, nonce
-    CHALLENGE = 2  # server -> client: nonce, whether auth is required
-    LINK_REQ = 3  # client -> server: identity (+ MAC)
-    LINK_ACK = 4  # server -> client: status, identity (+ MAC)
-    PROVE = 5  # same-host side channel, server -> client: binding, pools, probe
-    PROVE_ACK = 6  # same-host side channel, client -> server: status, pools, probe
-    PROVE_FIN = 7  # same-host side channel, server -> client: pools, probe
-    XFER_REQ = 10  # initiator -> target: what to move
-    GRANT = 11  # target -> initiator: status and the resolved plan
-    DATA = 12  # either way: a chunk of a granted plan's bytes (payload)
-    DONE = 13  # initiator -> target: the initiator finished (status)
-    RESULT = 14  # target -> initiator: the target received everything (push over the stream)
-    ABORT = 15  # either way: stop this request (status)
-    TABLE_REQ = 20
-    TABLE = 21
-    UNLINK = 30
-    UNLINK_ACK = 31
-    PING = 40
-    PONG = 41
-    BYE = 50  # orderly close (finalize)
-
-
-@dataclasses.dataclass
-class Message:
-    """One frame: its type, request id, JSON fields, raw arrays and announced payload size."""
-
-    type: MT
-    req_id: int = 0
-    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
-    arrays: dict[str, bytes | memoryview] = dataclasses.field(default_factory=dict)
-    payload_len: int = 0
-    flags: int = 0
-
-
-@dataclasses.dataclass
-class PayloadBytes:
-    """Payload bytes that were already buffered by the decoder (a view into its buffer)."""
-
-    data: memoryview
-
-
-class FrameAuth:
-    """Per-direction frame authentication: HMAC-SHA256 under a link key, with a sequence number
-    so frames cannot be replayed or reordered."""
-
-    def __init__(self, key: bytes) -> None:
-        self._key = key
-        # Its own key: a payload MAC can never pass for a frame tag or the other way round.
-        self._payload_key = hmac.new(key, b"payload", hashlib.sha256).digest()
-        self.seq = 0
-
-    def tag(self, header: bytes | memoryview, meta: bytes | memoryview) -> bytes:
-        mac = hmac.new(self._key, struct.pack("<Q", self.seq), hashlib.sha256)
-        mac.update(header)
-        mac.update(meta)
-        self.seq += 1
-        return mac.digest()
-
-    def payload_mac(self, seq: int) -> hmac.HMAC:
-        """The MAC (HMAC-SHA256, OpenSSL's: it releases the GIL on large updates) of the
-        payload of the frame numbered ``seq`` in this direction (``seq - 1`` right after that
-        frame was tagged); feed it the payload, then compare its digest with the trailer."""
-        return hmac.new(self._payload_key, struct.pack("<Q", seq), "sha256")
-
-
-class _NeedData:
-    def __repr__(self) -> str:
-        return "NEED_DATA"
-
-
-NEED_DATA = _NeedData()
-
-
-def encode(msg: Message, auth: FrameAuth | None = None) -> bytes:
-    """Header and meta of ``msg``; its payload (``payload_len`` bytes) is sent after it.
-
-    With ``auth`` the meta ends with the frame's tag (frames must then be sent in the order
-    they were encoded).
-
-    Raises:
-        ProtocolError: an array whose size is not a multiple of 8, or meta over the limit.
-    """
-    arrays = [(name, memoryview(a).cast("B")) for name, a in msg.arrays.items()]
-    for name, a in arrays:
-        if a.nbytes % 8:
-            raise ProtocolError(f"array {name!r} is {a.nbytes} bytes, not a multiple of 8")
-    if arrays:
-        fields = dict(msg.fields)
-        fields["arrays"] = [[name, a.nbytes] for name, a in arrays]
-        js = json.dumps(fields, separators=(",", ":")).encode()
-    elif not msg.fields:
-        js = b"{}"
-    elif len(msg.fields) == 1 and type(off := msg.fields.get("off")) is int and off >= 0:
-        js = b'{"off":%d}' % off  # every DATA frame: the same bytes json.dumps would give
-    else:
-        js = json.dumps(msg.fields, separators=(",", ":")).encode()
-    meta_len = 4 + len(js) + sum(a.nbytes for _, a in arrays) + (_TAG if auth else 0)
-    if meta_len > MAX_META:
-        raise ProtocolError(f"meta of {meta_len} bytes exceeds {MAX_META}")
-    parts: list[bytes | memoryview] = [
-        HEADER.pack(
-            MAGIC,
-            PROTOCOL_VERSION,
-            int(msg.type),
-            msg.req_id,
-            meta_len,
-            msg.flags,
-            msg.payload_len,
-        ),
-        struct.pack("<I", len(js)),
-        js,
-    ]
-    parts.extend(a for _, a in arrays)
-    frame = b"".join(parts)
-    if auth is None:
-        return frame
-    return frame + auth.tag(memoryview(frame)[: HEADER.size], memoryview(frame)[HEADER.size :])
-
-
-def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: bytes) -> Message:
-    if len(meta) < 4:
-        raise ProtocolError("meta shorter than its length prefix")
-    (js_len,) = struct.unpack_from("<I", meta)
-    if 4 + js_len > len(meta):
-        raise ProtocolError("JSON length runs past the meta")
-    if js_len > MAX_FIELDS:
-        raise ProtocolError(f"JSON fields of {js_len} bytes exceed {MAX_FIELDS}")
-    if js_len == 2 and len(meta) == 6 and meta[4:6] == b"{}":  # a bare control frame
-        return Message(mtype, req_id, {}, {}, payload_len, flags)
-    if len(meta) == 4 + js_len and meta[4:11] == b'{"off":' and meta[-1:] == b"}":
-        digits = meta[11:-1]
-        # A DATA frame's only field, exactly as encode writes it (anything else: json).
-        if len(digits) <= 20 and digits.isdigit() and (digits[:1] != b"0" or len(digits) == 1):
-            return Message(mtype, req_id, {"off": int(digits)}, {}, payload_len, flags)
-    try:
-        fields = json.loads(bytes(meta[4 : 4 + js_len]))
-    except (ValueError, RecursionError) as exc:  # JSON errors, huge integers, bad UTF-8
-        raise ProtocolError(f"malformed JSON fields: {exc}") from None
-    if not isinstance(fields, dict):
-        raise ProtocolError("fields must be a JSON object")
-    arrays: dict[str, bytes | memoryview] = {}
-    spec = fields.pop("arrays", [])
-    if not isinstance(spec, list):
-        raise ProtocolError("arrays must be a list")
-    pos = 4 + js_len
-    view = memoryview(meta)
-    for item in spec:
-        if (
-            not isinstance(item, list)
-            or len(item) != 2
-            or not isinstance(item[0], str)
-            or not isinstance(item[1], int)
-            or isinstance(item[1], bool)
-            or item[1] < 0
-            or item[1] % 8
-        ):
-            raise ProtocolError(f"bad array entry {item!r}")
-        name, nbytes = item
-        if pos + nbytes > len(meta):
-            raise ProtocolError(f"array {name!r} runs past the meta")
-        arrays[name] = view[pos : pos + nbytes]
-        pos += nbytes
-    if pos != len(meta):
-        raise ProtocolError(f"{len(meta) - pos} unexplained bytes after the arrays")
-    return Message(mtype, req_id, fields, arrays, payload_len, flags)
-
+__all__ = ["UNCHARGED_META", "Decoder", "MetaBudget"]
 
 #: a frame's meta up to this size is not charged to a :class:`MetaBudget`: one read-ahead
 #: (a connection buffers at most its frame plus one read)
@@ -485,7 +278,10 @@ class Decoder:
         if magic != MAGIC:
             raise self._fail(f"bad magic {magic:#x}{_guess_protocol(self._buf, self._pos)}")
         if version != PROTOCOL_VERSION:
-            raise self._fail(f"unsupported protocol version {version}")
+            raise self._fail(
+                f"unsupported protocol version {version} (this endpoint speaks "
+                f"{PROTOCOL_VERSION}: both sides must run releases of the same wire version)"
+            )
         try:
             mt = MT(mtype)
         except ValueError:
