@@ -72,7 +72,7 @@ class Layout:
 def u64_sum(arr: np.ndarray) -> int:
     """The sum of a uint64 array, modulo 2**64 (numpy costs microseconds on a few items)."""
     if len(arr) <= 64:
-        return sum(arr.tolist()) & _MASK
+        return int(sum(arr.tolist())) & _MASK
     return int(arr.sum(dtype=_U64))
 
 
