@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import struct
 from typing import Any, ClassVar
@@ -322,9 +323,7 @@ class Request(ArraysEqual):
             packed.index(packed.SHAPES, shape, "shape"),
             (tb, count, bool(present & packed.BLOCKS)),
             local_addrs,
-            caps=frozenset(c for c, bit in packed.CAP_BIT.items() if caps & bit)
-            if caps
-            else frozenset(),
+            caps=packed.caps_of_bits(caps),
             timeout_ms=int_field(timeout, "timeout", 0),
             local_slot=local_slot,
             size=size,
@@ -377,7 +376,7 @@ class Grant(ArraysEqual):
             if arr is not None:
                 arrays[name] = u64_bytes(arr)
         mode, total = self.mode, self.total
-        if self.message is None and -(2**31) <= int(self.status) < 2**31:
+        if self.message is None:
             present = (0 if mode is None else packed.HAS_MODE) | (
                 0 if total is None else packed.HAS_TOTAL
             )
@@ -385,7 +384,7 @@ class Grant(ArraysEqual):
             with_mode = 0 if mode is None else packed.MODES.index(mode)
             try:
                 body = packed.GRANT.pack(int(self.status), present, with_mode, total or 0)
-            except struct.error:  # a total outside int64: JSON carries it
+            except struct.error:  # a status or total that does not fit: JSON carries it
                 pass
             else:
                 return Message(MT.GRANT, self.req_id, {}, arrays, packed=body)
@@ -500,8 +499,9 @@ class _Status:
 
     def encode(self) -> Message:
         code = int(self.status)
-        if self.message is None and -(2**31) <= code < 2**31:
-            return Message(self.TYPE, self.req_id, packed=packed.STATUS.pack(code))
+        if self.message is None:
+            with contextlib.suppress(struct.error):  # a code that does not fit: JSON
+                return Message(self.TYPE, self.req_id, packed=packed.STATUS.pack(code))
         fields: dict[str, Any] = {"status": code}
         if self.message is not None:
             fields["message"] = self.message

@@ -141,28 +141,26 @@ def encode(msg: Message, auth: FrameAuth | None = None) -> bytes:
         js = json.dumps(fields, separators=(",", ":")).encode()
     elif not msg.fields:
         js = b"{}"
-    elif len(msg.fields) == 1 and type(off := msg.fields.get("off")) is int and off >= 0:
-        js = b'{"off":%d}' % off  # every DATA frame: the same bytes json.dumps would give
     else:
         js = json.dumps(msg.fields, separators=(",", ":")).encode()
-    meta_len = 4 + len(js) + sum(a.nbytes for _, a in arrays) + (_TAG if auth else 0)
+    meta: list[bytes | memoryview] = [_U32.pack(len(js)), js]
+    meta.extend(a for _, a in arrays)
+    return _frame(msg, meta, auth)
+
+
+def _frame(msg: Message, meta: list[bytes | memoryview], auth: FrameAuth | None) -> bytes:
+    """Header, ``meta`` and (with ``auth``) the tag of ``msg``'s frame.
+
+    Raises:
+        ProtocolError: meta over MAX_META."""
+    meta_len = sum(len(m) if isinstance(m, bytes) else m.nbytes for m in meta)
+    meta_len += _TAG if auth else 0
     if meta_len > MAX_META:
         raise ProtocolError(f"meta of {meta_len} bytes exceeds {MAX_META}")
-    parts: list[bytes | memoryview] = [
-        HEADER.pack(
-            MAGIC,
-            PROTOCOL_VERSION,
-            int(msg.type),
-            msg.req_id,
-            meta_len,
-            msg.flags,
-            msg.payload_len,
-        ),
-        struct.pack("<I", len(js)),
-        js,
-    ]
-    parts.extend(a for _, a in arrays)
-    frame = b"".join(parts)
+    head = HEADER.pack(
+        MAGIC, PROTOCOL_VERSION, int(msg.type), msg.req_id, meta_len, msg.flags, msg.payload_len
+    )
+    frame = b"".join((head, *meta))
     if auth is None:
         return frame
     return frame + auth.tag(memoryview(frame)[: HEADER.size], memoryview(frame)[HEADER.size :])
@@ -174,30 +172,21 @@ def _encode_packed(msg: Message, auth: FrameAuth | None) -> bytes:
     names = PACKED_ARRAYS.get(msg.type)
     if names is None or len(packed) > MAX_FIELDS:
         raise ProtocolError(f"{msg.type.name} has no packed form of {len(packed)} bytes")
-    parts: list[bytes | memoryview] = [b"", _U32.pack(len(packed) | PACKED), packed]
-    meta_len = 4 + len(packed) + (_TAG if auth else 0)
+    meta: list[bytes | memoryview] = [_U32.pack(len(packed) | PACKED), packed]
     if names:
         arrays = msg.arrays
         if not arrays.keys() <= set(names):
             raise ProtocolError(f"{msg.type.name} carries no arrays {sorted(arrays)}")
         views = [None if n not in arrays else memoryview(arrays[n]).cast("B") for n in names]
-        sizes = [_NO_ARRAY if v is None else v.nbytes for v in views]
         if any(v is not None and v.nbytes % 8 for v in views):
             raise ProtocolError(f"a {msg.type.name} array is not a multiple of 8 bytes")
-        parts.append(struct.pack(f"<{len(names)}I", *sizes))
-        parts.extend(v for v in views if v is not None)
-        meta_len += 4 * len(names) + sum(v.nbytes for v in views if v is not None)
+        meta.append(
+            struct.pack(f"<{len(names)}I", *(_NO_ARRAY if v is None else v.nbytes for v in views))
+        )
+        meta.extend(v for v in views if v is not None)
     elif msg.arrays:
         raise ProtocolError(f"{msg.type.name} carries no arrays")
-    if meta_len > MAX_META:
-        raise ProtocolError(f"meta of {meta_len} bytes exceeds {MAX_META}")
-    parts[0] = HEADER.pack(
-        MAGIC, PROTOCOL_VERSION, int(msg.type), msg.req_id, meta_len, msg.flags, msg.payload_len
-    )
-    frame = b"".join(parts)
-    if auth is None:
-        return frame
-    return frame + auth.tag(memoryview(frame)[: HEADER.size], memoryview(frame)[HEADER.size :])
+    return _frame(msg, meta, auth)
 
 
 def _decode_packed(
@@ -241,11 +230,6 @@ def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: byt
         raise ProtocolError(f"JSON fields of {js_len} bytes exceed {MAX_FIELDS}")
     if js_len == 2 and len(meta) == 6 and meta[4:6] == b"{}":  # a bare control frame
         return Message(mtype, req_id, {}, {}, payload_len, flags)
-    if len(meta) == 4 + js_len and meta[4:11] == b'{"off":' and meta[-1:] == b"}":
-        digits = meta[11:-1]
-        # A DATA frame's only field, exactly as encode writes it (anything else: json).
-        if len(digits) <= 20 and digits.isdigit() and (digits[:1] != b"0" or len(digits) == 1):
-            return Message(mtype, req_id, {"off": int(digits)}, {}, payload_len, flags)
     try:
         fields = json.loads(bytes(meta[4 : 4 + js_len]))
     except (ValueError, RecursionError) as exc:  # JSON errors, huge integers, bad UTF-8
