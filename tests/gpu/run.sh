@@ -40,12 +40,15 @@ main() {
     if [[ ! -d "$wheels" ]]; then
         echo "no wheel directory $wheels: run tests/gpu/fetch_wheels.sh first and carry it" >&2
         status=4
-    elif "$py" -m venv --system-site-packages "$venv"; then
+    elif "$py" -m venv --system-site-packages "$venv" \
+        && "$venv/bin/python" -c 'import numpy, anyio, torch' 2>/dev/null; then
+        # (an image whose python is itself a venv: a venv made from it does not see that
+        # venv's packages, so the check above sends it to the --target route below)
         vpy="$venv/bin/python"
         PIP_DISABLE_PIP_VERSION_CHECK=1 "$vpy" -m pip install --quiet --no-index \
             --find-links "$wheels" -r tests/gpu/requirements.txt || status=5
-    else  # no ensurepip in the image: install next to the tests instead, first on the path
-        echo "python -m venv failed; installing with --target" >&2
+    else  # no ensurepip, or a venv that lacks the image's packages: install next to the tests
+        echo "a venv over the image's packages failed; installing with --target" >&2
         vpy="$py"
         target="$venv-site"
         rm -rf "$target"
