@@ -29,6 +29,7 @@ from ._observe import Observers
 from ._options import EngineOptions
 from ._registry import CacheEntry, Registry
 from ._task import CacheTask, TaskControl
+from ._timers import Timers
 from ._transports import TransportEndpoint, start_endpoint
 from ._transports.tcp import StagedStream, StreamPlan
 
@@ -74,6 +75,8 @@ class Engine:
         self.transport_endpoint: TransportEndpoint | None = None
         #: bumped whenever a cache id is released; same-host peers map it (one-sided pulls)
         self.epoch: EpochPage | None = None
+        #: deadlines of transfers that run without a task of their own
+        self.timers = Timers()
 
     @property
     def listen_host(self) -> str | None:
@@ -108,6 +111,7 @@ class Engine:
             ):
                 self._tg = tg
                 self._portal = portal
+                tg.start_soon(self.timers.run)
                 try:
                     await self.start_services()
                     self.log.info("engine.up", role=str(self.role))
@@ -194,6 +198,10 @@ class Engine:
                     del self._populating[key]
 
         self.spawn(job)
+
+    def is_populated(self, addrs: np.ndarray) -> bool:
+        """True unless the pages of the cache at ``addrs`` are still being faulted in."""
+        return not self._populating or not len(addrs) or int(addrs[0]) not in self._populating
 
     async def populated(self, addrs: np.ndarray) -> None:
         """Wait until the pages of the cache at ``addrs`` are faulted in (a transfer started

@@ -22,7 +22,7 @@ from ._net.grants import TransferRequest
 from ._net.link import Link
 from ._planner import Plan
 from ._registry import CacheEntry
-from ._scheduler import Destination, run_request, run_transfer
+from ._scheduler import Destination, run_request, run_transfer, start_request_now
 from ._task import CacheTask, TaskControl
 from ._types import TransferConfig, TransferWithCacheKeyConfig
 
@@ -47,9 +47,10 @@ def start_task(
     run: Run,
     slots: Sequence[int] = (0,),
     peers: tuple[int, ...] = (),
+    task: CacheTask | None = None,
 ) -> CacheTask:
-    """Start ``run`` as a task with the peer clusters ``peers`` (named in its events);
-    ``entries`` stay pinned (not freed) until it ends."""
+    """Start ``run`` as a task (``task``, or a new one) with the peer clusters ``peers``
+    (named in its events); ``entries`` stay pinned (not freed) until it ends."""
     registry = engine.registry
     for e in entries:
         registry.pin(e)
@@ -61,7 +62,7 @@ def start_task(
             for e in entries:
                 registry.unpin(e)
 
-    return engine.start_task(engine.new_task(kind, slots, peers), body)
+    return engine.start_task(task or engine.new_task(kind, slots, peers), body)
 
 
 def start_copy(engine: Engine, kind: str, plan: Plan, entries: list[CacheEntry]) -> CacheTask:
@@ -144,6 +145,15 @@ def start_request(
         **spec_fields,
     )
     timeout, ra = engine.sync_kv_timeout_s, engine.options.remote_accessible
+    engine.check_thread()
+    task = engine.new_task(kind, peer_cluster_ids=(key.cluster_id,))
+    registry, entry = engine.registry, spec.local
+    registry.pin(entry)
+    if start_request_now(
+        engine, task, link, spec, timeout, steps, ra, lambda: registry.unpin(entry)
+    ):
+        return task
+    registry.unpin(entry)
 
     async def run(ctl: TaskControl) -> None:
         # Registration's page population is waited for before any deadline runs: a pull
@@ -151,7 +161,7 @@ def start_request(
         await engine.populated(spec.local.addrs)
         await run_request(engine, ctl, link, spec, timeout, steps, ra)
 
-    return start_task(engine, kind, [spec.local], run, peers=(key.cluster_id,))
+    return start_task(engine, kind, [spec.local], run, peers=(key.cluster_id,), task=task)
 
 
 def _destinations(

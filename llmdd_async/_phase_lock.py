@@ -60,6 +60,18 @@ class PhaseLock:
             w.granted = True
             w.event.set()
 
+    def try_take(self, exclusive: bool) -> bool:
+        """Take the lock at once if nobody queues and the phase allows (then :meth:`give`
+        it back); False, with nothing taken, otherwise."""
+        if self._queue or not self._fits(exclusive):
+            return False
+        self._take(exclusive)
+        return True
+
+    def give(self, exclusive: bool) -> None:
+        """Give back what :meth:`try_take` took."""
+        self._release(exclusive)
+
     def hold(self, exclusive: bool) -> _Hold:
         """Hold the lock in one phase (``async with``). Cancellation while queued leaves no
         trace."""

@@ -25,19 +25,32 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._enums import LLMStatusCode
-from ._errors import LLMException, SynchronizerAborted, is_caller_facing, status_from_exception
+from ._errors import (
+    CopyCancelled,
+    LLMException,
+    SynchronizerAborted,
+    is_caller_facing,
+    status_from_exception,
+)
 from ._net.addressing import resolve_in_table, with_table
 from ._net.grants import TransferRequest
-from ._net.initiator import initiate
+from ._net.initiator import Exchange, initiate, may_pull_directly
 from ._net.link import Link
 from ._options import DEFAULT_LAYER_SYNC_TIMEOUT_MS, DEFAULT_LAYER_WINDOW
 from ._synchronizer import AsyncLayerSynchronizer, LayerEvents
-from ._task import LayerTiming, TaskControl
+from ._task import CacheTask, LayerTiming, TaskControl
 
 if TYPE_CHECKING:
     from ._engine import Engine
 
-__all__ = ["Destination", "run_layerwise", "run_request", "run_transfer", "wait_for_layer"]
+__all__ = [
+    "Destination",
+    "run_layerwise",
+    "run_request",
+    "run_transfer",
+    "start_request_now",
+    "wait_for_layer",
+]
 
 
 @dataclasses.dataclass
@@ -159,6 +172,92 @@ async def run_request(
         ctl.set_deadline(timeout_s * steps)
         link.check_alive()
         ctl.add(*await initiate(engine, link, spec, ctl.token, ctl.deadline))
+
+
+def start_request_now(
+    engine: Engine,
+    task: CacheTask,
+    link: Link,
+    spec: TransferRequest,
+    timeout_s: float,
+    steps: int,
+    remote_accessible: bool,
+    on_end: Callable[[], None],
+) -> bool:
+    """Start ``task`` as one pull or push with no task of its own, when nothing has to be
+    awaited first: the link's phase lock is free for it (nobody queues), the peer's table is
+    known (remote-accessible mode), the local cache is populated, and no one-sided copy may
+    apply. The request is sent now and the link's reader finishes it (:class:`Exchange`); a
+    timer of the engine bounds it by ``timeout_s`` per step, as :func:`run_request` does;
+    ``on_end`` runs once it ended (fenced), before the task completes. Returns False, with
+    nothing started, when :func:`run_request` must run it.
+    """
+    if remote_accessible:
+        table = link.view.table
+        if table is None:
+            return False
+        try:
+            spec.target = resolve_in_table(table, spec.target, link.peer_cluster_id)
+        except LLMException:
+            return False  # the task reports it
+    if (
+        not link.alive
+        or not engine.is_populated(spec.local.addrs)
+        or may_pull_directly(engine, link, spec)
+        or not link.transfer_lock.try_take(False)
+    ):
+        return False
+    budget = timeout_s * steps
+    ctl = task.begin(None)
+    ctl.set_deadline(budget)  # the link is ours: the deadline runs from now
+    expired = False
+    current: list[Exchange] = []
+
+    def launch(key_reads: bool) -> None:
+        try:
+            req = link.open_pending(ctl.deadline)
+        except LLMException as exc:  # the link went down: a retry ends here
+            finish(None, exc)
+            return
+        # A first try that may copy what a key grants has a token of its own: stopping it
+        # after a failed copy does not stop the retry over the stream.
+        req.token = ctl.token.child() if key_reads else ctl.token
+        exchange = Exchange(engine, link, spec, req, key_reads, ended)
+        current[:] = [exchange]
+        exchange.start()
+
+    def ended(exchange: Exchange) -> None:
+        if exchange.read_failed and not task.cancel_requested and link.alive:
+            # A copy of what a key grants failed (memory the kernel cannot pin): the request
+            # was aborted there, unconsumed; stream it.
+            reason = f"reading the peer failed: {exchange.error}"
+            engine.log.info("transfer.fallback", reason=reason)
+            launch(False)
+            return
+        finish(exchange.result, exchange.error)
+
+    def finish(result: tuple[int, int] | None, error: BaseException | None) -> None:
+        link.transfer_lock.give(False)
+        engine.timers.cancel(timer)
+        task.on_cancel(None)
+        if result is not None:
+            ctl.add(*result)
+        on_end()
+        task.conclude(ctl, error, expired)
+
+    def stop() -> None:
+        if current:
+            current[0].stop(CopyCancelled())
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        stop()
+
+    timer = engine.timers.call_at(anyio.current_time() + budget, expire)
+    task.on_cancel(stop)
+    launch(True)
+    return True
 
 
 async def run_transfer(

@@ -158,6 +158,7 @@ class CacheTask:
         self._done = anyio.Event()
         self._token = CancelToken()
         self._scope: anyio.CancelScope | None = None
+        self._canceller: Callable[[], None] | None = None
         self._cancel_requested = False
         self._status: LLMStatusCode | None = None
         self._error: BaseException | None = None
@@ -175,21 +176,31 @@ class CacheTask:
             self._fields["peer_cluster_ids"] = list(self._peers)
 
     # ------------------------------------------------------------------ running
+    def begin(self, deadline_s: float | None) -> TaskControl:
+        """Start the task's clock and deadline (its token carries the deadline to workers);
+        the caller runs it and then calls :meth:`conclude`."""
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        self._token.deadline = deadline
+        ctl = TaskControl(self, deadline)
+        if self._observers is not None:
+            self._observers.transfer_started(self.kind)
+        # A filtered structlog call still runs its processor chain: ask the logger first.
+        if self._log.isEnabledFor(logging.DEBUG):
+            self._log.debug("transfer.started", **self._fields)
+        return ctl
+
+    def on_cancel(self, fn: Callable[[], None] | None) -> None:
+        """Call ``fn`` when :meth:`cancel` is called (a task run without a task body: its
+        runner fences it and then concludes it)."""
+        self._canceller = fn
+
     async def run_body(
         self, body: Callable[[TaskControl], Awaitable[None]], deadline_s: float | None
     ) -> None:
         """Run ``body`` as this task (the engine starts it in its task group) and record how
         it ended; never raises but the engine's own cancellation."""
-        deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        # Worker threads see the deadline through the token, the loop through the scope.
-        self._token.deadline = deadline
-        ctl = TaskControl(self, deadline)
-        if self._observers is not None:
-            self._observers.transfer_started(self.kind)
+        ctl = self.begin(deadline_s)
         cancelled_exc = anyio.get_cancelled_exc_class()
-        # A filtered structlog call still runs its processor chain: ask the logger first.
-        if self._log.isEnabledFor(logging.DEBUG):
-            self._log.debug("transfer.started", **self._fields)
         error: BaseException | None = None
         try:
             with anyio.CancelScope() as scope:
@@ -205,12 +216,19 @@ class CacheTask:
             raise
         except Exception as exc:
             error = exc
+        self.conclude(ctl, error, scope.cancelled_caught)
+
+    def conclude(
+        self, ctl: TaskControl, error: BaseException | None, timed_out: bool = False
+    ) -> None:
+        """Record how the task ended: ``error`` (None: success), ``timed_out`` when its
+        deadline stopped it. A cancel or a passed deadline decides the status first."""
         if self._cancel_requested:
             status = LLMStatusCode.LLM_FAILED
             self._error = TransferCancelled(f"{self.kind} was cancelled")
         elif (
             ctl.deadline is not None
-            and (scope.cancelled_caught or time.monotonic() >= ctl.deadline)
+            and (timed_out or time.monotonic() >= ctl.deadline)
             and (error is None or isinstance(error, CopyCancelled | TimeoutError))
         ):
             status = self._timeout_code
@@ -268,6 +286,11 @@ class CacheTask:
         (``transfer.started``, ``transfer.complete``, ``transfer.failed``)."""
         return self._task_id
 
+    @property
+    def cancel_requested(self) -> bool:
+        """:meth:`cancel` was called."""
+        return self._cancel_requested
+
     def done(self) -> bool:
         """True once the task finished (successfully or not) and is fenced."""
         return self._done.is_set()
@@ -281,6 +304,8 @@ class CacheTask:
         self._token.cancel()
         if self._scope is not None:
             self._scope.cancel()
+        if self._canceller is not None:
+            self._canceller()
 
     async def wait(self) -> None:
         """Wait for completion; raise ``LLMException`` on failure.

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .._observe import Observers
     from .._options import EngineOptions
     from .._registry import CacheEntry, Registry
+    from .._timers import Timers
     from .._transports import TransportEndpoint
     from .._transports.tcp import StreamPlan
     from .link import Link
@@ -119,6 +120,11 @@ class LinkHost(Protocol):
         ...
 
     # ---------------------------------------------------------------- tasks
+    @property
+    def timers(self) -> Timers:
+        """Deadlines of transfers that run without a task (from the reader)."""
+        ...
+
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``fn(*args)`` in the endpoint's task group; a crash is logged, not raised.
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hmac
 import itertools
 import socket
 import time
@@ -24,8 +23,6 @@ import anyio
 import anyio.to_thread
 
 from .._errors import (
-    LINK_IO_ERRORS,
-    CopyCancelled,
     LinkBroken,
     LinkClosed,
     LLMException,
@@ -40,7 +37,6 @@ from .._messages import FLAG_TO_INITIATOR, Abort, Bye, Data, Identity, Ping, Tab
 from .._phase_lock import PhaseLock
 from .._protocol import (
     MT,
-    NEED_DATA,
     PAYLOAD_TAG,
     Decoder,
     FrameAuth,
@@ -55,15 +51,12 @@ from .._transports.tcp import (
     PayloadMac,
     StreamPlan,
     mac_update,
-    recv_nowait,
-    recv_views,
-    recv_views_inline,
-    scratch_views,
     send_nowait,
     send_views,
     send_views_inline,
 )
 from .peer_view import CapsPolicy, PeerView
+from .reader import LinkReader
 from .requests import (
     LinkStatistics,
     Pending,
@@ -79,10 +72,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Link"]
 
-_READ_AHEAD = 64 << 10
-#: the reader lets other tasks run after this much read without waiting (a peer that streams a
-#: big frame's meta as fast as the socket allows would otherwise hold the loop until it ends)
-_YIELD_BYTES = 2 << 20
 #: how often a cancelled request checks that its worker let go
 _FENCE_POLL_S = 0.002
 
@@ -122,8 +111,9 @@ class Link:
         #: which direct-access caps our requests carry and the peer's may use
         self.caps = CapsPolicy(access)
         self._send_auth = auth[0] if auth is not None else None
-        self._recv_auth = auth[1] if auth is not None else None
-        decoder.set_auth(self._recv_auth)
+        #: what checks the peer's frames (a keyed link), its DATA payloads' MACs included
+        self.recv_auth = auth[1] if auth is not None else None
+        decoder.set_auth(self.recv_auth)
         #: llm.PayloadAuth (both ends agreed in the handshake): DATA payloads end with a MAC
         self.payload_auth = auth is not None and host.options.payload_auth
         #: this side's link_clusters made or adopted the link (a second call: ALREADY_LINK)
@@ -147,8 +137,8 @@ class Link:
         self.view = PeerView(self._table_of_peer)
         #: what the peer's control frames do here
         self.router = FrameRouter(self)
-        self._reader_scope: anyio.CancelScope | None = None
-        self._unyielded = 0
+        #: the only reader of the socket, run by the event loop's I/O driver
+        self.reader = LinkReader(self)
         #: requests of the peer served at once; more wait (bounds staging memory and threads)
         self.serving_limiter = anyio.CapacityLimiter(limits.serving)
         #: worker threads this link may hold (never the whole process's pool: one stalled
@@ -239,12 +229,11 @@ class Link:
     def _teardown(self) -> None:
         exc = self.down_error()
         self.host.observers.link_changed(self.peer_cluster_id, self.transport_name, False)
+        self.reader.stop()  # before the socket may be closed
         for req in [*self.pending.values(), *self.serving.values(), *self.router.waiters()]:
             req.fail(exc)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        if self._reader_scope is not None:
-            self._reader_scope.cancel()
         # What the peer sent and nobody will read (a partial frame: up to llm.LinkMaxMeta)
         # goes now, not when the application unlinks (it may never learn of the cluster id);
         # so do the budget charges of its queued requests (a request that never started
@@ -629,207 +618,6 @@ class Link:
 
     # ------------------------------------------------------------------ reading
     async def run_reader(self, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """The link's only socket reader; ends when the link breaks or closes."""
-        buf = bytearray(_READ_AHEAD)
-        mv = memoryview(buf)
-        with anyio.CancelScope() as scope:
-            self._reader_scope = scope
-            task_status.started()
-            try:
-                # The socket's failures, the peer's garbage (ProtocolError) and the link's own
-                # verdicts (LinkBroken) break the link; the reader then just ends.
-                with map_link_errors(self.fail, catch=(*LINK_IO_ERRORS, LLMException)):
-                    while self.alive:
-                        ev = self.decoder.next_event()
-                        if ev is NEED_DATA:
-                            await self._fill(mv)
-                        elif isinstance(ev, Message):
-                            if ev.payload_len:
-                                await self._receive_payload(ev)
-                            else:
-                                await self.router.dispatch(ev)
-                        else:  # payload bytes outside a DATA frame cannot happen
-                            raise ProtocolError("unexpected payload bytes")
-            except Exception as exc:  # a bug must break this link, not the whole engine
-                self.log.exception("link.reader_crashed")
-                self.fail(exc)
-
-    async def _fill(self, mv: memoryview) -> None:
-        """Receive what the socket has into the decoder.
-
-        Raises:
-            EOFError: the peer closed. TimeoutError: it stopped in the middle of a frame for
-                the stall timeout (a partial frame holds memory, and ``llm.MetaBudget``).
-        """
-        while True:
-            try:
-                n = self.sock.recv_into(mv, len(mv), socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                self._unyielded = 0  # the wait below lets others run
-                if not self.decoder.buffered:
-                    await anyio.wait_readable(self.sock)
-                    continue
-                # A legit peer sends a frame's meta without pausing; one that stops half-way
-                # must not keep its share of the budget for ever.
-                with anyio.move_on_after(self.host.stall_timeout_s) as stalled:
-                    await anyio.wait_readable(self.sock)
-                if stalled.cancelled_caught:
-                    raise TimeoutError(
-                        f"cluster {self.peer_cluster_id} stopped in the middle of a frame for "
-                        f"{self.host.stall_timeout_s:g} s"
-                    ) from None
-                continue
-            if n == 0:
-                raise EOFError(f"cluster {self.peer_cluster_id} closed the connection")
-            self.decoder.receive_data(mv[:n])
-            self._unyielded += n
-            if self._unyielded >= _YIELD_BYTES:
-                self._unyielded = 0
-                await anyio.lowlevel.checkpoint()
-            return
-
-    async def _receive_payload(self, msg: Message) -> None:
-        if msg.type != MT.DATA:
-            raise ProtocolError(f"{msg.type.name} frames carry no payload")
-        n = msg.payload_len
-        # llm.PayloadAuth: the payload ends with its MAC, received with it and checked below.
-        auth = self._recv_auth if self.payload_auth else None
-        seq = 0
-        if auth is not None:
-            if n <= PAYLOAD_TAG:
-                raise ProtocolError("DATA frame without its payload MAC (llm.PayloadAuth)")
-            n -= PAYLOAD_TAG
-            seq = auth.seq - 1  # the DATA frame's own number: nothing was decoded since
-        tag = bytearray(PAYLOAD_TAG) if auth is not None else None
-        if n > CHUNK_BYTES:
-            raise ProtocolError(f"DATA frame of {n} bytes exceeds {CHUNK_BYTES}")
-        table = self.pending if msg.flags & FLAG_TO_INITIATOR else self.serving
-        req = table.get(msg.req_id)
-        off = Data.offset_of(msg)
-        stream = req.stream if req is not None else None
-        if stream is None:
-            req = None  # nothing of ours receives this frame: discard it, touching no request
-        elif off + n > stream.total:
-            raise ProtocolError(f"DATA frame [{off}, +{n}) outside its plan")
-        views = stream.receive_views(off, n) if stream is not None else []
-        pmac = None
-        if auth is not None and tag is not None and req is not None:
-            # Hashed where each batch lands; the trailer lands in ``tag``.
-            pmac = PayloadMac(auth.payload_mac(seq), 0, n)
-            views = [*views, memoryview(tag)]
-        # Bytes the read-ahead already pulled in go first (at most 64 KiB, copied here).
-        pos = 0
-        if self.decoder.buffered and self.decoder.payload_remaining:
-            with self.decoder.take_payload() as chunk:
-                if req is not None and not req.token.cancelled:
-                    _copy_into(views, 0, chunk)
-                    if pmac is not None:
-                        pmac.passed(views, 0, chunk.nbytes)
-                pos = chunk.nbytes
-        rest = self.decoder.payload_remaining
-        token = req.token if req is not None else _CANCELLED
-        stall_s = self.host.stall_timeout_s
-        if rest:
-            # Scratch (to discard what nobody receives) is borrowed only for this frame: an
-            # idle link holds no buffers.
-            scratch = self.host.scratch.acquire()
-            target = _slice_views(views, pos, rest) if views else scratch_views(rest, scratch)
-            fence = None
-            try:
-                if rest <= INLINE_BYTES:
-                    bufs = list(target)
-                    idx = 0 if token.cancelled else recv_nowait(self.sock, bufs, pmac)
-                    if idx < len(bufs):
-                        await self._inline(
-                            recv_views_inline(self.sock, bufs, idx, token, scratch, pmac)
-                        )
-                else:
-                    fence = Fence(token, stall_s, req.deadline if req is not None else None)
-                    if req is not None:
-                        req.fence = fence
-                    await anyio.to_thread.run_sync(
-                        recv_views, self.sock, target, fence, scratch, pmac, limiter=self.threads
-                    )
-            finally:
-                if fence is not None:
-                    # The worker has finished here (the call is not abandoned on cancel), or
-                    # it never started: cancelled while waiting for a thread. Either way
-                    # nothing touches the buffers any more; a fence left unset would hold
-                    # release() forever.
-                    fence.released.set()
-                if req is not None:
-                    req.fence = None
-                self.host.scratch.release(scratch)
-            self.decoder.payload_consumed(rest)
-        if pmac is not None and tag is not None and req is not None and not token.cancelled:
-            # Every byte landed where it belongs (a cancel diverts the rest to scratch, and
-            # those bytes nobody accepts): check them before anyone may use them.
-            await self._verify_payload(req, msg, pmac, tag)
-        if req is not None and stream is not None and stream.staged and not token.cancelled:
-            # Staged (device) streams scatter now; that worker is fenced like the receive.
-            fence = Fence(token, stall_s)
-            req.fence = fence
-            try:
-                await stream.commit(off, n, token)
-            except CopyCancelled:
-                pass  # cancelled meanwhile: the bytes are dropped, the link is fine
-            finally:
-                fence.released.set()
-                req.fence = None
-        self.stats_bytes += n
-        if req is not None and stream is not None:
-            req.received += n
-            if req.received >= stream.total:
-                req.data_event.set()
-
-    async def _verify_payload(
-        self, req: Request, msg: Message, pmac: PayloadMac, tag: bytearray
-    ) -> None:
-        """Check a received DATA payload (``pmac`` was fed it where it landed) against its
-        trailer (``llm.PayloadAuth``).
-
-        Raises:
-            LinkBroken: the bytes are not the peer's (a relay changed them); the peer is told
-                first (an ABORT of that request), then the reader breaks the link.
-        """
-        if hmac.compare_digest(pmac.digest(), tag):
-            return
-        exc = LinkBroken(
-            f"payload failed authentication (llm.PayloadAuth): DATA from cluster "
-            f"{self.peer_cluster_id} to cluster {self.host.cluster_id} does not match its MAC "
-            "(changed on the way, or the memory was written during the transfer); the link is "
-            "broken"
-        )
-        # Tell the peer why first (its link then breaks with these words, not as a hang-up):
-        # best effort, as a relay that changes bytes may drop frames too.
-        to_initiator = not msg.flags & FLAG_TO_INITIATOR
-        abort = Abort(req.req_id, exc.status_code, str(exc), broken=True, to_initiator=to_initiator)
-        with contextlib.suppress(Exception), anyio.move_on_after(1):
-            await self.send(abort.encode())
-        raise exc
-
-
-_CANCELLED = CancelToken()
-_CANCELLED.cancel()
-
-
-def _copy_into(views: list[memoryview], pos: int, data: memoryview) -> None:
-    """Copy ``data`` into the concatenation of ``views`` starting at byte ``pos``."""
-    for v in _slice_views(views, pos, data.nbytes):
-        v[:] = data[: v.nbytes]
-        data = data[v.nbytes :]
-
-
-def _slice_views(views: list[memoryview], pos: int, n: int) -> list[memoryview]:
-    out = []
-    for v in views:
-        if n <= 0:
-            break
-        if pos >= v.nbytes:
-            pos -= v.nbytes
-            continue
-        take = min(v.nbytes - pos, n)
-        out.append(v[pos : pos + take])
-        n -= take
-        pos = 0
-    return out
+        """The link's only socket reader (:class:`~.reader.LinkReader`); ends when the link
+        breaks or closes."""
+        await self.reader.run(task_status)

@@ -54,18 +54,24 @@ class LinkStatistics:
 class Signal:
     """A one-shot event whose ``anyio.Event`` is made only if someone waits before it is set
     (most of a request's signals never are), and whose wait on a set signal takes no loop
-    turn."""
+    turn. ``callback``, if given, runs (once) where it is set: the link's reader drives a
+    request that no task waits for (:class:`~.initiator.Exchange`)."""
 
-    __slots__ = ("_event", "_set")
+    __slots__ = ("_event", "_set", "callback")
 
     def __init__(self) -> None:
         self._set = False
         self._event: anyio.Event | None = None
+        self.callback: Callable[[], None] | None = None
 
     def set(self) -> None:
         self._set = True
         if self._event is not None:
             self._event.set()
+        callback = self.callback
+        if callback is not None:
+            self.callback = None
+            callback()
 
     def is_set(self) -> bool:
         return self._set

@@ -28,13 +28,21 @@ from .requests import Pending, Request, Serving
 if TYPE_CHECKING:
     from .link import Link
 
-__all__ = ["FrameRouter"]
+__all__ = ["DEFER", "HANDLED", "YIELD", "FrameRouter"]
 
 #: replies (PONG, TABLE, ...) owed to a peer before its link stops reading from it
 _MAX_REPLIES = 64
 #: bytes of a GRANT's descriptor sizes (8 per descriptor) checked on the loop; larger grants
 #: are checked in a worker thread
 _GRANT_INLINE = 8 << 14
+#: the frames that owe the peer a reply (or may: a refused request)
+_OWE_REPLIES = frozenset({MT.XFER_REQ, MT.PING, MT.TABLE_REQ, MT.UNLINK})
+#: what :meth:`FrameRouter.dispatch_now` did with a frame
+HANDLED, YIELD, DEFER = 0, 1, 2
+
+
+def _big_grant(msg: Message) -> bool:
+    return memoryview(msg.arrays.get("nbytes", b"")).nbytes > _GRANT_INLINE
 
 
 class FrameRouter:
@@ -62,7 +70,34 @@ class FrameRouter:
         return [w for ws in self._waiters.values() for w in ws]
 
     async def dispatch(self, msg: Message) -> None:
-        """Act on one control frame (no payload) of the peer.
+        """Act on a control frame that :meth:`dispatch_now` deferred: a grant of many
+        descriptors is checked in a worker thread; a frame that owes the peer a reply waits
+        until fewer than ``_MAX_REPLIES`` are owed (the reader is paused meanwhile, so a peer
+        that sends but never reads floods its own socket buffers, not our memory).
+
+        Raises:
+            ProtocolError: as :meth:`dispatch_now`.
+        """
+        link = self.link
+        if msg.type == MT.GRANT and _big_grant(msg):
+            pending = link.pending.get(msg.req_id)
+            if pending is not None:
+                if pending.on_grant is not None:
+                    # Checking (and mapping) a grant of many descriptors takes numpy tens of
+                    # ms: off the loop. The reader waits, so no DATA comes first.
+                    await anyio.to_thread.run_sync(pending.on_grant, msg, limiter=link.threads)
+                pending.grant = msg
+                pending.grant_event.set()
+            return
+        if msg.type in _OWE_REPLIES and not self._replies.value:
+            await self._replies.acquire()
+            self._replies.release()  # free now, and nothing else runs before it is taken
+        self.dispatch_now(msg)
+
+    def dispatch_now(self, msg: Message) -> int:
+        """Act on one control frame (no payload) of the peer, from the reader, without
+        awaiting: returns HANDLED, YIELD (handled; let other tasks run before the next
+        frame) or DEFER (nothing was done: the reader awaits :meth:`dispatch` instead).
 
         Raises:
             ProtocolError: the frame makes no sense on an established link (the reader then
@@ -70,18 +105,17 @@ class FrameRouter:
         """
         link = self.link
         kind = msg.type
+        if kind in _OWE_REPLIES and not self._replies.value:
+            return DEFER
         if kind == MT.XFER_REQ:
-            await self._admit(msg)
+            self._admit(msg)
         elif kind == MT.GRANT:
             pending = link.pending.get(msg.req_id)
             if pending is not None:
                 if pending.on_grant is not None:
-                    if memoryview(msg.arrays.get("nbytes", b"")).nbytes > _GRANT_INLINE:
-                        # Checking (and mapping) a grant of many descriptors takes numpy
-                        # tens of ms: off the loop. The reader waits, so no DATA comes first.
-                        await anyio.to_thread.run_sync(pending.on_grant, msg, limiter=link.threads)
-                    else:
-                        pending.on_grant(msg)
+                    if _big_grant(msg):
+                        return DEFER
+                    pending.on_grant(msg)
                 pending.grant = msg
                 pending.grant_event.set()
         elif kind == MT.RESULT:
@@ -102,14 +136,14 @@ class FrameRouter:
             if link.access is not None:
                 # What the link's transport adds for its peer only (NIXL: keys to our memory).
                 table.update(link.access.table_fields())
-            await self._owe_reply(Message(MT.TABLE, 0, table))
+            self._owe_reply(Message(MT.TABLE, 0, table))
             # Each reply encodes the whole table (milliseconds for thousands of caches): a
             # burst of requests is answered one per loop turn, not all in one turn.
-            await anyio.lowlevel.checkpoint()
+            return YIELD
         elif kind == MT.PING:
-            await self._owe_reply(Pong().encode())
+            self._owe_reply(Pong().encode())
         elif kind == MT.UNLINK:
-            await self._replies.acquire()
+            self._replies.acquire_nowait()
             link.host.spawn(self._peer_unlinked)
         elif kind in self._waiters:
             for w in self._waiters[kind]:
@@ -126,8 +160,9 @@ class FrameRouter:
             )
         else:
             raise ProtocolError(f"unexpected {kind.name} on an established link")
+        return HANDLED
 
-    async def _admit(self, msg: Message) -> None:
+    def _admit(self, msg: Message) -> None:
         """A request of the peer: refused when the link's queue is full, else served from
         the reader (:meth:`RequestServer.serve_now`) or queued for a serving task.
 
@@ -152,9 +187,7 @@ class FrameRouter:
                 f"cluster {link.host.cluster_id} already has {len(link.serving)} requests "
                 f"({link.queued_bytes} bytes) of this link queued"
             )
-            await self._owe_reply(
-                Grant.refusal(msg.req_id, LLMStatusCode.LLM_LINK_BUSY, busy).encode()
-            )
+            self._owe_reply(Grant.refusal(msg.req_id, LLMStatusCode.LLM_LINK_BUSY, busy).encode())
             return
         try:
             request = XferRequest.decode(msg)  # the one read of the peer's request
@@ -162,7 +195,7 @@ class FrameRouter:
             if charged and budget is not None:
                 budget.release(charged)
             code = exc.status_code if is_caller_facing(exc) else LLMStatusCode.LLM_PARAM_INVALID
-            await self._owe_reply(Grant.refusal(msg.req_id, code, str(exc)).encode())
+            self._owe_reply(Grant.refusal(msg.req_id, code, str(exc)).encode())
             return
         # The peer's deadline, but never more than this side would give itself: one
         # stalled peer must not hold our workers for longer (upstream: 1800 s).
@@ -199,11 +232,10 @@ class FrameRouter:
         if abort.broken:  # the peer breaks the link, and says why
             link.fail(LinkBroken(f"cluster {link.peer_cluster_id} broke the link: {text}"))
 
-    async def _owe_reply(self, msg: Message) -> None:
-        """Answer the peer from a task of its own; once ``_MAX_REPLIES`` answers are still
-        unsent (a peer that sends but never reads), the reader waits here, so the peer's
-        flood stays in its own socket buffers instead of our memory."""
-        await self._replies.acquire()
+    def _owe_reply(self, msg: Message) -> None:
+        """Answer the peer from a task of its own. The caller made sure a reply slot is free
+        (:meth:`dispatch_now` defers frames that owe one while ``_MAX_REPLIES`` are owed)."""
+        self._replies.acquire_nowait()
         self.link.host.spawn(self._reply, msg)
 
     async def _reply(self, msg: Message) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .._enums import LLMStatusCode
 from .._errors import LinkBroken, LLMException, is_caller_facing
-from .._messages import FLAG_TO_INITIATOR, Data, Done, Grant, Mode, Op, Request, Result
+from .._messages import FLAG_TO_INITIATOR, Abort, Data, Done, Grant, Mode, Op, Request, Result
 from .._planner import Plan
 from .._protocol import Message
 from .._registry import CacheEntry
@@ -31,6 +31,7 @@ from .grants import INLINE_PIECES, bound_bytes, finish, pieces_bound, plan_check
 from .host import LinkHost
 from .link import Link
 from .requests import Serving
+from .streams import VIEWS_INLINE
 
 __all__ = ["Target", "resolve_and_plan", "serve_now", "serve_request"]
 
@@ -212,35 +213,39 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
 
 
 def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
-    """Serve a small streamed pull from the link's reader itself: planned, granted and sent in
-    one non-blocking ``sendmsg``, with no task, thread or serving slot. Returns False when a
-    task must serve the request instead: anything else (pushes, direct-access grants, pulls
-    that consume a key, device memory, more than ``INLINE_BYTES``), or any failure (the task
+    """Serve a small streamed request from the link's reader itself, with no task, thread or
+    serving slot. A pull is planned, granted and sent in one non-blocking ``sendmsg``; a push
+    is granted and its DATA lands from the reader (:func:`_push_now`). Returns False when a
+    task must serve the request instead: anything else (direct-access grants, pulls that
+    consume a key, device memory, more than ``INLINE_BYTES``), or any failure (the task
     answers it with its status). While the send lock is taken the frames queue for the
     link's writer (:meth:`Link.send_soon`).
 
-    Nothing of ours is touched once the bytes are in the socket, so the request ends there
-    (its GRANT says no DONE is expected).
+    Nothing of ours is touched once a pull's bytes are in the socket, so it ends there (its
+    GRANT says no DONE is expected).
     """
     if (
-        request.op is not Op.PULL
-        or any(link.caps.trusted(request.caps_claimed()).values())
+        any(link.caps.trusted(request.caps_claimed()).values())
         or pieces_bound(request) > INLINE_PIECES
         or bound_bytes(request) > INLINE_BYTES
     ):
         return False
     try:
-        entries, plan, slot_info, mode, _ = resolve_and_plan(engine, link, request)
+        entries, plan, slot_info, mode, ntensors = resolve_and_plan(engine, link, request)
     except Exception:
         return False  # the task answers with the status
     total = plan.total_bytes
+    pull = request.op is Op.PULL
     if (
         mode is not Mode.STREAM
         or not 0 < total <= INLINE_BYTES
-        or (slot_info is not None and not engine.options.remote_accessible)
-        or not engine.host_reachable(plan.src)
+        or (pull and slot_info is not None and not engine.options.remote_accessible)
+        or not engine.host_reachable(plan.src if pull else plan.dst)
+        or len(plan.nbytes) > VIEWS_INLINE
     ):
         return False
+    if not pull:
+        return _push_now(engine, link, request, entries, plan, ntensors)
     grant = Grant(
         request.req_id, mode=mode, total=total, done=False, local=plan.dst, nbytes=plan.nbytes
     ).encode()
@@ -259,6 +264,77 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
         return False
     link.stats_bytes += total
     return True
+
+
+def _push_now(
+    engine: LinkHost,
+    link: Link,
+    request: Request,
+    entries: list[CacheEntry],
+    plan: Plan,
+    ntensors: int,
+) -> bool:
+    """Grant a small streamed push from the reader: its DATA lands where the reader reads it
+    (straight into our checked ranges), and the RESULT goes out from there too. A timer of
+    the engine bounds it by this side's budget (then the initiator is told, and the reader
+    diverts what still comes to scratch)."""
+    budget_s = engine.serve_budget_s(ntensors)
+    if request.timeout_ms > 0:
+        budget_s = min(budget_s, request.timeout_ms / 1000)
+    req = Serving(request.req_id, time.monotonic() + budget_s)
+    # It holds one of the link's serving slots (llm.LinkServing) as a task would.
+    try:
+        link.serving_limiter.acquire_on_behalf_of_nowait(req)
+    except anyio.WouldBlock:
+        return False
+    req.stream = StreamPlan(plan.dst, plan.nbytes)
+    registry = engine.registry
+    for e in entries:
+        registry.pin(e)
+    timers = engine.timers
+
+    def end() -> None:
+        req.data_event.callback = None
+        timers.cancel(timer)
+        req.token.cancel()  # what still comes of it goes to scratch: nothing lands after this
+        if link.serving.get(req.req_id) is req:
+            del link.serving[req.req_id]
+            link.serving_limiter.release_on_behalf_of(req)
+            for e in entries:
+                registry.unpin(e)
+
+    def landed() -> None:
+        if req.error is None and not req.token.cancelled:
+            link.send_soon([Result(req.req_id).encode()], [], _nothing)
+        end()
+
+    def expired() -> None:
+        exc = LLMException(
+            f"cluster {engine.cluster_id} stopped serving the request: it ran past its budget",
+            status_code=engine.timeout_code,
+        )
+        abort = Abort(req.req_id, exc.status_code, str(exc), to_initiator=True)
+        end()
+        link.send_soon([abort.encode()], [], _nothing)
+
+    req.data_event.callback = landed
+    link.serving[req.req_id] = req
+    timer = timers.call_at(anyio.current_time() + budget_s, expired)
+    grant = Grant(
+        request.req_id,
+        mode=Mode.STREAM,
+        total=plan.total_bytes,
+        done=True,
+        local=plan.src,
+        nbytes=plan.nbytes,
+    ).encode()
+    if not link.send_soon([grant], [], _nothing):
+        end()
+    return True
+
+
+def _nothing() -> None:
+    return None
 
 
 async def _out_of_budget(engine: LinkHost, link: Link, req: Serving, mode: Mode) -> None:

@@ -28,10 +28,10 @@ from ._fence import TRIPPED_GRACE_S, Fence, FrameClock, grace_s
 
 __all__ = [
     "INLINE_BYTES",
+    "advance",
+    "batch",
     "PayloadMac",
     "mac_update",
-    "recv_nowait",
-    "recv_views_inline",
     "send_nowait",
     "send_views_inline",
     "CHUNK_BYTES",
@@ -228,7 +228,7 @@ class StagedStream(StreamPlan):
             self._adapter.unstage(buf)
 
 
-def _batch(bufs: list[memoryview], idx: int) -> list[memoryview]:
+def batch(bufs: list[memoryview], idx: int) -> list[memoryview]:
     """The buffers for one syscall: from ``idx``, at most IOV_MAX of them and about
     ``_SYSCALL_BYTES`` (a larger first buffer is cut)."""
     out: list[memoryview] = []
@@ -245,7 +245,7 @@ def _batch(bufs: list[memoryview], idx: int) -> list[memoryview]:
     return out
 
 
-def _advance(bufs: list[memoryview], idx: int, n: int) -> int:
+def advance(bufs: list[memoryview], idx: int, n: int) -> int:
     while n > 0:
         first = bufs[idx]
         if n >= first.nbytes:
@@ -310,12 +310,12 @@ def mac_update(mac: hmac.HMAC, views: list[memoryview]) -> None:
 
 
 def _step(bufs: list[memoryview], idx: int, n: int, tagger: PayloadMac | None) -> int:
-    """:func:`_advance` past ``n`` sent bytes, hashing them first; with every payload byte out
+    """:func:`advance` past ``n`` sent bytes, hashing them first; with every payload byte out
     the trailer joins ``bufs`` (so a loop over ``bufs`` sends it next)."""
     if tagger is None:
-        return _advance(bufs, idx, n)
+        return advance(bufs, idx, n)
     tagger.passed(bufs, idx, n)
-    idx = _advance(bufs, idx, n)
+    idx = advance(bufs, idx, n)
     if idx == len(bufs):
         tagger.finish(bufs)
     return idx
@@ -367,31 +367,13 @@ def send_nowait(
     idx = 0
     for _ in range(1 if tagger is None else 2):
         try:
-            n = sock.sendmsg(_batch(bufs, idx), [], socket.MSG_DONTWAIT)
+            n = sock.sendmsg(batch(bufs, idx), [], socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             break
         idx = _step(bufs, idx, n, tagger)
         if idx == len(bufs):
             break
     return idx
-
-
-def recv_nowait(sock: socket.socket, bufs: list[memoryview], mac: PayloadMac | None = None) -> int:
-    """One non-blocking ``recvmsg_into`` into ``bufs``: returns the index of the first buffer
-    not yet full (``bufs`` is trimmed in place). ``mac`` is fed what landed.
-
-    Raises:
-        EOFError: the peer closed the connection. OSError: the connection failed.
-    """
-    try:
-        n = sock.recvmsg_into(_batch(bufs, 0), 0, socket.MSG_DONTWAIT)[0]
-    except (BlockingIOError, InterruptedError):
-        return 0
-    if n == 0:
-        raise EOFError("peer closed the connection in the middle of a frame")
-    if mac is not None:
-        mac.passed(bufs, 0, n)
-    return _advance(bufs, 0, n)
 
 
 async def send_views_inline(
@@ -420,45 +402,11 @@ async def send_views_inline(
             bufs = bufs[:keep] + _scratch_like(bufs, keep, _zeros())
             padded = True
         try:
-            n = sock.sendmsg(_batch(bufs, idx), [], socket.MSG_DONTWAIT)
+            n = sock.sendmsg(batch(bufs, idx), [], socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             await anyio.wait_writable(sock)
             continue
         idx = _step(bufs, idx, n, tagger)
-
-
-async def recv_views_inline(
-    sock: socket.socket,
-    bufs: list[memoryview],
-    idx: int,
-    token: CancelToken,
-    scratch: memoryview,
-    mac: PayloadMac | None = None,
-) -> bool:
-    """Receive exactly the bytes of ``bufs[idx:]`` into them from the event loop (small
-    frames; ``bufs[:idx]`` are full already), feeding ``mac`` what landed. If ``token`` trips
-    meanwhile, the rest goes to ``scratch``. Returns True when every byte landed in ``bufs``;
-    the caller bounds it with a stall timeout.
-
-    Raises:
-        EOFError: the peer closed the connection mid-frame. OSError: the connection failed.
-    """
-    diverted = False
-    while idx < len(bufs):
-        if not diverted and token.cancelled:
-            bufs = bufs[:idx] + _scratch_like(bufs, idx, scratch)
-            diverted = True
-        try:
-            n = sock.recvmsg_into(_batch(bufs, idx), 0, socket.MSG_DONTWAIT)[0]
-        except (BlockingIOError, InterruptedError):
-            await anyio.wait_readable(sock)
-            continue
-        if n == 0:
-            raise EOFError("peer closed the connection in the middle of a frame")
-        if mac is not None and not diverted:
-            mac.passed(bufs, idx, n)
-        idx = _advance(bufs, idx, n)
-    return not diverted
 
 
 def send_views(
@@ -492,7 +440,7 @@ def send_views(
                 clock.tripped(_left(bufs, idx))
             clock.late(bufs, idx)
             try:
-                n = sock.sendmsg(_batch(bufs, idx))
+                n = sock.sendmsg(batch(bufs, idx))
             except (BlockingIOError, InterruptedError):
                 clock.check(0)
                 continue
@@ -533,7 +481,7 @@ def recv_views(
                 clock.tripped(_left(bufs, idx))
             clock.late(bufs, idx)
             try:
-                n = sock.recvmsg_into(_batch(bufs, idx), 0, socket.MSG_WAITALL)[0]
+                n = sock.recvmsg_into(batch(bufs, idx), 0, socket.MSG_WAITALL)[0]
             except (BlockingIOError, InterruptedError):
                 clock.check(0)
                 continue
@@ -542,7 +490,7 @@ def recv_views(
             clock.check(n)
             if mac is not None and not diverted:
                 mac.passed(bufs, idx, n)
-            idx = _advance(bufs, idx, n)
+            idx = advance(bufs, idx, n)
     finally:
         fence.released.set()
     return not diverted

@@ -1,16 +1,22 @@
-"""Small streamed pulls are served from the link's reader (no task, slot or thread), and stay
-byte-exact when the socket takes only part of a frame or the link is keyed."""
+"""Small streamed pulls and pushes are served from the link's reader on both sides (no task,
+slot or thread), and stay byte-exact when the socket takes only part of a frame or the link
+is keyed; without a task they still end at their deadline and are fenced by a cancel."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
+from helpers import endpoint_options, raw_link
 
 import llmdd_async as dd
+from llmdd_async._messages import Data, Grant, Mode
 from llmdd_async._net.link import Link
+from llmdd_async._protocol import MT
 from llmdd_async.testing import (
     DEFAULT_OPTIONS,
     cache_entries,
@@ -119,3 +125,134 @@ async def test_small_pulls_the_socket_takes_in_parts_are_finished_and_queued(
         assert served.alive and served.send_path_free
         entry = cache_entries(prompt)[0]
         assert entry.pins == 0  # what the reader pinned was let go
+
+
+# ---------------------------------------------------------------------------- the initiator
+def _count_tasks(endpoint: dd.LLMDataDist, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    engine = engine_of(endpoint)
+    started: list[str] = []
+    original = engine.start_task
+
+    def counted(task: Any, body: Any, deadline_s: float | None = None) -> Any:
+        started.append(task.kind)
+        return original(task, body, deadline_s)
+
+    monkeypatch.setattr(engine, "start_task", counted)
+    return started
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "keyed"])
+async def test_a_small_pull_or_push_runs_without_a_task_on_the_initiator(
+    keyed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CacheTask of a pull or push that need not wait for anything first is completed by
+    the link's reader: no task is spawned for it (the first pull, which fetches the peer's
+    table, gets one)."""
+    opts = {**_options(keyed), "llm.EnableRemoteCacheAccessible": "1"}
+    async with linked_pair(opts) as (prompt, decoder):
+        cache, src, dst = await _setup(prompt, decoder)
+        started = _count_tasks(decoder, monkeypatch)
+        cm = decoder.cache_manager
+        key = dd.BlocksCacheKey(1, 0)
+        await cm.pull_blocks(key, cache, [4], [9])  # the first fetches the peer's table
+        assert started == ["pull_blocks"]
+        started.clear()
+        for s, d in [(3, 5), (39, 0), (0, 39)]:
+            await cm.pull_blocks(key, cache, [s], [d])
+            assert np.array_equal(dst[d], src[s])
+        dst[7] = 0x5A
+        await cm.push_blocks(key, cache, [7], [8])
+        assert (src[8] == 0x5A).all()
+        big = list(range(32))
+        await cm.pull_blocks(key, cache, big, big[::-1])  # 2 MiB: its DATA in worker threads
+        assert np.array_equal(dst[big[::-1]], src[big])
+        assert started == []
+        assert cache_entries(decoder)[0].pins == 0
+
+
+@pytest.fixture
+async def hostile_target() -> AsyncIterator[tuple[dd.LLMDataDist, Any, Any, np.ndarray]]:
+    """An endpoint (default mode, 300 ms transfer deadline) linked to a hand-made peer that
+    answers its requests as the test says: ``(endpoint, raw peer, cache, its array)``."""
+    opts = endpoint_options("tcp", listen=True, **{"llm.SyncKvCacheWaitTime": "300"})
+    async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(opts) as d:
+        assert d.listen_address is not None
+        peer = await raw_link(d.listen_address, 66)
+        try:
+            await wait_until(lambda: 66 in engine_of(d).links.links, 5)
+            arr = np.zeros((4, BLOCK), np.uint8)
+            cache = d.cache_manager.register_blocks_cache(
+                dd.CacheDesc(1, [4, BLOCK], dd.DataType.DT_UINT8), [arr]
+            )
+            yield d, peer, cache, arr
+        finally:
+            peer.close()
+
+
+async def test_a_request_the_peer_never_answers_ends_at_its_deadline(
+    hostile_target: tuple[dd.LLMDataDist, Any, Any, np.ndarray],
+) -> None:
+    """No task waits for a small pull; its deadline still ends it (LLM_TIMEOUT), the peer
+    hears an ABORT, the cache is unpinned and the link's turn is given back."""
+    d, peer, cache, _ = hostile_target
+    key = dd.BlocksCacheKey(66, 0)
+    task = d.cache_manager.pull_blocks(key, cache, [1], [2])
+    req = await peer.recv(MT.XFER_REQ)
+    with anyio.fail_after(5):
+        with pytest.raises(dd.LLMException) as err:
+            await task
+    assert err.value.status_code == dd.LLMStatusCode.LLM_TIMEOUT
+    abort = await peer.recv(MT.ABORT)
+    assert abort.req_id == req.req_id
+    assert cache_entries(d)[0].pins == 0
+    lnk = link_of(d, 66)
+    assert lnk.alive and lnk.raw.transfer_lock.holders == 0
+    d.cache_manager.pull_blocks(key, cache, [1], [2]).cancel()  # the next one goes out
+    assert (await peer.recv(MT.XFER_REQ)).req_id == req.req_id + 1
+
+
+async def test_a_cancelled_small_pull_is_fenced_at_once(
+    hostile_target: tuple[dd.LLMDataDist, Any, Any, np.ndarray],
+) -> None:
+    """Cancelled with half of its DATA landed, a pull returns at once, and nothing of its
+    frame lands after the cancel returned (the rest goes to scratch); the link serves the
+    next pull."""
+    d, peer, cache, arr = hostile_target
+    key = dd.BlocksCacheKey(66, 0)
+
+    async def grant_and_data(first: bytes, rest: bytes | None) -> int:
+        req = await peer.recv(MT.XFER_REQ)
+        base = int(np.frombuffer(req.arrays["local_addrs"], "<u8")[0])
+        addr = base + 2 * BLOCK  # its dst_blocks: [2]
+        grant = Grant(
+            req.req_id,
+            mode=Mode.STREAM,
+            total=BLOCK,
+            done=False,
+            local=np.array([addr], np.uint64),
+            nbytes=np.array([BLOCK], np.uint64),
+        )
+        await peer.send(grant.encode())
+        await peer.send(Data(req.req_id, 0, BLOCK, to_initiator=True).encode())
+        await peer.send_bytes(first)
+        if rest is not None:
+            await peer.send_bytes(rest)
+        return req.req_id
+
+    half = BLOCK // 2
+    task = d.cache_manager.pull_blocks(key, cache, [1], [2])
+    await grant_and_data(b"\xaa" * half, None)
+    await wait_until(lambda: (arr[2, :half] == 0xAA).all(), 5)
+    task.cancel()
+    with anyio.fail_after(1), pytest.raises(dd.LLMException):
+        await task
+    arr[...] = 0x11  # the application reuses the buffer at once
+    await peer.send_bytes(b"\xbb" * half)  # the rest of the cancelled frame
+    assert (await peer.recv(MT.ABORT)).req_id >= 1
+    # The next pull is served on the same link, byte-exact.
+    task = d.cache_manager.pull_blocks(key, cache, [1], [2])
+    await grant_and_data(b"\xcc" * half, b"\xdd" * half)
+    await task
+    assert (arr[2, :half] == 0xCC).all() and (arr[2, half:] == 0xDD).all()
+    assert (arr[[0, 1, 3]] == 0x11).all()  # nothing of the cancelled frame landed
+    assert link_of(d, 66).alive

@@ -701,6 +701,15 @@ async def test_the_serve_budget_tells_the_initiator_at_once() -> None:
                 return True  # the initiator "sends" its push data but never does
 
             lnk.send_stream = stall  # type: ignore[method-assign]
+            send_soon = lnk.send_soon
+
+            def drop_data(frames: list[Message], views: Any, done: Any) -> bool:
+                if frames[-1].type == MT.DATA:  # a small push's DATA, sent from the reader
+                    done()
+                    return True
+                return send_soon(frames, views, done)
+
+            lnk.send_soon = drop_data  # type: ignore[method-assign]
             task = d.cache_manager.push_blocks(dd.BlocksCacheKey(1, 0), mine, [0], [0])
             with anyio.fail_after(10):  # far below the 60 s this side would wait
                 with pytest.raises(dd.LLMException) as err:

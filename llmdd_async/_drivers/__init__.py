@@ -1,0 +1,102 @@
+"""The I/O driver: how a link's socket is watched on the running event loop (DESIGN §3).
+
+One small interface (:class:`Driver`), one file per event-loop backend, found by
+:func:`driver_for` (anyio's own backends are built the same way); nothing else in the package
+is backend-specific. A driver calls its ``on_readable`` on the loop thread whenever the socket
+has bytes, for as long as :meth:`Driver.run` runs, with no task switch, future or reader
+registration per frame:
+
+* asyncio and uvloop (``_asyncio``): a persistent ``add_reader`` callback, registered once per
+  link. The link keeps its socket (worker threads move bulk payload over it with blocking
+  calls), which an asyncio transport would take over: so the reader is the loop's own readiness
+  callback around ``recv_into``/``recvmsg_into`` into destination memory, which is what a
+  ``BufferedProtocol`` is made of, without the transport.
+* trio (``_trio``): one reader task per link over ``trio.lowlevel.wait_readable``.
+
+``on_readable`` reads what the socket has and returns True when it stopped early with work
+left (a read budget used up, complete frames still buffered): the driver then calls it again
+after letting other tasks run, without waiting for the socket. A reader that must await
+something (a worker thread, back-pressure) :meth:`~Driver.pause`\\ s the driver, does it in a
+task, and :meth:`~Driver.resume`\\ s it, which calls ``on_readable`` soon whatever the socket
+says (bytes may already be buffered). One deadline per driver (:meth:`~Driver.set_deadline`)
+calls ``on_deadline`` once it passes: a link bounds a peer that stops mid-frame with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from types import ModuleType
+
+sniffio: ModuleType | None
+try:
+    import sniffio
+except ImportError:  # anyio does without it; then trio (which needs it) is missing too
+    sniffio = None
+
+__all__ = ["BACKENDS", "Driver", "driver_for"]
+
+#: the driver of each event-loop backend (``sniffio`` names), in the module named
+BACKENDS: dict[str, str] = {"asyncio": "._asyncio", "trio": "._trio"}
+
+
+class Driver(ABC):
+    """Calls ``on_readable`` whenever ``sock`` is readable, from :meth:`run` until it ends."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        on_readable: Callable[[], bool],
+        on_deadline: Callable[[], None],
+    ) -> None:
+        self.sock = sock
+        self.on_readable = on_readable
+        self.on_deadline = on_deadline
+        self.paused = False
+
+    @abstractmethod
+    async def run(self) -> None:
+        """Drive the socket until cancelled (or :meth:`stop`); never raises but cancellation.
+        ``on_readable`` and ``on_deadline`` must not raise: a driver does not catch for
+        them."""
+
+    @abstractmethod
+    def pause(self) -> None:
+        """Stop calling ``on_readable`` until :meth:`resume` (call on the loop thread)."""
+
+    @abstractmethod
+    def resume(self) -> None:
+        """Call ``on_readable`` again, soon and whatever the socket says, then on readiness."""
+
+    @abstractmethod
+    def set_deadline(self, when: float | None) -> None:
+        """Call ``on_deadline`` once, at ``when`` (``anyio.current_time()``), unless set
+        again (None: no deadline) before."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Let go of the socket now (before it is closed): no call comes after this, and
+        :meth:`run` returns."""
+
+
+def driver_for(
+    sock: socket.socket, on_readable: Callable[[], bool], on_deadline: Callable[[], None]
+) -> Driver:
+    """The driver of the running event loop's backend for ``sock``.
+
+    Raises:
+        RuntimeError: no event loop runs in this thread, or its backend has no driver.
+    """
+    backend = "asyncio"  # without sniffio (see the import): anyio runs on asyncio alone
+    if sniffio is not None:
+        try:
+            backend = sniffio.current_async_library()
+        except sniffio.AsyncLibraryNotFoundError:
+            raise RuntimeError("a link's I/O driver needs a running event loop") from None
+    module = BACKENDS.get(backend)
+    if module is None:
+        raise RuntimeError(f"no I/O driver for the {backend!r} event loop")
+    cls: type[Driver] = importlib.import_module(module, __name__).DRIVER
+    return cls(sock, on_readable, on_deadline)

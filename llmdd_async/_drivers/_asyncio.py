@@ -1,0 +1,126 @@
+"""The I/O driver on asyncio and uvloop: one ``add_reader`` callback per link, for its life."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+from . import Driver, sniffio
+
+__all__ = ["DRIVER", "AsyncioDriver"]
+
+
+@contextlib.contextmanager
+def _in_asyncio() -> Iterator[None]:
+    """A loop callback runs in no task: anyio (through sniffio) could not tell which library
+    runs it where the loop was not started by anyio (the blocking faces' loop thread)."""
+    if sniffio is None:  # anyio then asks asyncio for the running loop, which works here
+        yield
+        return
+    token = sniffio.current_async_library_cvar.set("asyncio")
+    try:
+        yield
+    finally:
+        sniffio.current_async_library_cvar.reset(token)
+
+
+class AsyncioDriver(Driver):
+    """``loop.add_reader`` once; ``call_soon`` to come back to work left; ``call_at`` for the
+    deadline. Everything runs in the loop's own callbacks: no task wakes per frame."""
+
+    _loop: asyncio.AbstractEventLoop | None = None
+    _registered = False
+    _running = False
+    _stopped = False
+    _soon: asyncio.Handle | None = None
+    _timer: asyncio.TimerHandle | None = None
+    _fd = -1
+
+    async def run(self) -> None:
+        if self._stopped:
+            return
+        loop = self._loop = asyncio.get_running_loop()
+        self._running = True
+        self._ended: asyncio.Future[None] = loop.create_future()
+        if not self.paused:
+            self._register()
+            # Bytes may have been buffered before the driver started (the handshake's
+            # read-ahead): look at them now, not at the next byte.
+            self._schedule()
+        try:
+            await self._ended
+        finally:
+            self._running = False
+            self._halt()
+
+    def _register(self) -> None:
+        if not self._registered and self._loop is not None:
+            self._fd = self.sock.fileno()
+            self._loop.add_reader(self._fd, self._ready)
+            self._registered = True
+
+    def _unregister(self) -> None:
+        if self._registered and self._loop is not None:
+            self._registered = False
+            self._loop.remove_reader(self._fd)
+
+    def _schedule(self) -> None:
+        if self._soon is None and self._loop is not None:
+            self._soon = self._loop.call_soon(self._ready)
+
+    def _ready(self) -> None:
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+        if self.paused or not self._running:
+            return
+        with _in_asyncio():
+            again = self.on_readable()
+        if again and not self.paused and self._running:
+            self._schedule()
+
+    def pause(self) -> None:
+        self.paused = True
+        self._unregister()
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+
+    def resume(self) -> None:
+        if self._stopped:
+            return
+        self.paused = False
+        if self._running:
+            self._register()
+            self._schedule()
+
+    def set_deadline(self, when: float | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if when is not None and self._loop is not None and not self._stopped:
+            # anyio's clock on asyncio is the loop's own (loop.time()).
+            self._timer = self._loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        if self._running:
+            with _in_asyncio():
+                self.on_deadline()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._halt()
+        ended = getattr(self, "_ended", None)
+        if ended is not None and not ended.done():
+            ended.set_result(None)
+
+    def _halt(self) -> None:
+        self.pause()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+DRIVER = AsyncioDriver

@@ -1,0 +1,96 @@
+"""Callbacks at given times on the event loop, from one task per endpoint.
+
+A transfer that runs without a task of its own (a small pull or push the link's reader
+finishes) still has a deadline: :meth:`Timers.call_at` schedules its expiry at the cost of a
+heap push, and :meth:`Timer.cancel` (it finished first) of an attribute write. One task sleeps
+until the earliest live timer; a timer earlier than that moves its cancel scope's deadline.
+Backend-neutral (anyio), so asyncio, uvloop and trio share it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+
+import anyio
+
+__all__ = ["Timer", "Timers"]
+
+#: a heap holding more cancelled timers than this (and than live ones) is rebuilt
+_COMPACT_AT = 4096
+
+
+class Timer:
+    """One scheduled callback; :meth:`cancel` before it runs and it never will."""
+
+    __slots__ = ("fn", "when")
+
+    def __init__(self, when: float, fn: Callable[[], None] | None) -> None:
+        self.when = when
+        self.fn = fn
+
+    def cancel(self) -> None:
+        self.fn = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.fn is None
+
+
+class Timers:
+    """``call_at(when, fn)`` runs ``fn()`` on the loop at ``when`` (``anyio.current_time()``)
+    once :meth:`run` runs; ``fn`` must not raise (an exception ends :meth:`run`)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Timer]] = []
+        self._seq = itertools.count()
+        self._scope: anyio.CancelScope | None = None
+        self._sleeping_until = math.inf
+        self._dead = 0
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> Timer:
+        timer = Timer(when, fn)
+        heapq.heappush(self._heap, (when, next(self._seq), timer))
+        if when < self._sleeping_until and self._scope is not None:
+            self._sleeping_until = when
+            self._scope.deadline = when
+        return timer
+
+    def cancel(self, timer: Timer) -> None:
+        """Cancel ``timer`` and drop it from the heap once many cancelled ones pile up."""
+        if timer.fn is None:
+            return
+        timer.cancel()
+        self._dead += 1
+        if self._dead > _COMPACT_AT and self._dead * 2 > len(self._heap):
+            self._heap = [item for item in self._heap if not item[2].cancelled]
+            heapq.heapify(self._heap)
+            self._dead = 0
+
+    def __len__(self) -> int:
+        """Timers scheduled and not yet run or dropped (cancelled ones included)."""
+        return len(self._heap)
+
+    async def run(self) -> None:
+        """Run timers as they come due, until cancelled."""
+        heap = self._heap
+        while True:
+            now = anyio.current_time()
+            while self._heap and self._heap[0][0] <= now:
+                _, _, timer = heapq.heappop(self._heap)
+                fn = timer.fn
+                if fn is None:
+                    self._dead = max(0, self._dead - 1)
+                    continue
+                timer.fn = None
+                fn()
+            heap = self._heap
+            self._sleeping_until = heap[0][0] if heap else math.inf
+            with anyio.CancelScope(deadline=self._sleeping_until) as scope:
+                self._scope = scope
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    self._scope = None

@@ -1,0 +1,218 @@
+"""The I/O driver of each event-loop backend (``llmdd_async._drivers``), one conformance suite:
+every test runs on asyncio, uvloop and trio, over a real socket pair, and checks what a link's
+reader relies on: a call per readiness with no task per frame, pause and resume (with bytes
+already buffered), the deadline, and a stop that ends every call at once."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+import pytest
+
+from llmdd_async._drivers import BACKENDS, Driver, driver_for
+from llmdd_async._timers import Timers
+
+pytestmark = pytest.mark.anyio
+
+
+class Recorder:
+    """An ``on_readable`` that reads what is there and records it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.data = bytearray()
+        self.calls = 0
+        self.deadlines = 0
+        self.again = 0  # how many more times to ask to be called without readiness
+        self.hook: Callable[[], None] | None = None
+
+    def readable(self) -> bool:
+        self.calls += 1
+        try:
+            self.data += self.sock.recv(65536, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        if self.hook is not None:
+            self.hook()
+        if self.again:
+            self.again -= 1
+            return True
+        return False
+
+    def deadline(self) -> None:
+        self.deadlines += 1
+
+
+async def _wait(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    with anyio.fail_after(timeout):
+        while not cond():  # noqa: ASYNC110 (set by the driver's callbacks)
+            await anyio.sleep(0.001)
+
+
+async def _started(rec: Recorder) -> None:
+    """A driver looks at the socket once as it starts (bytes may be buffered already)."""
+    await _wait(lambda: rec.calls == 1)
+    rec.calls = 0
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[socket.socket, socket.socket, Recorder, Driver]]:
+    a, b = socket.socketpair()
+    rec = Recorder(b)
+    driver = driver_for(b, rec.readable, rec.deadline)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(driver.run)
+        await _started(rec)
+        try:
+            yield a, b, rec, driver
+        finally:
+            driver.stop()
+            tg.cancel_scope.cancel()
+    a.close()
+    b.close()
+
+
+def test_each_backend_has_a_driver_in_a_file_of_its_own() -> None:
+    assert set(BACKENDS) == {"asyncio", "trio"}
+    assert len(set(BACKENDS.values())) == len(BACKENDS)
+
+
+async def test_bytes_are_read_as_they_come(pair: tuple) -> None:
+    a, _, rec, _ = pair
+    for i in range(20):
+        a.send(bytes([i]) * 100)
+        await _wait(lambda i=i: len(rec.data) == 100 * (i + 1))
+    assert bytes(rec.data) == b"".join(bytes([i]) * 100 for i in range(20))
+
+
+async def test_asking_again_is_answered_without_new_bytes(pair: tuple) -> None:
+    a, _, rec, _ = pair
+    rec.again = 3
+    a.send(b"x")
+    await _wait(lambda: rec.calls >= 4)
+    await anyio.sleep(0.05)
+    assert rec.calls == 4  # one per "again", then it waits for the socket
+    assert rec.data == b"x"
+
+
+async def test_paused_it_reads_nothing_and_resumed_it_looks_at_once(pair: tuple) -> None:
+    a, _, rec, driver = pair
+    rec.hook = driver.pause
+    a.send(b"1")
+    await _wait(lambda: rec.calls == 1)
+    rec.hook = None
+    a.send(b"2")
+    await anyio.sleep(0.05)
+    assert rec.calls == 1 and rec.data == b"1"  # paused: the socket is not watched
+    driver.resume()
+    await _wait(lambda: rec.data == b"12")
+    # Resumed with nothing new on the socket: it still looks once (bytes may be buffered).
+    calls = rec.calls
+    driver.pause()
+    driver.resume()
+    await _wait(lambda: rec.calls == calls + 1)
+
+
+async def test_the_deadline_fires_once_and_can_be_moved_or_cleared(pair: tuple) -> None:
+    _, _, rec, driver = pair
+    driver.set_deadline(anyio.current_time() + 0.05)
+    await _wait(lambda: rec.deadlines == 1)
+    await anyio.sleep(0.1)
+    assert rec.deadlines == 1
+    driver.set_deadline(anyio.current_time() + 10)
+    driver.set_deadline(anyio.current_time() + 0.02)  # moved earlier
+    await _wait(lambda: rec.deadlines == 2, timeout=2)
+    driver.set_deadline(anyio.current_time() + 0.02)
+    driver.set_deadline(None)
+    await anyio.sleep(0.1)
+    assert rec.deadlines == 2
+
+
+async def test_the_deadline_fires_while_paused(pair: tuple) -> None:
+    _, _, rec, driver = pair
+    driver.pause()
+    driver.set_deadline(anyio.current_time() + 0.02)
+    await _wait(lambda: rec.deadlines == 1)
+
+
+async def test_stopped_nothing_more_is_called_and_run_returns() -> None:
+    a, b = socket.socketpair()
+    rec = Recorder(b)
+    driver = driver_for(b, rec.readable, rec.deadline)
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(driver.run)
+            await _started(rec)
+            a.send(b"x")
+            await _wait(lambda: rec.calls == 1)
+            driver.set_deadline(anyio.current_time() + 0.02)
+            driver.stop()
+            a.send(b"y")
+            await anyio.sleep(0.1)
+        # run() returned by itself (the task group did not need a cancel)
+    assert rec.calls == 1 and rec.deadlines == 0
+    b.close()  # the driver let go of the socket first
+    a.close()
+
+
+async def test_a_driver_of_the_running_loop_reads_without_a_task_switch_per_frame(
+    anyio_backend: tuple[str, dict],
+) -> None:
+    """On asyncio and uvloop no task runs the reader at all (a loop callback); on trio one
+    task waits and calls it."""
+    a, b = socket.socketpair()
+    rec = Recorder(b)
+    seen: list[object] = []
+
+    def record_task() -> None:
+        try:
+            seen.append(anyio.get_current_task().id)
+        except Exception:  # no task: a loop callback
+            seen.append(None)
+
+    driver = driver_for(b, rec.readable, rec.deadline)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(driver.run)
+        await _started(rec)
+        rec.hook = record_task
+        for _ in range(3):
+            a.send(b"z")
+            await _wait(lambda n=len(seen): len(seen) > n)
+        driver.stop()
+    a.close()
+    b.close()
+    if anyio_backend[0] == "asyncio":
+        assert seen == [None, None, None]  # the loop's own callback: no task at all
+    else:
+        assert len(set(seen)) == 1 and seen[0] is not None  # the one reader task
+
+
+async def test_timers_run_in_order_once_and_cancelled_ones_never() -> None:
+    timers = Timers()
+    ran: list[str] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timers.run)
+        await anyio.sleep(0)
+        now = anyio.current_time()
+        timers.call_at(now + 0.06, lambda: ran.append("late"))
+        gone = timers.call_at(now + 0.03, lambda: ran.append("cancelled"))
+        timers.call_at(now + 0.01, lambda: ran.append("early"))  # earlier than the sleep
+        timers.cancel(gone)
+        await _wait(lambda: len(ran) == 2)
+        await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    assert ran == ["early", "late"]
+
+
+async def test_many_cancelled_timers_do_not_pile_up() -> None:
+    timers = Timers()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timers.run)
+        await anyio.sleep(0)
+        far = anyio.current_time() + 3600
+        for _ in range(20_000):
+            timers.cancel(timers.call_at(far, lambda: None))
+        assert len(timers) < 10_000
+        tg.cancel_scope.cancel()
