@@ -33,8 +33,9 @@ from ._errors import (
     status_from_exception,
 )
 from ._net.addressing import resolve_in_table, with_table
+from ._net.exchange import Exchange
 from ._net.grants import TransferRequest
-from ._net.initiator import Exchange, initiate, may_pull_directly
+from ._net.initiator import initiate, may_pull_directly
 from ._net.link import Link
 from ._options import DEFAULT_LAYER_SYNC_TIMEOUT_MS, DEFAULT_LAYER_WINDOW
 from ._synchronizer import AsyncLayerSynchronizer, LayerEvents

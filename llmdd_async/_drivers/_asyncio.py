@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
 
 from . import Driver, sniffio
 
 __all__ = ["DRIVER", "AsyncioDriver"]
 
 
-@contextlib.contextmanager
-def _in_asyncio() -> Iterator[None]:
-    """A loop callback runs in no task: anyio (through sniffio) could not tell which library
-    runs it where the loop was not started by anyio (the blocking faces' loop thread)."""
-    if sniffio is None:  # anyio then asks asyncio for the running loop, which works here
-        yield
-        return
-    token = sniffio.current_async_library_cvar.set("asyncio")
-    try:
-        yield
-    finally:
-        sniffio.current_async_library_cvar.reset(token)
+#: a loop callback runs in no task, so anyio (through sniffio) could not tell which library
+#: runs it where the loop was not started by anyio (the blocking faces' loop thread): the
+#: callbacks say so themselves. Without sniffio anyio asks asyncio, which works there.
+_LIBRARY = None if sniffio is None else sniffio.current_async_library_cvar
 
 
 class AsyncioDriver(Driver):
@@ -75,8 +65,14 @@ class AsyncioDriver(Driver):
             self._soon = None
         if self.paused or not self._running:
             return
-        with _in_asyncio():
+        if _LIBRARY is None:
             again = self.on_readable()
+        else:
+            token = _LIBRARY.set("asyncio")
+            try:
+                again = self.on_readable()
+            finally:
+                _LIBRARY.reset(token)
         if again and not self.paused and self._running:
             self._schedule()
 
@@ -106,8 +102,14 @@ class AsyncioDriver(Driver):
     def _fire(self) -> None:
         self._timer = None
         if self._running:
-            with _in_asyncio():
+            if _LIBRARY is None:
                 self.on_deadline()
+                return
+            token = _LIBRARY.set("asyncio")
+            try:
+                self.on_deadline()
+            finally:
+                _LIBRARY.reset(token)
 
     def stop(self) -> None:
         self._stopped = True

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import itertools
 import socket
 import time
@@ -28,32 +27,21 @@ from .._errors import (
     LLMException,
     ProtocolError,
     link_failure,
-    map_link_errors,
     status_from_exception,
 )
 from .._log import get_logger
 from .._memory import CancelToken
-from .._messages import FLAG_TO_INITIATOR, Abort, Bye, Data, Identity, Ping, TableRequest
+from .._messages import FLAG_TO_INITIATOR, Abort, Bye, Identity, Ping, TableRequest
 from .._phase_lock import PhaseLock
 from .._protocol import (
     MT,
-    PAYLOAD_TAG,
     Decoder,
     FrameAuth,
     Message,
-    encode,
 )
 from .._transports import PeerAccess
 from .._transports.tcp import (
-    CHUNK_BYTES,
-    INLINE_BYTES,
-    Fence,
-    PayloadMac,
     StreamPlan,
-    mac_update,
-    send_nowait,
-    send_views,
-    send_views_inline,
 )
 from .peer_view import CapsPolicy, PeerView
 from .reader import LinkReader
@@ -65,6 +53,7 @@ from .requests import (
     TransferRecord,
 )
 from .router import FrameRouter
+from .writer import LinkWriter
 
 if TYPE_CHECKING:
     from .host import LinkHost, RequestServer
@@ -110,7 +99,8 @@ class Link:
         self.access = access  # None: a plain TCP link (the stream only)
         #: which direct-access caps our requests carry and the peer's may use
         self.caps = CapsPolicy(access)
-        self._send_auth = auth[0] if auth is not None else None
+        #: what writes to the socket (encoding each frame under the send lock)
+        self.writer = LinkWriter(self, auth[0] if auth is not None else None)
         #: what checks the peer's frames (a keyed link), its DATA payloads' MACs included
         self.recv_auth = auth[1] if auth is not None else None
         decoder.set_auth(self.recv_auth)
@@ -122,9 +112,6 @@ class Link:
         self.log = get_logger(
             "link", cluster_id=host.cluster_id, peer_cluster_id=self.peer_cluster_id
         )
-        # fast_acquire: an uncontended lock costs no trip through the event loop. A semaphore,
-        # not a lock: a frame the reader started (send_soon) may be finished by another task.
-        self.send_lock = anyio.Semaphore(1, fast_acquire=True)
         #: pulls and pushes share the link (exclusive=False); each layer of a layer-wise
         #: transfer has it alone (exclusive=True); FIFO between the two
         self.transfer_lock = PhaseLock()
@@ -144,9 +131,6 @@ class Link:
         #: worker threads this link may hold (never the whole process's pool: one stalled
         #: peer must not starve the others)
         self.threads = anyio.CapacityLimiter(limits.threads)
-        #: frames the reader handed to :meth:`send_soon` while the send lock was taken
-        self._outbox: collections.deque[_Outgoing] = collections.deque()
-        self._writing = False
         self._released = False
         #: bytes of the peer's requests held here (``llm.LinkQueue`` caps them too)
         self.queued_bytes = 0
@@ -188,7 +172,7 @@ class Link:
     @property
     def outbox_frames(self) -> int:
         """Items :meth:`send_soon` queued that the writer has not sent yet."""
-        return len(self._outbox)
+        return self.writer.outbox_frames
 
     def check_alive(self) -> None:
         """Raises :meth:`down_error` when the link is down."""
@@ -299,170 +283,19 @@ class Link:
             await self.send(abort.encode())
 
     async def send(self, msg: Message) -> None:
-        """Send one control frame (no payload) without blocking the loop.
+        """Send one control frame (:meth:`~.writer.LinkWriter.send`).
 
         Raises:
             LinkBroken: the link is down or the socket failed.
         """
-        async with self.send_lock:
-            if not self.alive:
-                raise self.down_error()
-            # Encoded under the lock: on a keyed link each frame's tag counts frames in order.
-            data = memoryview(encode(msg, self._send_auth))
-            with map_link_errors(self.fail, f"send to cluster {self.peer_cluster_id} failed"):
-                # Most frames go out whole at once: then no scope or loop turn is needed.
-                try:
-                    sent = self.sock.send(data, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    sent = 0
-                if sent < len(data):
-                    await self._send_rest(data[sent:])
-        # A send that went out at once still lets cancellation in here (without a loop turn).
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await self.writer.send(msg)
 
     def send_soon(
         self, frames: list[Message], views: list[memoryview], done: Callable[[], None]
     ) -> bool:
-        """Send control frames and the payload ``views`` of the last one (a small DATA frame)
-        for the reader, which must never wait on a send.
-
-        With the send lock free and nothing queued they go out at once, in one non-blocking
-        ``sendmsg`` (a task finishes what the socket did not take); otherwise they queue for
-        the link's writer task, which sends what queued up together, a syscall for many. Either
-        way the lock is held from a frame's first byte to its last. ``done`` runs once nothing
-        reads ``views`` any more. Returns False, with nothing sent or queued and ``done`` not
-        run, when the link is down. A socket error breaks the link.
-        """
-        if not self.alive:
-            return False
-        if self.send_lock.value and not self._outbox:
-            self._send_at_once(frames, views, done)
-            return True
-        self._outbox.append((frames, views, done))
-        if not self._writing:
-            try:
-                self.host.spawn(self._write_outbox)
-            except RuntimeError as exc:  # the engine stopped: nothing more goes out
-                self._outbox.pop()
-                self.fail(exc)
-                return False
-            self._writing = True
-        return True
-
-    def _send_at_once(
-        self, frames: list[Message], views: list[memoryview], done: Callable[[], None]
-    ) -> None:
-        self.send_lock.acquire_nowait()
-        finishing = False
-        try:
-            bufs = self._bufs_of([(frames, views, done)])
-            with map_link_errors(self.fail):  # a failed send breaks the link, nothing raises
-                idx = send_nowait(self.sock, bufs)
-                if idx < len(bufs):
-                    try:
-                        self.host.spawn(self._finish_now, bufs, idx, done)
-                    except RuntimeError as exc:  # the engine stopped: the frame can't finish
-                        self.fail(exc)
-                        return
-                    finishing = True
-        finally:
-            if not finishing:
-                self.send_lock.release()
-                done()
-
-    def _bufs_of(self, items: list[_Outgoing]) -> list[memoryview]:
-        """The buffers of :meth:`send_soon` items, in order: each item's encoded frames, then
-        its payload. Encoded under the send lock: each frame's tag counts frames on a keyed
-        link."""
-        bufs: list[memoryview] = []
-        for frames, views, _ in items:
-            if not (self.payload_auth and views):
-                bufs.append(memoryview(b"".join(encode(m, self._send_auth) for m in frames)))
-                bufs.extend(views)
-                continue
-            # The last frame is the DATA frame of ``views``: its payload ends with the MAC,
-            # computed here over the views (at most INLINE_BYTES: cheap on the loop). Exact:
-            # these frames are never cut short, nothing cancels them.
-            data = frames[-1]
-            frames = [
-                *frames[:-1],
-                dataclasses.replace(data, payload_len=data.payload_len + PAYLOAD_TAG),
-            ]
-            bufs.append(memoryview(b"".join(encode(m, self._send_auth) for m in frames)))
-            bufs.extend(views)
-            bufs.append(memoryview(self._payload_mac_of(views)))
-        return bufs
-
-    def _payload_mac_of(self, views: list[memoryview]) -> bytes:
-        """The trailer of the DATA frame just encoded, over ``views``."""
-        assert self._send_auth is not None  # payload_auth implies a keyed link
-        mac = self._send_auth.payload_mac(self._send_auth.seq - 1)
-        mac_update(mac, views)
-        return mac.digest()
-
-    async def _finish_now(self, bufs: list[memoryview], idx: int, done: Callable[[], None]) -> None:
-        """The rest of :meth:`_send_at_once`'s frames, under the send lock it took."""
-        try:
-            with map_link_errors(self.fail):  # a failed send breaks the link, nothing raises
-                await self._inline(send_views_inline(self.sock, bufs, idx, CancelToken()))
-        finally:
-            self.send_lock.release()
-            done()
-
-    async def _write_outbox(self) -> None:
-        """The writer of :meth:`send_soon`'s queue: batches of up to ``INLINE_BYTES`` of
-        payload per turn of the send lock, each in as few syscalls as the socket allows."""
-        batch: list[_Outgoing] = []
-        drained = False
-        try:
-            with map_link_errors(self.fail):  # a failed send breaks the link, nothing raises
-                while self._outbox and self.alive:
-                    async with self.send_lock:
-                        if not self.alive:
-                            break
-                        size = 0
-                        while self._outbox and (not batch or size < INLINE_BYTES):
-                            item = self._outbox.popleft()
-                            batch.append(item)
-                            size += sum(v.nbytes for v in item[1])
-                        bufs = self._bufs_of(batch)
-                        idx = send_nowait(self.sock, bufs)
-                        if idx < len(bufs):
-                            await self._inline(
-                                send_views_inline(self.sock, bufs, idx, CancelToken())
-                            )
-                    for _, _, done in batch:
-                        done()
-                    batch = []
-                drained = True
-        finally:
-            self._writing = False
-            if not drained or not self.alive:  # what is still queued never goes out
-                batch.extend(self._outbox)
-                self._outbox.clear()
-            for _, _, done in batch:
-                done()
-
-    async def _send_rest(self, data: memoryview) -> None:
-        """Finish a frame the socket took only part of.
-
-        Raises:
-            TimeoutError: the peer stopped reading for the stall timeout. OSError: send failed.
-        """
-        # Once the first byte is out the frame must be finished, whoever cancels us: a
-        # half-sent frame would desynchronise the stream. A peer that stops reading for the
-        # whole stall timeout breaks the link instead.
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self.host.stall_timeout_s) as stall:
-                while data:
-                    try:
-                        n = self.sock.send(data, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
-                        await anyio.wait_writable(self.sock)
-                        continue
-                    data = data[n:]
-            if stall.cancelled_caught:
-                raise TimeoutError("the peer stopped reading")
+        """Frames for the reader, which must never wait on a send
+        (:meth:`~.writer.LinkWriter.send_soon`); False when the link is down."""
+        return self.writer.send_soon(frames, views, done)
 
     async def send_stream(
         self,
@@ -472,87 +305,13 @@ class Link:
         token: CancelToken,
         lead: Message | None = None,
     ) -> bool:
-        """Send a plan's bytes as DATA frames. Returns False if stopped by ``token``.
-
-        Each frame goes out from a worker thread straight from the source memory. When the
-        token trips, the worker stops reading source memory at once (the current frame is
-        finished with zeros) and no further frame is sent. ``lead`` (a control frame, e.g. the
-        GRANT) goes out first, in the same syscall as a small first frame.
+        """A plan's bytes as DATA frames (:meth:`~.writer.LinkWriter.send_stream`); False if
+        stopped by ``token``.
 
         Raises:
             LinkBroken: the link failed (the link is then broken).
         """
-        off = 0
-        flags = FLAG_TO_INITIATOR if to_initiator else 0
-        if lead is not None and (stream.total > INLINE_BYTES or not stream.total):
-            await self.send(lead)
-            lead = None
-        while off < stream.total:
-            if token.cancelled or not self.alive:
-                if lead is not None and self.alive:
-                    await self.send(lead)
-                return False
-            n = min(CHUNK_BYTES, stream.total - off)
-            views = await stream.prepare(off, n, token)
-            fence = Fence(token, self.host.stall_timeout_s, req.deadline)
-            async with self.send_lock:
-                if not self.alive:
-                    raise self.down_error()
-                # In order under the lock: each frame's tag counts frames on a keyed link.
-                first = b"" if lead is None else encode(lead, self._send_auth)
-                lead = None
-                trailer = PAYLOAD_TAG if self.payload_auth else 0
-                data = Data(req.req_id, off, n + trailer, bool(flags & FLAG_TO_INITIATOR))
-                header = first + encode(data.encode(), self._send_auth)
-                tagger = None
-                if trailer:
-                    assert self._send_auth is not None  # payload_auth implies a keyed link
-                    mac = self._send_auth.payload_mac(self._send_auth.seq - 1)
-                    tagger = PayloadMac(mac, len(header), n)
-                try:
-                    with map_link_errors(self.fail, f"sending to cluster {self.peer_cluster_id}"):
-                        if n <= INLINE_BYTES:
-                            bufs = [memoryview(header), *views]
-                            idx = send_nowait(self.sock, bufs, tagger)
-                            if idx < len(bufs):
-                                await self._inline(
-                                    send_views_inline(self.sock, bufs, idx, token, tagger)
-                                )
-                        else:
-                            # Set only now, next to the worker that will release it.
-                            req.fence = fence
-                            # Shielded: the header's tag is spent, so the frame must go out
-                            # (the worker itself stops at the fence's token or stall).
-                            with anyio.CancelScope(shield=True):
-                                await anyio.to_thread.run_sync(
-                                    send_views,
-                                    self.sock,
-                                    header,
-                                    views,
-                                    fence,
-                                    tagger,
-                                    limiter=self.threads,
-                                )
-                finally:
-                    fence.released.set()  # the worker has returned (or never started)
-                    req.fence = None
-            off += n
-            self.stats_bytes += n
-        return not token.cancelled
-
-    async def _inline(self, io: Any) -> Any:
-        """Run a small frame's I/O on the loop: shielded (a frame, once started, must be
-        finished) and bounded by the stall timeout (then the link breaks).
-
-        Raises:
-            TimeoutError: the peer made no progress. OSError / EOFError: the socket failed.
-        """
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self.host.stall_timeout_s) as stall:
-                return await io
-            if stall.cancelled_caught:
-                io.close()
-                raise TimeoutError("the peer made no progress within the stall timeout")
+        return await self.writer.send_stream(req, stream, to_initiator, token, lead)
 
     # ------------------------------------------------------------------ requests
     def open_pending(self, deadline: float | None) -> Pending:

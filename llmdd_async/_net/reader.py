@@ -57,8 +57,9 @@ if TYPE_CHECKING:
 __all__ = ["LinkReader"]
 
 _READ_AHEAD = 64 << 10
-#: the reader lets other tasks run after this much read in one go (a peer that streams a big
-#: frame's meta as fast as the socket allows would otherwise hold the loop until it ends)
+#: the reader lets other tasks run after this much read in one go, payloads included (a peer
+#: that streams big metas or many inline payloads as fast as the socket allows would
+#: otherwise hold the loop for as long as it keeps sending)
 _YIELD_BYTES = 2 << 20
 
 
@@ -187,6 +188,11 @@ class LinkReader:
         self._moved = 0
         self._stall_mark = -1
 
+    @property
+    def reading(self) -> bool:
+        """The driver watches the socket (not paused for a task, not stopped)."""
+        return self._driver is not None and not self._driver.paused and not self._stopped
+
     async def run(self, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Drive the socket until the link breaks or closes."""
         link = self.link
@@ -237,6 +243,7 @@ class LinkReader:
                 left = inflow.left
                 done = inflow.pump(sock)
                 self._moved += left - inflow.left
+                budget -= left - inflow.left
                 if not done:
                     self._arm_stall()
                     return False

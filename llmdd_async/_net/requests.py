@@ -55,7 +55,7 @@ class Signal:
     """A one-shot event whose ``anyio.Event`` is made only if someone waits before it is set
     (most of a request's signals never are), and whose wait on a set signal takes no loop
     turn. ``callback``, if given, runs (once) where it is set: the link's reader drives a
-    request that no task waits for (:class:`~.initiator.Exchange`)."""
+    request that no task waits for (:class:`~.exchange.Exchange`)."""
 
     __slots__ = ("_event", "_set", "callback")
 

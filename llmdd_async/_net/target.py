@@ -26,6 +26,7 @@ from .._messages import FLAG_TO_INITIATOR, Abort, Data, Done, Grant, Mode, Op, R
 from .._planner import Plan
 from .._protocol import Message
 from .._registry import CacheEntry
+from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
 from .grants import INLINE_PIECES, bound_bytes, finish, pieces_bound, plan_checked, resolve
 from .host import LinkHost
@@ -213,39 +214,40 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
 
 
 def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
-    """Serve a small streamed request from the link's reader itself, with no task, thread or
-    serving slot. A pull is planned, granted and sent in one non-blocking ``sendmsg``; a push
-    is granted and its DATA lands from the reader (:func:`_push_now`). Returns False when a
-    task must serve the request instead: anything else (direct-access grants, pulls that
-    consume a key, device memory, more than ``INLINE_BYTES``), or any failure (the task
-    answers it with its status). While the send lock is taken the frames queue for the
-    link's writer (:meth:`Link.send_soon`).
+    """Serve a small request from the link's reader itself, with no task or thread. A streamed
+    pull is planned, granted and sent in one non-blocking ``sendmsg``; a streamed push is
+    granted and its DATA lands from the reader; a local grant (the initiator copies itself)
+    waits for the DONE there (:func:`_grant_now`). Returns False when a task must serve the
+    request instead: anything else (streamed pulls that consume a key, device memory, more
+    than ``INLINE_BYTES`` over the stream, more than ``INLINE_PIECES`` ranges), or any failure
+    (the task answers it with its status). While the send lock is taken the frames queue for
+    the link's writer (:meth:`Link.send_soon`).
 
-    Nothing of ours is touched once a pull's bytes are in the socket, so it ends there (its
-    GRANT says no DONE is expected).
+    Nothing of ours is touched once a streamed pull's bytes are in the socket, so it ends
+    there (its GRANT says no DONE is expected).
     """
-    if (
-        any(link.caps.trusted(request.caps_claimed()).values())
-        or pieces_bound(request) > INLINE_PIECES
-        or bound_bytes(request) > INLINE_BYTES
+    direct = any(link.caps.trusted(request.caps_claimed()).values())
+    if pieces_bound(request) > INLINE_PIECES or (
+        not direct and bound_bytes(request) > INLINE_BYTES
     ):
         return False
     try:
         entries, plan, slot_info, mode, ntensors = resolve_and_plan(engine, link, request)
     except Exception:
         return False  # the task answers with the status
-    total = plan.total_bytes
     pull = request.op is Op.PULL
+    if mode is Mode.LOCAL:
+        return _grant_now(engine, link, request, entries, plan, ntensors, mode, slot_info)
+    total = plan.total_bytes
     if (
-        mode is not Mode.STREAM
-        or not 0 < total <= INLINE_BYTES
+        not 0 < total <= INLINE_BYTES
         or (pull and slot_info is not None and not engine.options.remote_accessible)
         or not engine.host_reachable(plan.src if pull else plan.dst)
         or len(plan.nbytes) > VIEWS_INLINE
     ):
         return False
     if not pull:
-        return _push_now(engine, link, request, entries, plan, ntensors)
+        return _grant_now(engine, link, request, entries, plan, ntensors, mode, None)
     grant = Grant(
         request.req_id, mode=mode, total=total, done=False, local=plan.dst, nbytes=plan.nbytes
     ).encode()
@@ -266,36 +268,45 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
     return True
 
 
-def _push_now(
+def _grant_now(
     engine: LinkHost,
     link: Link,
     request: Request,
     entries: list[CacheEntry],
     plan: Plan,
     ntensors: int,
+    mode: Mode,
+    slot_info: tuple[int, np.ndarray] | None,
 ) -> bool:
-    """Grant a small streamed push from the reader: its DATA lands where the reader reads it
-    (straight into our checked ranges), and the RESULT goes out from there too. A timer of
-    the engine bounds it by this side's budget (then the initiator is told, and the reader
-    diverts what still comes to scratch)."""
+    """Grant a request from the reader and finish it there: a streamed push ends where its
+    DATA lands (straight into our checked ranges; then the RESULT), a local grant where the
+    initiator's DONE arrives (its effect, consuming a key, happens there too). It holds one of
+    the link's serving slots (``llm.LinkServing``), as a task would: False when none is free.
+
+    A timer of the engine bounds it by this side's budget: then the initiator is told (an
+    ABORT). A push then ends at once (the reader diverts what still comes to scratch); a local
+    grant keeps its caches pinned until the initiator says it stopped copying, or for the
+    stall timeout, after which the link breaks (as :func:`_out_of_budget`).
+    """
     budget_s = engine.serve_budget_s(ntensors)
     if request.timeout_ms > 0:
         budget_s = min(budget_s, request.timeout_ms / 1000)
     req = Serving(request.req_id, time.monotonic() + budget_s)
-    # It holds one of the link's serving slots (llm.LinkServing) as a task would.
     try:
         link.serving_limiter.acquire_on_behalf_of_nowait(req)
     except anyio.WouldBlock:
         return False
-    req.stream = StreamPlan(plan.dst, plan.nbytes)
+    pull = request.op is Op.PULL
     registry = engine.registry
     for e in entries:
         registry.pin(e)
     timers = engine.timers
+    local = mode is Mode.LOCAL
+    timer: list[Timer] = []  # the budget's, then the stall's
 
     def end() -> None:
-        req.data_event.callback = None
-        timers.cancel(timer)
+        req.data_event.callback = req.done_event.callback = None
+        timers.cancel(timer[0])
         req.token.cancel()  # what still comes of it goes to scratch: nothing lands after this
         if link.serving.get(req.req_id) is req:
             del link.serving[req.req_id]
@@ -314,19 +325,40 @@ def _push_now(
             status_code=engine.timeout_code,
         )
         abort = Abort(req.req_id, exc.status_code, str(exc), to_initiator=True)
-        end()
         link.send_soon([abort.encode()], [], _nothing)
+        if not local:
+            end()
+            return
+        # The initiator copies straight from/into our memory: pinned until it says it stopped.
+        timer[0] = timers.call_at(anyio.current_time() + engine.stall_timeout_s, stuck)
 
-    req.data_event.callback = landed
+    def stuck() -> None:
+        link.fail(TimeoutError("the peer did not stop a timed-out direct copy"))
+
+    if local:
+        if pull and slot_info is not None and not engine.options.remote_accessible:
+            consumed_entry, (slot, tensors) = entries[0], slot_info
+
+            def consume(done: Message) -> None:
+                if Done.decode(done).ok:
+                    registry.note_pulled(consumed_entry, slot, tensors)
+
+            req.on_done = consume
+        req.done_event.callback = end
+    else:
+        req.stream = StreamPlan(plan.dst, plan.nbytes)
+        req.data_event.callback = landed
     link.serving[req.req_id] = req
-    timer = timers.call_at(anyio.current_time() + budget_s, expired)
+    timer.append(timers.call_at(anyio.current_time() + budget_s, expired))
+    local_side, target_side = (plan.dst, plan.src) if pull else (plan.src, plan.dst)
     grant = Grant(
         request.req_id,
-        mode=Mode.STREAM,
+        mode=mode,
         total=plan.total_bytes,
         done=True,
-        local=plan.src,
+        local=local_side,
         nbytes=plan.nbytes,
+        remote=target_side if local else None,
     ).encode()
     if not link.send_soon([grant], [], _nothing):
         end()

@@ -204,6 +204,23 @@ class PeerAccess(ABC):
         False."""
         return False
 
+    def copy_now(
+        self,
+        remote: np.ndarray,
+        local: np.ndarray,
+        nbytes: np.ndarray,
+        token: CancelToken,
+        read: bool,
+    ) -> int | None:
+        """Copy a small plan on the loop, where that costs less than a task (peer to local
+        when ``read``, else local to peer); returns bytes, or None (nothing copied) when
+        :meth:`read` / :meth:`write` must do it. Default: None.
+
+        Raises:
+            CopyCancelled: the token had tripped. OSError: the copy failed.
+        """
+        return None
+
     def read_word(self, addr: int) -> int | None:
         """The uint64 at the peer's ``addr`` read without the peer's help (its epoch page), or
         None when it cannot be. Default: None."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from .._memory import CancelToken, run_parts
 from .._messages import Proof
-from .._planner import Plan, split_plan
+from .._planner import Plan, split_plan, u64_sum
 from . import CopyRunner, PeerAccess
 from ._pvm import VM_FEW, pidfd_exited, pvr_probe, vm_copy
 
@@ -230,6 +230,23 @@ class SameHostAccess(PeerAccess):
         """True if every range of the peer's memory can be copied without the peer's help:
         through a mapped pool, or with process_vm_*."""
         return self.pvr or bool(np.all(self._pool_index(remote, nbytes) >= 0))
+
+    def copy_now(
+        self,
+        remote: np.ndarray,
+        local: np.ndarray,
+        nbytes: np.ndarray,
+        token: CancelToken,
+        read: bool,
+    ) -> int | None:
+        """A few ranges of user-registered memory (outside the mapped pools) of at most
+        ``_VM_INLINE_BYTES``: one ``process_vm_*`` on the loop, as :meth:`_vm_plan` does."""
+        if not self.pvr or len(remote) > VM_FEW or self._touches_pool(remote):
+            return None
+        if u64_sum(nbytes) > _VM_INLINE_BYTES:
+            return None
+        name = "process_vm_readv" if read else "process_vm_writev"
+        return vm_copy(name, self.pid, local, remote, nbytes, token, self.pidfd)
 
     async def read(
         self, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, token: CancelToken

@@ -126,13 +126,19 @@ class LinkView:
     @property
     def outbox(self) -> int:
         """Frames queued to send and not yet taken by the socket."""
-        return len(self._link._outbox)
+        return self._link.outbox_frames
 
     @property
     def replies_left(self) -> int:
         """How many more replies (PONG, TABLE, ...) the peer may be owed before the link
         stops reading from it."""
         return int(self._link.router._replies.value)
+
+    @property
+    def reading(self) -> bool:
+        """Whether the link's reader reads its socket now (False while it waits for something:
+        a reply slot, a worker thread)."""
+        return self._link.reader.reading
 
     @property
     def buffered(self) -> int:
@@ -142,7 +148,7 @@ class LinkView:
     @property
     def send_path_free(self) -> bool:
         """Whether nobody holds the link's send lock."""
-        return self._link.send_lock.value == 1
+        return self._link.writer.send_lock.value == 1
 
     @property
     def threads(self) -> anyio.CapacityLimiter:

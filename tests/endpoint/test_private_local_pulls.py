@@ -156,9 +156,9 @@ async def test_an_initiator_that_does_not_take_such_grants_gets_the_stream(
     """An initiator of an earlier release claims ``pvr`` but not ``key_reads``: it would
     refuse a local grant of memory the peer does not publish (and break the link), so it
     gets the stream."""
-    from llmdd_async._net import initiator
+    from llmdd_async._net import exchange
 
-    real_caps = initiator.Cap
+    real_caps = exchange.Cap
 
     class OldCaps:  # what an earlier release's initiator knew
         PVR, INPROC = real_caps.PVR, real_caps.INPROC
@@ -167,7 +167,7 @@ async def test_an_initiator_that_does_not_take_such_grants_gets_the_stream(
     blocks, block = 8, 4096
     async with pair("same-host", blocks, block) as (_, d, _cid):
         cache, dst = _blocks_cache(d, blocks, block)
-        monkeypatch.setattr(initiator, "Cap", OldCaps)
+        monkeypatch.setattr(exchange, "Cap", OldCaps)
         await d.cache_manager.pull_blocks(KEY, cache, [1, 2], [3, 4])
         assert d.link_statistics(PROMPT).recent[-1].mode == "stream"
         monkeypatch.undo()

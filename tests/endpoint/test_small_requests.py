@@ -14,8 +14,8 @@ import pytest
 from helpers import endpoint_options, raw_link
 
 import llmdd_async as dd
-from llmdd_async._messages import Data, Grant, Mode
-from llmdd_async._net.link import Link
+from llmdd_async._messages import Data, Grant, Mode, Ping
+from llmdd_async._net.writer import LinkWriter
 from llmdd_async._protocol import MT
 from llmdd_async.testing import (
     DEFAULT_OPTIONS,
@@ -23,6 +23,7 @@ from llmdd_async.testing import (
     engine_of,
     link_of,
     linked_pair,
+    populated,
     wait_until,
 )
 
@@ -92,21 +93,21 @@ async def test_small_pulls_the_socket_takes_in_parts_are_finished_and_queued(
         # A send buffer far below one frame: the reader's sendmsg takes only part of it.
         served.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         finished: list[int] = []
-        original = Link._finish_now
+        original = LinkWriter._finish_now
 
-        async def counted(self: Link, bufs: Any, idx: int, done: Any) -> None:
+        async def counted(self: LinkWriter, bufs: Any, idx: int, done: Any) -> None:
             finished.append(idx)
             await original(self, bufs, idx, done)
 
-        monkeypatch.setattr(Link, "_finish_now", counted)
+        monkeypatch.setattr(LinkWriter, "_finish_now", counted)
         writers: list[int] = []
-        original_writer = Link._write_outbox
+        original_writer = LinkWriter._write_outbox
 
-        async def writer(self: Link) -> None:
-            writers.append(len(self._outbox))
+        async def writer(self: LinkWriter) -> None:
+            writers.append(self.outbox_frames)
             await original_writer(self)
 
-        monkeypatch.setattr(Link, "_write_outbox", writer)
+        monkeypatch.setattr(LinkWriter, "_write_outbox", writer)
         tasks = _count_serving_tasks(prompt, monkeypatch)
         key = dd.BlocksCacheKey(1, 0)
         pulls = [(i, (i * 7) % BLOCKS) for i in range(8)]
@@ -184,6 +185,7 @@ async def hostile_target() -> AsyncIterator[tuple[dd.LLMDataDist, Any, Any, np.n
             cache = d.cache_manager.register_blocks_cache(
                 dd.CacheDesc(1, [4, BLOCK], dd.DataType.DT_UINT8), [arr]
             )
+            await populated(d, cache.cache_id)  # (a pull waits for that in a task)
             yield d, peer, cache, arr
         finally:
             peer.close()
@@ -191,12 +193,15 @@ async def hostile_target() -> AsyncIterator[tuple[dd.LLMDataDist, Any, Any, np.n
 
 async def test_a_request_the_peer_never_answers_ends_at_its_deadline(
     hostile_target: tuple[dd.LLMDataDist, Any, Any, np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """No task waits for a small pull; its deadline still ends it (LLM_TIMEOUT), the peer
     hears an ABORT, the cache is unpinned and the link's turn is given back."""
     d, peer, cache, _ = hostile_target
     key = dd.BlocksCacheKey(66, 0)
+    started = _count_tasks(d, monkeypatch)
     task = d.cache_manager.pull_blocks(key, cache, [1], [2])
+    assert started == []
     req = await peer.recv(MT.XFER_REQ)
     with anyio.fail_after(5):
         with pytest.raises(dd.LLMException) as err:
@@ -213,6 +218,7 @@ async def test_a_request_the_peer_never_answers_ends_at_its_deadline(
 
 async def test_a_cancelled_small_pull_is_fenced_at_once(
     hostile_target: tuple[dd.LLMDataDist, Any, Any, np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Cancelled with half of its DATA landed, a pull returns at once, and nothing of its
     frame lands after the cancel returned (the rest goes to scratch); the link serves the
@@ -240,7 +246,9 @@ async def test_a_cancelled_small_pull_is_fenced_at_once(
         return req.req_id
 
     half = BLOCK // 2
+    started = _count_tasks(d, monkeypatch)
     task = d.cache_manager.pull_blocks(key, cache, [1], [2])
+    assert started == []
     await grant_and_data(b"\xaa" * half, None)
     await wait_until(lambda: (arr[2, :half] == 0xAA).all(), 5)
     task.cancel()
@@ -249,10 +257,13 @@ async def test_a_cancelled_small_pull_is_fenced_at_once(
     arr[...] = 0x11  # the application reuses the buffer at once
     await peer.send_bytes(b"\xbb" * half)  # the rest of the cancelled frame
     assert (await peer.recv(MT.ABORT)).req_id >= 1
+    await peer.send(Ping().encode())  # read in order: once answered, the rest was read too
+    await peer.recv(MT.PONG)
+    assert (arr == 0x11).all(), "bytes of the cancelled frame landed after the cancel"
     # The next pull is served on the same link, byte-exact.
     task = d.cache_manager.pull_blocks(key, cache, [1], [2])
     await grant_and_data(b"\xcc" * half, b"\xdd" * half)
     await task
     assert (arr[2, :half] == 0xCC).all() and (arr[2, half:] == 0xDD).all()
-    assert (arr[[0, 1, 3]] == 0x11).all()  # nothing of the cancelled frame landed
+    assert (arr[[0, 1, 3]] == 0x11).all()
     assert link_of(d, 66).alive

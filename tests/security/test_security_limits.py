@@ -87,6 +87,10 @@ def _server_options(**extra: str) -> dict[str, str]:
     return endpoint_options("tcp", listen=True, ra=True, **extra)
 
 
+def _client_options() -> dict[str, str]:
+    return endpoint_options("tcp", ra=True)
+
+
 async def _legit_pulls(d: dd.LLMDataDist, cache_id: int, n: int = 4) -> None:
     """``n`` small pulls by a well-behaved peer; each must succeed (within its deadline)."""
     cm = d.cache_manager
@@ -648,3 +652,80 @@ async def _soak() -> None:
         )
         assert fd4 <= fd0
         assert rss4 - rss0 < 64 * MiB
+
+
+# ---------------------------------------------------------------------------- the reader
+@pytest.fixture
+def short_stall(monkeypatch: pytest.MonkeyPatch) -> float:
+    """A stall timeout of 3 s (at least 10 s otherwise): how long a peer may stop mid-frame
+    or stop reading before its link breaks. Only the bound's length changes."""
+    from llmdd_async._engine import Engine
+
+    monkeypatch.setattr(Engine, "stall_timeout_s", property(lambda self: 3.0))
+    return 3.0
+
+
+async def test_a_peer_that_stops_in_the_middle_of_a_payload_loses_only_its_link(
+    short_stall: float,
+) -> None:
+    """A small push is granted and served from the link's reader; the peer sends its DATA
+    header and part of the payload, then nothing. The reader does not wait for the rest on
+    the loop: others are served meanwhile, and the link breaks at the stall timeout, letting
+    go of the cache."""
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(_server_options()) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 4096]))
+        other = p.cache_manager.allocate_cache(_u8([1, 64 << 10]))
+        other.tensors[0][...] = 7
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            await peer.send(pull_request(1, cache.cache_id, 4096, op="push", timeout_ms=60_000))
+            grant = await peer.recv(MT.GRANT)
+            assert wire_status(grant) == S.LLM_SUCCESS
+            await peer.send(Message(MT.DATA, 1, {"off": 0}, payload_len=4096))
+            await peer.send_bytes(b"\x77" * 1000)  # and not one byte more
+            t0 = time.monotonic()
+            async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(_client_options()) as d:
+                await link(d, 1, p.listen_address)
+                await _legit_pulls(d, other.cache_id)  # the loop is not held
+            await wait_until(lambda: not link_of(p, 66, alive=False).alive, 10)
+            waited = time.monotonic() - t0
+            broken = str(link_of(p, 66, alive=False).broken)
+            assert "middle of a frame" in broken, broken
+            assert waited < 2 * short_stall + 2, waited
+            assert cache_entry(p, cache.cache_id).pins == 0
+            assert (cache.tensors[0][1000:] == 0).all()  # nothing past what was sent
+        finally:
+            peer.close()
+
+
+@pytest.mark.parametrize(
+    "lie",
+    ["past_the_plan", "past_a_frame", "past_the_meta"],
+)
+async def test_a_peer_that_lies_about_sizes_loses_its_link_before_a_byte_lands(
+    lie: str,
+) -> None:
+    """A DATA frame of a granted push that claims more than the plan, more than a frame may
+    carry (``CHUNK_BYTES``), or a header whose meta is longer than the link allows: the link
+    breaks at the header, and not one payload byte lands in the cache."""
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(_server_options()) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 4096]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            await peer.send(pull_request(1, cache.cache_id, 4096, op="push", timeout_ms=60_000))
+            assert wire_status(await peer.recv(MT.GRANT)) == S.LLM_SUCCESS
+            if lie == "past_the_plan":
+                header = encode(Message(MT.DATA, 1, {"off": 0}, payload_len=4096 + 4096))
+            elif lie == "past_a_frame":
+                header = encode(Message(MT.DATA, 1, {"off": 0}, payload_len=64 << 20))
+            else:
+                header = encode(Message(MT.DATA, 1, {"off": 0}, payload_len=4096))
+                # the header's meta length (offset 16, after magic, version, type and id)
+                header = header[:16] + (200 << 20).to_bytes(4, "little") + header[20:]
+            await peer.send_bytes(header + b"\x66" * 4096)
+            await wait_until(lambda: not link_of(p, 66, alive=False).alive, 5)
+            assert "protocol error" in str(link_of(p, 66, alive=False).broken)
+            assert (cache.tensors[0] == 0).all()
+            assert cache_entry(p, cache.cache_id).pins == 0
+        finally:
+            peer.close()

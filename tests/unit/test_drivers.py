@@ -5,10 +5,12 @@ already buffered), the deadline, and a stop that ends every call at once."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Callable
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from llmdd_async._drivers import BACKENDS, Driver, driver_for
@@ -30,10 +32,8 @@ class Recorder:
 
     def readable(self) -> bool:
         self.calls += 1
-        try:
+        with contextlib.suppress(BlockingIOError):
             self.data += self.sock.recv(65536, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            pass
         if self.hook is not None:
             self.hook()
         if self.again:
@@ -45,9 +45,9 @@ class Recorder:
         self.deadlines += 1
 
 
-async def _wait(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while not cond():  # noqa: ASYNC110 (set by the driver's callbacks)
+async def _wait(cond: Callable[[], bool], within_s: float = 5.0) -> None:
+    with anyio.fail_after(within_s):
+        while not cond():
             await anyio.sleep(0.001)
 
 
@@ -123,7 +123,7 @@ async def test_the_deadline_fires_once_and_can_be_moved_or_cleared(pair: tuple) 
     assert rec.deadlines == 1
     driver.set_deadline(anyio.current_time() + 10)
     driver.set_deadline(anyio.current_time() + 0.02)  # moved earlier
-    await _wait(lambda: rec.deadlines == 2, timeout=2)
+    await _wait(lambda: rec.deadlines == 2, within_s=2)
     driver.set_deadline(anyio.current_time() + 0.02)
     driver.set_deadline(None)
     await anyio.sleep(0.1)
@@ -177,9 +177,9 @@ async def test_a_driver_of_the_running_loop_reads_without_a_task_switch_per_fram
         tg.start_soon(driver.run)
         await _started(rec)
         rec.hook = record_task
-        for _ in range(3):
+        for i in range(3):
             a.send(b"z")
-            await _wait(lambda n=len(seen): len(seen) > n)
+            await _wait(lambda i=i: len(seen) > i)
         driver.stop()
     a.close()
     b.close()
@@ -194,7 +194,7 @@ async def test_timers_run_in_order_once_and_cancelled_ones_never() -> None:
     ran: list[str] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(timers.run)
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         now = anyio.current_time()
         timers.call_at(now + 0.06, lambda: ran.append("late"))
         gone = timers.call_at(now + 0.03, lambda: ran.append("cancelled"))
@@ -210,7 +210,7 @@ async def test_many_cancelled_timers_do_not_pile_up() -> None:
     timers = Timers()
     async with anyio.create_task_group() as tg:
         tg.start_soon(timers.run)
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         far = anyio.current_time() + 3600
         for _ in range(20_000):
             timers.cancel(timers.call_at(far, lambda: None))
