@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LinkReader"]
 
-_READ_AHEAD = 64 << 10
+_READ_AHEAD = 16 << 10
 #: the reader lets other tasks run after this much read in one go, payloads included (a peer
 #: that streams big metas or many inline payloads as fast as the socket allows would
 #: otherwise hold the loop for as long as it keeps sending)

@@ -188,14 +188,24 @@ async def test_a_failed_copy_of_what_a_key_grants_falls_back_to_the_stream(
     failures: list[int] = []
     real_read = SameHostAccess.read
 
+    real_copy_now = SameHostAccess.copy_now
+
     async def read_fails_once(self: SameHostAccess, *args: object) -> int:
         if not failures:
             failures.append(1)
             raise OSError(14, "process_vm_readv: Bad address")
         return await real_read(self, *args)  # type: ignore[arg-type]
 
+    def copy_now_fails_once(self: SameHostAccess, *args: object) -> int | None:
+        # (a small copy runs on the loop, through copy_now; a big one through read)
+        if not failures:
+            failures.append(1)
+            raise OSError(14, "process_vm_readv: Bad address")
+        return real_copy_now(self, *args)  # type: ignore[arg-type]
+
     async with keyed_pair(shape, [7], seed=41) as d:
         monkeypatch.setattr(SameHostAccess, "read", read_fails_once)
+        monkeypatch.setattr(SameHostAccess, "copy_now", copy_now_fails_once)
         cm = d.cache_manager
         dst = cm.allocate_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
         await cm.pull_cache(dd.CacheKey(PROMPT, 7), dst)
