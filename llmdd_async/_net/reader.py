@@ -220,6 +220,9 @@ class LinkReader:
     def readable(self) -> bool:
         """The driver's callback: read and act on what is there; True when work is left."""
         link = self.link
+        writer = link.writer
+        # What the frames of this read answer leaves together, once they are all read.
+        writer.cork()
         try:
             # The socket's failures, the peer's garbage (ProtocolError) and the link's own
             # verdicts (LinkBroken) break the link; the reader then just ends.
@@ -228,6 +231,8 @@ class LinkReader:
         except Exception as exc:  # a bug must break this link, not the whole engine
             link.log.exception("link.reader_crashed")
             link.fail(exc)
+        finally:
+            writer.uncork()
         return False
 
     def _read(self) -> bool:

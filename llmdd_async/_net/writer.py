@@ -59,11 +59,53 @@ class LinkWriter:
         #: frames the reader handed to :meth:`send_soon` while the send lock was taken
         self._outbox: collections.deque[_Outgoing] = collections.deque()
         self._writing = False
+        #: while corked (the reader acts on what one read brought), send_soon holds its
+        #: frames here: the replies to a burst of requests leave in one sendmsg
+        self._corked = 0
+        self._held: list[_Outgoing] = []
 
     @property
     def outbox_frames(self) -> int:
-        """Items :meth:`send_soon` queued that the writer has not sent yet."""
-        return len(self._outbox)
+        """Items :meth:`send_soon` queued (or held while corked) and not sent yet."""
+        return len(self._outbox) + len(self._held)
+
+    def cork(self) -> None:
+        """Hold what :meth:`send_soon` is given until :meth:`uncork` (nestable)."""
+        self._corked += 1
+
+    def uncork(self) -> None:
+        """Send what was held, together: at once when the send lock is free, else through
+        the link's writer task."""
+        self._corked -= 1
+        if self._corked or not self._held:
+            return
+        items, self._held = self._held, []
+        if not self.link.alive:
+            for _, _, done in items:
+                done()
+            return
+        if self.send_lock.value and not self._outbox:
+            self._send_at_once(items)
+            return
+        self._outbox.extend(items)
+        self._start_writer()
+
+    def _start_writer(self) -> bool:
+        """Start the task that sends the outbox (if none runs); False when the engine
+        stopped (the outbox was dropped, the link failed)."""
+        if self._writing:
+            return True
+        try:
+            self.link.host.spawn(self._write_outbox)
+        except RuntimeError as exc:  # the engine stopped: nothing more goes out
+            dropped = list(self._outbox)
+            self._outbox.clear()
+            self.link.fail(exc)
+            for _, _, done in dropped:
+                done()
+            return False
+        self._writing = True
+        return True
 
     async def send(self, msg: Message) -> None:
         """Send one control frame (no payload) without blocking the loop.
@@ -103,27 +145,28 @@ class LinkWriter:
         """
         if not self.link.alive:
             return False
+        if self._corked:
+            self._held.append((frames, views, done))
+            return True
         if self.send_lock.value and not self._outbox:
-            self._send_at_once(frames, views, done)
+            self._send_at_once([(frames, views, done)])
             return True
         self._outbox.append((frames, views, done))
-        if not self._writing:
-            try:
-                self.link.host.spawn(self._write_outbox)
-            except RuntimeError as exc:  # the engine stopped: nothing more goes out
-                self._outbox.pop()
-                self.link.fail(exc)
-                return False
-            self._writing = True
+        self._start_writer()  # (if the engine stopped: done has run, the link failed)
         return True
 
-    def _send_at_once(
-        self, frames: list[Message], views: list[memoryview], done: Callable[[], None]
-    ) -> None:
+    def _send_at_once(self, items: list[_Outgoing]) -> None:
+        """``items`` in as few non-blocking ``sendmsg`` as the socket takes; a task finishes
+        what it did not take, under the send lock taken here."""
         self.send_lock.acquire_nowait()
         finishing = False
+
+        def done() -> None:
+            for _, _, item_done in items:
+                item_done()
+
         try:
-            bufs = self._bufs_of([(frames, views, done)])
+            bufs = self._bufs_of(items)
             with map_link_errors(self.link.fail):  # a failed send breaks the link, nothing raises
                 idx = send_nowait(self.link.sock, bufs)
                 if idx < len(bufs):
