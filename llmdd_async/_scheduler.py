@@ -228,7 +228,14 @@ def start_request_now(
         exchange.start()
 
     def ended(exchange: Exchange) -> None:
-        if exchange.read_failed and not task.cancel_requested and link.alive:
+        if (
+            exchange.read_failed
+            and not task.cancel_requested
+            and not expired
+            and link.alive
+            and ctl.deadline is not None
+            and time.monotonic() < ctl.deadline
+        ):
             # A copy of what a key grants failed (memory the kernel cannot pin): the request
             # was aborted there, unconsumed; stream it.
             reason = f"reading the peer failed: {exchange.error}"
@@ -257,7 +264,13 @@ def start_request_now(
 
     timer = engine.timers.call_at(anyio.current_time() + budget, expire)
     task.on_cancel(stop)
-    launch(True)
+    try:
+        launch(True)
+    except Exception as exc:  # a bug: the task reports it, nothing stays held
+        if current and not current[0].ended:
+            current[0].stop(exc)
+        else:
+            finish(None, exc)
     return True
 
 

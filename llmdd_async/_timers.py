@@ -16,7 +16,11 @@ from collections.abc import Callable
 
 import anyio
 
+from ._log import get_logger
+
 __all__ = ["Timer", "Timers"]
+
+_log = get_logger("engine")
 
 #: a heap holding more cancelled timers than this (and than live ones) is rebuilt
 _COMPACT_AT = 4096
@@ -41,7 +45,7 @@ class Timer:
 
 class Timers:
     """``call_at(when, fn)`` runs ``fn()`` on the loop at ``when`` (``anyio.current_time()``)
-    once :meth:`run` runs; ``fn`` must not raise (an exception ends :meth:`run`)."""
+    once :meth:`run` runs (an exception of ``fn`` is logged)."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Timer]] = []
@@ -85,7 +89,10 @@ class Timers:
                     self._dead = max(0, self._dead - 1)
                     continue
                 timer.fn = None
-                fn()
+                try:
+                    fn()
+                except Exception:  # one deadline's failure must not stop every other one
+                    _log.exception("timer.failed")
             heap = self._heap
             self._sleeping_until = heap[0][0] if heap else math.inf
             with anyio.CancelScope(deadline=self._sleeping_until) as scope:

@@ -82,6 +82,7 @@ class Exchange:
         self.key_reads = key_reads
         self._on_end = on_end
         self._grant: Grant | None = None
+        self._direct = False
         #: why it is being stopped (the first reason)
         self._stopping: BaseException | None = None
         #: a task runs the rest (and ends it); its scope, once it started
@@ -112,6 +113,8 @@ class Exchange:
         else:
             key_reads = False
         self.key_reads = key_reads
+        #: the request let the target grant a local copy (an honest one never does otherwise)
+        self._direct = any(caps.values())
         self._t_start = time.monotonic()
         deadline = req.deadline
         timeout_ms = max(1, int((deadline - time.monotonic()) * 1000)) if deadline else 0
@@ -129,6 +132,8 @@ class Exchange:
                 then breaks the link).
         """
         grant = Grant.decode(msg)
+        if grant.mode is Mode.LOCAL and not self._direct:
+            raise ProtocolError("local-mode GRANT for a request that asked for the stream")
         if grant.ok:
             # Grant.decode: a successful grant has a plan
             assert grant.local is not None
@@ -186,6 +191,9 @@ class Exchange:
             or req.token.cancelled
         ):
             return False
+        if req.result_event.is_set():  # a RESULT before anything was sent: not an honest peer
+            self.stop(ProtocolError("RESULT before the push's DATA was sent"))
+            return True
         views = StreamPlan(local, nbytes).views(0, total)
         req.result_event.callback = self._answered
         self._sending = True
@@ -204,6 +212,8 @@ class Exchange:
         local, nbytes = grant.local, grant.nbytes
         if access is None or remote is None or local is None or nbytes is None:
             return False  # the task says why (a ProtocolError)
+        if not self.engine.host_reachable(local):
+            return False  # device memory: the access copies it through the device adapter
         # The peer's word is not enough to touch its memory (as _move checks).
         by_key = spec.op == Op.PULL and spec.target.by in KEYS
         if not (by_key and access.reaches(remote, nbytes)) and not check_within(
@@ -259,6 +269,11 @@ class Exchange:
         if req.error is not None or grant is None or req.grant is None:
             self.stop(req.error or LinkBroken("link closed before the peer answered"))
             return
+        if req.token.cancelled:
+            # Its deadline passed (or a cancel) while the last bytes came: they went to
+            # scratch, and a DONE now would let the target consume a key for bytes not kept.
+            self.stop(CopyCancelled())
+            return
         if grant.done and not self.link.send_soon([Done(req.req_id).encode()], [], _nothing):
             self.stop(self.link.down_error())
             return
@@ -273,7 +288,10 @@ class Exchange:
             self._stopping = exc
         req = self.req
         req.token.cancel()  # the reader diverts what still arrives; workers stop
-        if self._sending:  # the link's writer still reads the push's memory: _sent ends it
+        if self._sending:
+            # The push's DATA is queued (taken back now: then _sent runs at once) or being
+            # sent (its memory is read until _sent runs): _sent ends it either way.
+            self.link.writer.withdraw(self._sent)
             return
         if self._running:  # the task ends it, after its own fence
             if self._scope is not None:

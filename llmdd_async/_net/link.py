@@ -215,7 +215,10 @@ class Link:
         self.host.observers.link_changed(self.peer_cluster_id, self.transport_name, False)
         self.reader.stop()  # before the socket may be closed
         for req in [*self.pending.values(), *self.serving.values(), *self.router.waiters()]:
-            req.fail(exc)
+            try:
+                req.fail(exc)  # (runs what waits on it: an Exchange ends, a serving lets go)
+            except Exception:  # one request's bug must not stop the teardown
+                self.log.exception("link.teardown_failed", req_id=req.req_id)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         # What the peer sent and nobody will read (a partial frame: up to llm.LinkMaxMeta)

@@ -232,7 +232,12 @@ class LinkReader:
             link.log.exception("link.reader_crashed")
             link.fail(exc)
         finally:
-            writer.uncork()
+            try:
+                with map_link_errors(link.fail):
+                    writer.uncork()
+            except Exception as exc:  # (a loop callback must never raise)
+                link.log.exception("link.reader_crashed")
+                link.fail(exc)
         return False
 
     def _read(self) -> bool:

@@ -329,6 +329,8 @@ def _grant_now(
         if not local:
             end()
             return
+        if link.serving.get(req.req_id) is not req:
+            return  # (the link went down meanwhile: it ended)
         # The initiator copies straight from/into our memory: pinned until it says it stopped.
         timer[0] = timers.call_at(anyio.current_time() + engine.stall_timeout_s, stuck)
 
@@ -336,7 +338,7 @@ def _grant_now(
         link.fail(TimeoutError("the peer did not stop a timed-out direct copy"))
 
     if local:
-        if pull and slot_info is not None and not engine.options.remote_accessible:
+        if pull and entries and slot_info is not None and not engine.options.remote_accessible:
             consumed_entry, (slot, tensors) = entries[0], slot_info
 
             def consume(done: Message) -> None:

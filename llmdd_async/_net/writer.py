@@ -21,6 +21,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from .._errors import map_link_errors
+from .._log import get_logger
 from .._memory import CancelToken
 from .._messages import FLAG_TO_INITIATOR, Data
 from .._protocol import PAYLOAD_TAG, FrameAuth, Message, encode
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from .link import Link
 
 __all__ = ["LinkWriter"]
+
+_log = get_logger("link")
 
 #: frames for :meth:`LinkWriter.send_soon`: the messages, the last one's payload, what to run
 #: after
@@ -63,11 +66,13 @@ class LinkWriter:
         #: frames here: the replies to a burst of requests leave in one sendmsg
         self._corked = 0
         self._held: list[_Outgoing] = []
+        self._held_bytes = 0
 
     @property
     def outbox_frames(self) -> int:
-        """Items :meth:`send_soon` queued (or held while corked) and not sent yet."""
-        return len(self._outbox) + len(self._held)
+        """Items :meth:`send_soon` queued for the writer task and not sent yet (what is held
+        while corked, at most about ``INLINE_BYTES``, leaves when the read is done)."""
+        return len(self._outbox)
 
     def cork(self) -> None:
         """Hold what :meth:`send_soon` is given until :meth:`uncork` (nestable)."""
@@ -77,18 +82,34 @@ class LinkWriter:
         """Send what was held, together: at once when the send lock is free, else through
         the link's writer task."""
         self._corked -= 1
-        if self._corked or not self._held:
-            return
+        if not self._corked:
+            self._flush()
+
+    def _flush(self) -> None:
         items, self._held = self._held, []
+        self._held_bytes = 0
+        if not items:
+            return
         if not self.link.alive:
-            for _, _, done in items:
-                done()
+            _run_all([done for _, _, done in items])
             return
         if self.send_lock.value and not self._outbox:
             self._send_at_once(items)
             return
         self._outbox.extend(items)
         self._start_writer()
+
+    def withdraw(self, done: Callable[[], None]) -> bool:
+        """Take back the frames queued (or held) with ``done``, if none of their bytes went
+        out yet, and run ``done``: a cancelled push then reads no more of its memory. False
+        when they are being sent (``done`` runs once they are)."""
+        for queue in (self._held, self._outbox):
+            for item in queue:
+                if item[2] == done:  # (a bound method is a new object at each access)
+                    queue.remove(item)
+                    done()
+                    return True
+        return False
 
     def _start_writer(self) -> bool:
         """Start the task that sends the outbox (if none runs); False when the engine
@@ -101,8 +122,7 @@ class LinkWriter:
             dropped = list(self._outbox)
             self._outbox.clear()
             self.link.fail(exc)
-            for _, _, done in dropped:
-                done()
+            _run_all([done for _, _, done in dropped])
             return False
         self._writing = True
         return True
@@ -147,6 +167,9 @@ class LinkWriter:
             return False
         if self._corked:
             self._held.append((frames, views, done))
+            self._held_bytes += sum(v.nbytes for v in views)
+            if self._held_bytes >= INLINE_BYTES:  # one flush carries at most about this
+                self._flush()
             return True
         if self.send_lock.value and not self._outbox:
             self._send_at_once([(frames, views, done)])
@@ -162,8 +185,7 @@ class LinkWriter:
         finishing = False
 
         def done() -> None:
-            for _, _, item_done in items:
-                item_done()
+            _run_all([item_done for _, _, item_done in items])
 
         try:
             bufs = self._bufs_of(items)
@@ -242,17 +264,15 @@ class LinkWriter:
                             await self._inline(
                                 send_views_inline(self.link.sock, bufs, idx, CancelToken())
                             )
-                    for _, _, done in batch:
-                        done()
-                    batch = []
+                    sent, batch = batch, []
+                    _run_all([done for _, _, done in sent])
                 drained = True
         finally:
             self._writing = False
             if not drained or not self.link.alive:  # what is still queued never goes out
                 batch.extend(self._outbox)
                 self._outbox.clear()
-            for _, _, done in batch:
-                done()
+            _run_all([done for _, _, done in batch])
 
     async def _send_rest(self, data: memoryview) -> None:
         """Finish a frame the socket took only part of.
@@ -365,3 +385,13 @@ class LinkWriter:
             if stall.cancelled_caught:
                 io.close()
                 raise TimeoutError("the peer made no progress within the stall timeout")
+
+
+def _run_all(callbacks: list[Callable[[], None]]) -> None:
+    """Run every callback (what lets go of each frame's memory), even if one raises: a
+    failure is logged, never allowed to keep the others' pins or ends from happening."""
+    for callback in callbacks:
+        try:
+            callback()
+        except Exception:
+            _log.exception("link.callback_failed")

@@ -270,3 +270,63 @@ async def test_a_cancelled_small_pull_is_fenced_at_once(
     assert (arr[2, :half] == 0xCC).all() and (arr[2, half:] == 0xDD).all()
     assert (arr[[0, 1, 3]] == 0x11).all()
     assert link_of(d, 66).alive
+
+
+async def test_bytes_that_land_after_the_deadline_are_not_acknowledged(
+    hostile_target: tuple[dd.LLMDataDist, Any, Any, np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last bytes of a pull that come after its deadline go to scratch, and the pull
+    fails: it sends no DONE (which would let the target consume a key for bytes not kept),
+    even where its timer has not run yet."""
+    d, peer, cache, arr = hostile_target
+    timers = engine_of(d).timers
+    call_at = timers.call_at
+    monkeypatch.setattr(timers, "call_at", lambda when, fn: call_at(when + 5, fn))  # late
+    task = d.cache_manager.pull_blocks(dd.BlocksCacheKey(66, 0), cache, [1], [2])
+    req = await peer.recv(MT.XFER_REQ)
+    await anyio.sleep(0.5)  # past its 300 ms deadline
+    base = int(np.frombuffer(req.arrays["local_addrs"], "<u8")[0])
+    grant = Grant(
+        req.req_id,
+        mode=Mode.STREAM,
+        total=BLOCK,
+        done=True,
+        local=np.array([base + 2 * BLOCK], np.uint64),
+        nbytes=np.array([BLOCK], np.uint64),
+    )
+    await peer.send(grant.encode())
+    await peer.send(Data(req.req_id, 0, BLOCK, to_initiator=True).encode())
+    await peer.send_bytes(b"\xee" * BLOCK)
+    with anyio.fail_after(5), pytest.raises(dd.LLMException) as err:
+        await task
+    assert err.value.status_code == dd.LLMStatusCode.LLM_TIMEOUT
+    answer = await peer.frame()
+    assert answer.type == MT.ABORT, answer.type  # not DONE
+    assert not (arr[2] == 0xEE).any()
+
+
+async def test_a_local_grant_for_a_request_that_asked_for_the_stream_breaks_the_link(
+    hostile_target: tuple[dd.LLMDataDist, Any, Any, np.ndarray],
+) -> None:
+    """A request that claimed no direct access gets the stream from an honest peer; a grant
+    that tells it to copy from the peer's memory itself is the peer's lie: the link breaks and
+    nothing is copied."""
+    d, peer, cache, arr = hostile_target
+    task = d.cache_manager.pull_blocks(dd.BlocksCacheKey(66, 0), cache, [1], [2])
+    req = await peer.recv(MT.XFER_REQ)
+    base = int(np.frombuffer(req.arrays["local_addrs"], "<u8")[0])
+    grant = Grant(
+        req.req_id,
+        mode=Mode.LOCAL,
+        total=BLOCK,
+        local=np.array([base + 2 * BLOCK], np.uint64),
+        nbytes=np.array([BLOCK], np.uint64),
+        remote=np.array([base], np.uint64),
+    )
+    await peer.send(grant.encode())
+    with anyio.fail_after(5), pytest.raises(dd.LLMException):
+        await task
+    broken = str(link_of(d, 66, alive=False).broken)
+    assert "asked for the stream" in broken, broken
+    assert (arr == 0).all()

@@ -324,6 +324,30 @@ async def test_requests_over_the_queue_are_refused_busy() -> None:
             peer.close()
 
 
+async def test_requests_that_arrive_together_are_queued_not_refused() -> None:
+    """Requests read in one go are answered in one go (the reader corks the link's writer);
+    what it holds meanwhile is not a queue: with ``llm.LinkQueue`` = 2 and ``llm.LinkServing``
+    = 1, two pushes sent together get request 1 served and request 2 queued, as when they come
+    one by one (counted as queued, the GRANT held for request 1 refused request 2)."""
+    opts = _server_options(**{"llm.LinkQueue": "2", "llm.LinkServing": "1"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            both = b"".join(
+                encode(pull_request(rid, cache.cache_id, 256, op="push")) for rid in (1, 2)
+            )
+            await peer.send_bytes(both)
+            grant = await peer.recv(MT.GRANT)
+            assert grant.req_id == 1 and wire_status(grant) == S.LLM_SUCCESS
+            await wait_until(lambda: link_of(p, 66, alive=False).serving == 2, 5)
+            with anyio.move_on_after(0.3):  # request 2 waits for the slot: no answer yet
+                msg = await peer.frame()
+                raise AssertionError(f"request 2 was answered: {msg.type} {msg.fields}")
+        finally:
+            peer.close()
+
+
 async def test_a_streamed_pull_is_one_round_trip_and_holds_nothing_after() -> None:
     """A pull served over the stream is done on the serving side once its bytes are sent: the
     GRANT says no DONE is expected, and the request holds no slot (nor pin) after its DATA,
