@@ -70,9 +70,12 @@ class LinkWriter:
 
     @property
     def outbox_frames(self) -> int:
-        """Items :meth:`send_soon` queued for the writer task and not sent yet (what is held
-        while corked, at most about ``INLINE_BYTES``, leaves when the read is done)."""
-        return len(self._outbox)
+        """Items :meth:`send_soon` queued and not sent yet: the writer task's queue, and what
+        is held while corked when it will join that queue (the send path is busy). What is
+        held while the path is free leaves in one go when the read is done, at most about
+        ``INLINE_BYTES`` at a time: that is no queue."""
+        held = len(self._held) if (self._outbox or not self.send_lock.value) else 0
+        return len(self._outbox) + held
 
     def cork(self) -> None:
         """Hold what :meth:`send_soon` is given until :meth:`uncork` (nestable)."""
