@@ -142,14 +142,8 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
         local_side, target_side = (plan.dst, plan.src) if pull else (plan.src, plan.dst)
         if mode is Mode.STREAM and not pull:
             req.stream = await engine.open_stream(plan.dst, plan.nbytes, link.threads)
-        if pull and entries and slot_info is not None and not engine.options.remote_accessible:
-            consumed_entry, (slot, tensors) = entries[0], slot_info
-
-            def consume(done: Message) -> None:
-                if Done.decode(done).ok:
-                    registry.note_pulled(consumed_entry, slot, tensors)
-
-            req.on_done = consume
+        if pull:
+            _consume_on_done(engine, req, entries, slot_info)
         streamed_pull = mode is Mode.STREAM and pull
         # A streamed pull is done here once its bytes are sent: nothing of ours is touched
         # after that, so unless the initiator's DONE has an effect (consuming a key) it sends
@@ -211,6 +205,26 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
             req.stream.close()
         for e in pinned:
             registry.unpin(e)
+
+
+def _consume_on_done(
+    engine: LinkHost,
+    req: Serving,
+    entries: list[CacheEntry],
+    slot_info: tuple[int, np.ndarray] | None,
+) -> None:
+    """A pull by key outside remote-accessible mode consumes what it pulled once the
+    initiator's DONE reports success (reference §8.1, §9.4): run where the DONE is read, before
+    any later request on the link is looked at."""
+    if not entries or slot_info is None or engine.options.remote_accessible:
+        return
+    registry, consumed_entry, (slot, tensors) = engine.registry, entries[0], slot_info
+
+    def consume(done: Message) -> None:
+        if Done.decode(done).ok:
+            registry.note_pulled(consumed_entry, slot, tensors)
+
+    req.on_done = consume
 
 
 def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
@@ -338,14 +352,8 @@ def _grant_now(
         link.fail(TimeoutError("the peer did not stop a timed-out direct copy"))
 
     if local:
-        if pull and entries and slot_info is not None and not engine.options.remote_accessible:
-            consumed_entry, (slot, tensors) = entries[0], slot_info
-
-            def consume(done: Message) -> None:
-                if Done.decode(done).ok:
-                    registry.note_pulled(consumed_entry, slot, tensors)
-
-            req.on_done = consume
+        if pull:
+            _consume_on_done(engine, req, entries, slot_info)
         req.done_event.callback = end
     else:
         req.stream = StreamPlan(plan.dst, plan.nbytes)
