@@ -178,7 +178,9 @@ class ChildProcess:
         while True:
             try:
                 line = await lines.receive_until(b"\n", _MAX_REPLY)
-            except anyio.IncompleteRead:  # the child is gone
+            except (anyio.IncompleteRead, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                # The child is gone; or close() closed its pipe before this read saw the end
+                # (a loaded machine: the reader had not run since the child exited).
                 break
             reply = json.loads(line)
             self._results[reply["id"]] = reply
