@@ -35,7 +35,7 @@ from ._errors import (
 from ._net.addressing import resolve_in_table, with_table
 from ._net.exchange import Exchange
 from ._net.grants import TransferRequest
-from ._net.initiator import initiate, may_pull_directly
+from ._net.initiator import initiate, may_pull_directly, pull_direct_now
 from ._net.link import Link
 from ._options import DEFAULT_LAYER_SYNC_TIMEOUT_MS, DEFAULT_LAYER_WINDOW
 from ._synchronizer import AsyncLayerSynchronizer, LayerEvents
@@ -201,12 +201,11 @@ def start_request_now(
             spec.target = resolve_in_table(table, spec.target, link.peer_cluster_id)
         except LLMException:
             return False  # the task reports it
-    if (
-        not link.alive
-        or not engine.is_populated(spec.local.addrs)
-        or may_pull_directly(engine, link, spec)
-        or not link.transfer_lock.try_take(False)
-    ):
+    if not link.alive or not engine.is_populated(spec.local.addrs):
+        return False
+    if may_pull_directly(engine, link, spec):
+        return _pull_direct_now(engine, task, link, spec, on_end)
+    if not link.transfer_lock.try_take(False):
         return False
     budget = timeout_s * steps
     ctl = task.begin(None)
@@ -271,6 +270,33 @@ def start_request_now(
             current[0].stop(exc)
         else:
             finish(None, exc)
+    return True
+
+
+def _pull_direct_now(
+    engine: Engine,
+    task: CacheTask,
+    link: Link,
+    spec: TransferRequest,
+    on_end: Callable[[], None],
+) -> bool:
+    """:func:`start_request_now` for a one-sided pull: copied and concluded here when it is
+    small enough to copy on the loop (:func:`pull_direct_now`), else False with nothing
+    started (nothing copied that the task would not copy again)."""
+    if not link.transfer_lock.try_take(False):
+        return False
+    try:
+        done = pull_direct_now(engine, link, spec)
+    except LLMException:
+        done = None  # the task reports it (the same check fails there)
+    finally:
+        link.transfer_lock.give(False)
+    if done is None:
+        return False
+    ctl = task.begin(None)
+    ctl.add(*done)
+    on_end()
+    task.conclude(ctl, None)
     return True
 
 

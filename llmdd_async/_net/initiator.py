@@ -37,7 +37,7 @@ from .host import LinkHost
 from .link import Link
 from .requests import Pending, TransferRecord
 
-__all__ = ["initiate", "may_pull_directly"]
+__all__ = ["initiate", "may_pull_directly", "pull_direct_now"]
 
 _U64 = np.uint64
 
@@ -224,7 +224,40 @@ async def _pull_direct(
         # A cache was released while we copied: the bytes may not be what was asked for.
         await link.view.refresh(engine.sync_kv_timeout_s)
         return None
+    return _recorded(link, spec, t_start, total, len(plan))
+
+
+def pull_direct_now(engine: LinkHost, link: Link, spec: TransferRequest) -> tuple[int, int] | None:
+    """:func:`_pull_direct` from the loop, with no task, when its copy runs inline there (a
+    one-sided pull of at most about a MiB of host memory, :meth:`PeerAccess.copy_now`) and
+    nothing has to be awaited: returns ``(bytes, descriptors)``, or None when :func:`initiate`
+    must run it (it then decides again: refreshes a changed table, or asks the target). The
+    caller holds the link's phase lock, a pin on ``spec.local`` and its population.
+
+    Raises:
+        LLMException: as :func:`_direct_plan`.
+    """
+    plan = _direct_plan(engine, link, spec)
+    access, epoch = link.access, link.view.epoch
+    if plan is None or access is None or epoch is None or not link.alive:
+        return None
+    if access.read_word(epoch[0]) != epoch[1]:
+        return None
+    t_start = time.monotonic()
+    try:
+        # A token nobody else holds: a synchronous copy cannot be cancelled part-way.
+        total = access.copy_now(plan.src, plan.dst, plan.nbytes, CancelToken(), True)
+    except (CopyCancelled, OSError):
+        return None  # initiate copies again, and tells an unmapped peer from a down link
+    if total is None or access.read_word(epoch[0]) != epoch[1]:
+        return None  # not inline; or a cache was released under the copy
+    return _recorded(link, spec, t_start, total, len(plan))
+
+
+def _recorded(
+    link: Link, spec: TransferRequest, t_start: float, total: int, descriptors: int
+) -> tuple[int, int]:
     link.stats_transfers += 1
     link.stats_bytes += total
     link.history.append(TransferRecord(spec.op.value, t_start, time.monotonic(), total, "direct"))
-    return total, len(plan)
+    return total, descriptors

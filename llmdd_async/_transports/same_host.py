@@ -40,13 +40,14 @@ __all__ = ["SameHostAccess", "check_pool_fd", "open_access"]
 #: above this, a process_vm_* plan is cut in two and runs on two threads: one stream tops out
 #: near 5.4 GB/s here (page-table walks of both processes), two reach memcpy's rate
 _VM_SPLIT_BYTES = 8 << 20
-#: process_vm_* of at most this much runs on the loop, as TCP frames do (tcp.INLINE_BYTES):
-#: 64 requests of 1 MiB in flight went from 1330 to about 1700 req/s here when they stopped
-#: hopping to threads
-_VM_INLINE_BYTES = 1 << 20
-#: copies through a mapped pool of at most this much run on the loop: the host adapter's own
-#: bound for inline memmoves (a memmove cannot be interrupted, a thread hop costs more)
-_POOL_INLINE_BYTES = 256 << 10
+#: copies of at most this much (process_vm_* or a memmove through a mapped pool) run on the
+#: loop, as TCP frames do (tcp.INLINE_BYTES) and the host adapter's memmoves: a thread hop
+#: costs more than the copy (a MiB is 100-200 us, far below the loop's 50 ms bound). 64
+#: requests of 1 MiB in flight went from 1330 to about 1700 req/s here when pvr stopped
+#: hopping to threads, and from about 1900 to 2400 when pool memmoves did too
+_VM_INLINE_BYTES = _POOL_INLINE_BYTES = 1 << 20
+#: plans of at most this many ranges may be copied from the loop (copy_now)
+_NOW_RANGES = 64
 
 
 def check_pool_fd(fd: int, size: int) -> None:
@@ -247,7 +248,7 @@ class SameHostAccess(PeerAccess):
         """A few ranges on the loop, as :meth:`_move` does for small plans: inside the peer's
         mapped pools, one memmove each (up to ``_POOL_INLINE_BYTES``); in user-registered
         memory, one ``process_vm_*`` (up to ``_VM_INLINE_BYTES``)."""
-        if len(remote) > VM_FEW:
+        if len(remote) > _NOW_RANGES:
             return None
         total = u64_sum(nbytes)
         if self._touches_pool(remote):

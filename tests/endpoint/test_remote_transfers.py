@@ -657,6 +657,84 @@ async def test_a_lying_table_never_steers_a_one_sided_pull() -> None:
             assert not dst.tensors[t][[0, 5, 6, 7]].any()  # nothing else was written
 
 
+@pytest.mark.parametrize("registered", [False, True], ids=["pool", "registered"])
+async def test_a_small_one_sided_pull_is_done_when_the_call_returns(registered: bool) -> None:
+    """A one-sided pull of at most about a MiB of host memory is copied from the loop within
+    the API call: its task is done (no task, no thread) when the call returns, with the right
+    bytes; a bigger one runs as a task. Both from the peer's pool and from memory it
+    registered itself (process_vm_readv)."""
+    async with pair("same-host", ra=True) as (p, d):
+        shape = (40, 16 << 10)  # 16 KiB blocks: 32 blocks x 2 tensors = 1 MiB
+        await p.request(
+            "register" if registered else "alloc",
+            kind="blocks",
+            remote_accessible=True,
+            num_tensors=2,
+            shape=list(shape),
+            blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
+            seed=61,
+        )
+        cm = d.cache_manager
+        dst = cm.allocate_blocks_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
+        key = dd.BlocksCacheKey(PROMPT, 0)
+        await cm.pull_blocks(key, dst, [0], [0])  # the first fetches the peer's table
+        lnk = link_of(d, PROMPT).raw
+        want = [expected_tensor(61, t, shape) for t in range(2)]
+        src = list(range(1, 33))  # 1 MiB in all, shuffled
+        task = cm.pull_blocks(key, dst, src, src[::-1])
+        assert task.done()
+        await task
+        assert lnk.statistics().recent[-1].mode == "direct"
+        assert task.statistics().bytes == 1 << 20
+        src = list(range(40))  # 1.25 MiB: a task
+        task = cm.pull_blocks(key, dst, src, src)
+        assert not task.done()
+        await task
+        assert lnk.statistics().recent[-1].mode == "direct"
+        for t in range(2):
+            assert np.array_equal(dst.tensors[t], want[t])
+
+
+async def test_a_cache_released_under_a_one_sided_copy_from_the_loop_is_not_kept() -> None:
+    """The peer's epoch moves while a small one-sided pull copies from the loop: the copy is
+    not reported; the pull goes to the peer, which answers for its caches."""
+    async with pair("same-host", ra=True) as (p, d):
+        shape = (8, 256)
+        await p.request(
+            "alloc",
+            kind="blocks",
+            num_tensors=2,
+            shape=list(shape),
+            blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
+            seed=67,
+        )
+        cm = d.cache_manager
+        dst = cm.allocate_blocks_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
+        key = dd.BlocksCacheKey(PROMPT, 0)
+        await cm.pull_blocks(key, dst, [1], [1])
+        lnk = link_of(d, PROMPT).raw
+        assert lnk.statistics().recent[-1].mode == "direct"
+        access = lnk.access
+        assert access is not None
+        honest = access.read_word
+        reads: list[int] = []
+
+        def moved_after_the_first(addr: int) -> int | None:
+            reads.append(addr)
+            word = honest(addr)
+            return word if word is None or len(reads) == 1 else word + 1
+
+        access.read_word = moved_after_the_first  # type: ignore[method-assign]
+        task = cm.pull_blocks(key, dst, [2], [2])
+        assert len(reads) == 2  # before and after the copy from the loop
+        assert not task.done()  # not reported: a task asks again
+        await task
+        assert lnk.statistics().recent[-1].mode != "direct"  # the peer served it
+        want = [expected_tensor(67, t, shape) for t in range(2)]
+        for t in range(2):
+            assert np.array_equal(dst.tensors[t][1:3], want[t][1:3])
+
+
 @pytest.mark.parametrize("transport", ["tcp", "same-host"])
 async def test_the_deadline_starts_once_registrations_pages_are_populated(
     transport: str, monkeypatch: pytest.MonkeyPatch
