@@ -18,6 +18,7 @@ import numpy as np
 from anyio.abc import TaskGroup
 
 from ._devices import DeviceAdapter, DevicePool, load_adapter
+from ._drivers import threadsafe_caller
 from ._enums import LLMRole, LLMStatusCode, Placement
 from ._log import get_logger
 from ._memory import EpochPage, MemoryPool, populate
@@ -61,6 +62,8 @@ class Engine:
         self.pools: dict[Placement, DevicePool] = {}
         self._tg: TaskGroup | None = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
+        #: calls a function on the loop thread, from any thread (the running backend's)
+        self._threadsafe: Callable[[Callable[[], None]], None] | None = None
         self._thread: int | None = None
         self.closed = False
         #: caches whose pages are being faulted in, by first tensor address
@@ -111,6 +114,7 @@ class Engine:
             ):
                 self._tg = tg
                 self._portal = portal
+                self._threadsafe = threadsafe_caller()
                 tg.start_soon(self.timers.run)
                 try:
                     await self.start_services()
@@ -127,6 +131,7 @@ class Engine:
         finally:
             self._tg = None
             self._portal = None
+            self._threadsafe = None
             self.closed = True
             self.registry.close()
             if self.transport_endpoint is not None:
@@ -271,21 +276,14 @@ class Engine:
     def threadsafe_event(self) -> tuple[anyio.Event, Callable[[], None]]:
         """An event and a setter that may be called from any thread, without blocking it."""
         event = anyio.Event()
-        portal = self._portal
+        call = self._threadsafe
         loop_thread = self._thread
-
-        async def set_event() -> None:
-            event.set()
 
         def wake() -> None:
             if threading.get_ident() == loop_thread:
                 event.set()
-                return
-            try:
-                if portal is not None:
-                    portal.start_task_soon(set_event)
-            except RuntimeError:
-                pass  # the engine has stopped; nobody waits any more
+            elif call is not None:
+                call(event.set)  # a loop callback, not a task (nothing once the loop is gone)
 
         return event, wake
 

@@ -195,7 +195,7 @@ def _destinations(
             ts.dst_block_bytes,
             ts.tensor_num_per_layer,
         )
-        dests.append(Destination(i, slot, link, list(src_r), make))
+        dests.append(Destination(i, slot, link, list(src_r), make, ts.tensor_num_per_layer))
     return dests
 
 

@@ -1,7 +1,7 @@
 """A FIFO-fair phase lock: many holders in the shared phase, one in the exclusive phase.
 
 One per link: pulls and pushes (shared) run side by side, each layer of a layer-wise transfer
-(exclusive) runs alone, and neither starves the other: a request queues behind every earlier
+(exclusive) is sent alone, and neither starves the other: a request queues behind every earlier
 one that it cannot run with.
 """
 
@@ -69,7 +69,7 @@ class PhaseLock:
         return True
 
     def give(self, exclusive: bool) -> None:
-        """Give back what :meth:`try_take` took."""
+        """Give back what :meth:`try_take` or :meth:`acquire` took."""
         self._release(exclusive)
 
     def hold(self, exclusive: bool) -> _Hold:
@@ -77,7 +77,9 @@ class PhaseLock:
         trace."""
         return _Hold(self, exclusive)
 
-    async def _acquire(self, exclusive: bool) -> None:
+    async def acquire(self, exclusive: bool) -> None:
+        """Take the lock in one phase, queueing FIFO (then :meth:`give` it back). Cancellation
+        while queued leaves no trace."""
         if not self._queue and self._fits(exclusive):
             self._take(exclusive)
             return
@@ -105,7 +107,7 @@ class _Hold:
         self._exclusive = exclusive
 
     async def __aenter__(self) -> None:
-        await self._lock._acquire(self._exclusive)
+        await self._lock.acquire(self._exclusive)
 
     async def __aexit__(self, *exc_info: object) -> None:
         self._lock._release(self._exclusive)

@@ -4,19 +4,18 @@ A pull or push (:func:`run_request`) waits for its link's phase lock (shared wit
 pulls and pushes, FIFO with layer-wise sends) and its deadline starts once the link is its.
 
 The layer-wise ``transfer_cache_async`` (:func:`run_transfer`): one producer awaits the
-synchronizer for layer ``i`` and hands the layer to every destination whose range holds it;
-each destination sends its layers in order, holding its link's phase lock alone (FIFO with
-pulls and pushes, which share it), while the producer already awaits layer ``i + 1``. The
-layers a destination has been handed and not yet sent go in one request: one layer per
-request while the link keeps up with the synchronizer, all that became ready meanwhile when
-it does not (a request costs round trips whatever its size). A bounded channel per
-destination (the *window*) stops the producer from running more than ``window`` layers ahead
-of the slowest destination, which keeps staging memory flat. Different destinations (links)
-move in parallel.
+synchronizer for layer ``i`` and hands the layer to every destination whose range holds it,
+while it already awaits layer ``i + 1``. Each destination is one request for all of its
+layers, granted once: each layer's bytes leave as soon as the layer is handed over, holding
+the link's phase lock alone for that layer (FIFO with pulls and pushes, which share it and so
+go between layers), each bounded by ``sync_kv_timeout``; one RESULT ends it. A bounded
+channel per destination (the *window*) stops the producer from running more than ``window``
+layers ahead of the slowest destination. Different destinations (links) move in parallel.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable
@@ -64,6 +63,7 @@ class Destination:
     layers: list[int]
     #: the request of a run of consecutive layers
     make_spec: Callable[[range], TransferRequest]
+    tensors_per_layer: int = 2
 
 
 #: a layer-wise transfer that waited this long for one layer's signal says so (once per
@@ -335,7 +335,6 @@ async def run_layerwise(
 ) -> None:
     """Run every destination's layers; raises the first failure (after recording it)."""
     all_layers = sorted({layer for d in dests for layer in d.layers})
-    last = {d.index: d.layers[-1] for d in dests}
     ready_at: dict[int, float] = {}
     started_at: dict[int, float] = {}
     nbytes_at: dict[int, int] = {}
@@ -344,65 +343,56 @@ async def run_layerwise(
 
     async def consume(d: Destination, receive: Any) -> None:
         async with receive:
-            async for first in receive:
-                # Every layer already handed over goes in the same request: a request costs
-                # a round trip or two whatever its size, so layers that are ready while the
-                # link is busy must not each pay for one (consecutive layers, by the
-                # producer's order; at most the window plus one).
-                layers = [first]
-                while True:
-                    try:
-                        layers.append(receive.receive_nowait())
-                    except (anyio.WouldBlock, anyio.EndOfStream):
-                        break
-                for run in _runs(layers):
-                    await send_layers(d, run)
+            handed = _Handed(receive)
+            pos = 0  # the index in d.layers of the next layer to send
+            while pos < len(d.layers):
+                if not await handed.wait():
+                    return  # the transfer failed before this layer
+                n = _request_size(d, pos, handed.ready(), ready_at, ctl.now(), timeout_s)
+                run = range(d.layers[pos], d.layers[pos + n - 1] + 1)
+                await send_layers(d, _Feed(d, handed, run, timeout_s, ctl, started_at, sent))
+                pos += n
+            ctl.set_result(d.slot, LLMStatusCode.LLM_SUCCESS)
 
-    async def send_layers(d: Destination, run: range) -> None:
+    async def send_layers(d: Destination, feed: _Feed) -> None:
         ctl.start_slot(d.slot)
-        spec = d.make_spec(run)
-        budget = timeout_s * len(run)
+        spec = d.make_spec(feed.run)
+        # The first layer queues for the link before the request goes out (FIFO with the
+        # pulls and pushes issued before and after the transfer).
+        await feed.open()
         try:
-            async with d.link.transfer_lock.hold(exclusive=True):
-                # The budget starts once the link is ours, sync_kv_timeout per layer (upstream:
-                # one engine call per layer, each bounded by it).
-                deadline = time.monotonic() + budget
-                token = ctl.token.child(deadline)
-                now = ctl.now()
-                for layer in run:
-                    started_at.setdefault(layer, now)
-                d.link.check_alive()
-                try:
-                    with anyio.fail_after(budget):
-                        moved, descs = await initiate(engine, d.link, spec, token, deadline)
-                except TimeoutError:
-                    what = f"layer {run.start}" if len(run) == 1 else f"layers {_span(run)}"
-                    raise LLMException(
-                        f"{what} to cluster {d.link.peer_cluster_id} did not finish within "
-                        f"{budget:.3f} s (sync_kv_timeout per layer)",
-                        status_code=LLMStatusCode.LLM_TIMEOUT,
-                    ) from None
+            d.link.check_alive()
+            moved, descs = await initiate(engine, d.link, spec, ctl.token.child(None), None, feed)
+        except TimeoutError:
+            raise LLMException(
+                f"layer {feed.layer} to cluster {d.link.peer_cluster_id} did not finish within "
+                f"{timeout_s:.3f} s (sync_kv_timeout per layer)",
+                status_code=LLMStatusCode.LLM_TIMEOUT,
+            ) from None
+        except CopyCancelled:
+            if feed.ended_early and failure:
+                return  # the synchronizer failed: already reported, nothing more goes out
+            raise
         except LLMException as exc:
             # A stopped copy (CopyCancelled: a cancel, a deadline) is the task's to report,
             # not this slot's.
             if is_caller_facing(exc):
                 ctl.set_result(d.slot, exc.status_code)
             raise
+        finally:
+            feed.close()
         ctl.add(moved, descs)
+
+    def sent(d: Destination, layer: int, nbytes: int) -> None:
         # The layers of one cache are alike (the same tensors per layer and blocks), so each
-        # moved an equal share.
-        share, extra = divmod(moved, len(run))
-        finished = ctl.now()
-        for i, layer in enumerate(run):
-            nbytes_at[layer] = nbytes_at.get(layer, 0) + share + (extra if i == 0 else 0)
-            remaining[layer] -= 1
-            if remaining[layer] == 0:  # the layer landed everywhere
-                timing = LayerTiming(
-                    layer, ready_at[layer], started_at[layer], finished, nbytes_at[layer]
-                )
-                ctl.layer_done(timing)
-        if last[d.index] in run:
-            ctl.set_result(d.slot, LLMStatusCode.LLM_SUCCESS)
+        # moves an equal share.
+        nbytes_at[layer] = nbytes_at.get(layer, 0) + nbytes
+        remaining[layer] -= 1
+        if remaining[layer] == 0:  # the layer left for everywhere
+            timing = LayerTiming(
+                layer, ready_at[layer], started_at[layer], ctl.now(), nbytes_at[layer]
+            )
+            ctl.layer_done(timing)
 
     members = {d.index: set(d.layers) for d in dests}
 
@@ -445,21 +435,148 @@ async def run_layerwise(
         raise failure[0]
 
 
-def _runs(layers: list[int]) -> list[range]:
-    """``layers`` (ascending) as runs of consecutive layers."""
-    runs: list[range] = []
-    start = prev = layers[0]
-    for layer in layers[1:]:
-        if layer != prev + 1:
-            runs.append(range(start, prev + 1))
-            start = layer
-        prev = layer
-    runs.append(range(start, prev + 1))
-    return runs
+#: a request of a layer-wise transfer takes the layers not ready yet only if, at the pace
+#: they have been coming, they would all be ready within this share of the target's bound on
+#: the request (``sync_kv_timeout`` per layer): the request then never outlives that bound
+#: because the model is slow, while a fast one's layers all go in one request
+_LOOKAHEAD_SHARE = 0.5
 
 
-def _span(run: range) -> str:
-    return f"{run.start}-{run.stop - 1}"
+def _request_size(
+    d: Destination,
+    pos: int,
+    ready: int,
+    ready_at: dict[int, float],
+    now: float,
+    timeout_s: float,
+) -> int:
+    """How many of ``d``'s layers from ``d.layers[pos]`` its next request carries: the
+    ``ready`` ones handed over already (one at least), and as many of the later ones as the
+    pace of the layers so far says will be ready in time (:data:`_LOOKAHEAD_SHARE`)."""
+    left = len(d.layers) - pos
+    ready = max(1, min(ready, left))
+    times = sorted(ready_at.values())
+    if len(times) < 2 or ready >= left:
+        return ready
+    # The pace: the mean gap between layers so far, or the wait for the next one if longer.
+    gap = max((times[-1] - times[0]) / (len(times) - 1), now - times[-1])
+    more = left - ready
+    while more:
+        n = ready + more
+        # the target's default bound on a request of n layers (engine.serve_budget_s)
+        bound = timeout_s * max(1, (n * d.tensors_per_layer + 1) // 2)
+        if more * gap <= _LOOKAHEAD_SHARE * bound:
+            break
+        more //= 2
+    return ready + more
+
+
+class _Handed:
+    """The layers the producer handed a destination over, in order, as they come."""
+
+    def __init__(self, receive: Any) -> None:
+        self._receive = receive
+        self._layers: collections.deque[int] = collections.deque()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._layers.append(self._receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                return
+
+    async def wait(self) -> bool:
+        """Wait for the next layer; False when none will come."""
+        if not self._layers:
+            try:
+                self._layers.append(await self._receive.receive())
+            except anyio.EndOfStream:
+                return False
+        return True
+
+    def ready(self) -> int:
+        """How many layers are handed over and not taken yet."""
+        self._drain()
+        return len(self._layers)
+
+    async def take(self) -> int | None:
+        """The next layer, once handed over; None when none will come."""
+        if not await self.wait():
+            return None
+        return self._layers.popleft()
+
+    def take_through(self, last: int) -> int | None:
+        """Take the layers handed over already up to ``last``; the last one taken, or None."""
+        self._drain()
+        taken = None
+        while self._layers and self._layers[0] <= last:
+            taken = self._layers.popleft()
+        return taken
+
+
+class _Feed:
+    """The layers ``run`` of one request of a destination, as its :class:`LayerFeed`: the
+    layers handed over once the link's phase lock is ours for them (FIFO with pulls and
+    pushes: they go between two), given back once they left."""
+
+    def __init__(
+        self,
+        d: Destination,
+        handed: _Handed,
+        run: range,
+        timeout_s: float,
+        ctl: TaskControl,
+        started_at: dict[int, float],
+        sent: Callable[[Destination, int, int], None],
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.run = run
+        self._d = d
+        self._handed = handed
+        self._ctl = ctl
+        self._started_at = started_at
+        self._sent = sent
+        #: the link's phase lock is ours (for the layers due)
+        self._holding = False
+        #: the first layer being sent (or last sent)
+        self.layer = run.start
+        #: the producer stopped before this request's last layer
+        self.ended_early = False
+
+    async def open(self) -> None:
+        """Queue for the link for the first layer (then :meth:`close`)."""
+        await self._d.link.transfer_lock.acquire(True)
+        self._holding = True
+
+    def close(self) -> None:
+        """Give the link back if a layer still holds it (the request ended early)."""
+        if self._holding:
+            self._holding = False
+            self._d.link.transfer_lock.give(True)
+
+    async def next(self) -> range | None:
+        first = await self._handed.take()
+        if first is None:
+            self.ended_early = True
+            return None
+        if not self._holding:
+            await self._d.link.transfer_lock.acquire(True)
+            self._holding = True
+        # Every layer of the request handed over meanwhile goes too (in order).
+        last = self._handed.take_through(self.run.stop - 1)
+        last = first if last is None else last
+        self.layer = first
+        now = self._ctl.now()
+        for layer in range(first, last + 1):
+            self._started_at.setdefault(layer, now)
+        base = self.run.start
+        return range(first - base, last + 1 - base)
+
+    def sent(self, layers: range, nbytes: int | None) -> None:
+        self.close()
+        if nbytes is not None:
+            for index in layers:
+                self._sent(self._d, self.run.start + index, nbytes)
 
 
 async def _first_failure(

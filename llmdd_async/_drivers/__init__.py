@@ -36,7 +36,7 @@ try:
 except ImportError:  # anyio does without it; then trio (which needs it) is missing too
     sniffio = None
 
-__all__ = ["BACKENDS", "Driver", "driver_for"]
+__all__ = ["BACKENDS", "Driver", "driver_for", "threadsafe_caller"]
 
 #: the driver of each event-loop backend (``sniffio`` names), in the module named
 BACKENDS: dict[str, str] = {"asyncio": "._asyncio", "trio": "._trio"}
@@ -81,10 +81,8 @@ class Driver(ABC):
         :meth:`run` returns."""
 
 
-def driver_for(
-    sock: socket.socket, on_readable: Callable[[], bool], on_deadline: Callable[[], None]
-) -> Driver:
-    """The driver of the running event loop's backend for ``sock``.
+def _backend() -> ModuleType:
+    """The driver module of the running event loop's backend.
 
     Raises:
         RuntimeError: no event loop runs in this thread, or its backend has no driver.
@@ -98,5 +96,28 @@ def driver_for(
     module = BACKENDS.get(backend)
     if module is None:
         raise RuntimeError(f"no I/O driver for the {backend!r} event loop")
-    cls: type[Driver] = importlib.import_module(module, __name__).DRIVER
+    return importlib.import_module(module, __name__)
+
+
+def driver_for(
+    sock: socket.socket, on_readable: Callable[[], bool], on_deadline: Callable[[], None]
+) -> Driver:
+    """The driver of the running event loop's backend for ``sock``.
+
+    Raises:
+        RuntimeError: no event loop runs in this thread, or its backend has no driver.
+    """
+    cls: type[Driver] = _backend().DRIVER
     return cls(sock, on_readable, on_deadline)
+
+
+def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
+    """A function that, from any thread, has the running loop call ``fn()`` soon (in a loop
+    callback: no task), and does nothing once the loop is gone: a layer signalled from the
+    model's thread wakes its transfer for the price of a loop callback, not of a task.
+
+    Raises:
+        RuntimeError: no event loop runs in this thread, or its backend has no driver.
+    """
+    caller: Callable[[Callable[[], None]], None] = _backend().threadsafe_caller()
+    return caller

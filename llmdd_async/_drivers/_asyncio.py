@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 
 from . import Driver, sniffio
 
-__all__ = ["DRIVER", "AsyncioDriver"]
+__all__ = ["DRIVER", "AsyncioDriver", "threadsafe_caller"]
 
 
 #: a loop callback runs in no task, so anyio (through sniffio) could not tell which library
@@ -126,3 +128,14 @@ class AsyncioDriver(Driver):
 
 
 DRIVER = AsyncioDriver
+
+
+def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
+    """``loop.call_soon_threadsafe`` of the running loop (see the package's)."""
+    loop = asyncio.get_running_loop()
+
+    def call(fn: Callable[[], None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(fn)
+
+    return call

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 
 import trio
 
 from . import Driver
 
-__all__ = ["DRIVER", "TrioDriver"]
+__all__ = ["DRIVER", "TrioDriver", "threadsafe_caller"]
 
 
 class TrioDriver(Driver):
@@ -79,3 +81,14 @@ class TrioDriver(Driver):
 
 
 DRIVER = TrioDriver
+
+
+def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
+    """The running trio run's ``TrioToken.run_sync_soon`` (see the package's)."""
+    token = trio.lowlevel.current_trio_token()
+
+    def call(fn: Callable[[], None]) -> None:
+        with contextlib.suppress(trio.RunFinishedError):  # the run is over: nobody waits
+            token.run_sync_soon(fn)
+
+    return call

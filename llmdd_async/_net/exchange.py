@@ -4,8 +4,10 @@ reader (:class:`Exchange`): see :mod:`.initiator` for the transfer as a whole.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import anyio
 
@@ -20,13 +22,13 @@ from .._messages import Abort, By, Cap, Data, Done, Grant, Mode, Op, Result
 from .._planner import check_within, u64_sum
 from .._protocol import Message
 from .._transports.tcp import INLINE_BYTES, StreamPlan
-from .grants import TransferRequest, grant_within_selection
+from .grants import TransferRequest, grant_within_selection, layer_spans
 from .host import LinkHost
 from .link import Link
 from .requests import Pending, TransferRecord
 from .streams import VIEWS_INLINE
 
-__all__ = ["KEYS", "Exchange"]
+__all__ = ["KEYS", "Exchange", "LayerFeed"]
 
 #: how a pull names a cache by the key that grants it
 KEYS = (By.REQ_KEY, By.PREFIX_KEY, By.BLOCKS_KEY)
@@ -51,6 +53,26 @@ def _nothing() -> None:
     return None
 
 
+class LayerFeed(Protocol):
+    """The layers of a layer-wise push that one request carries (:class:`Exchange` with a
+    feed): the request is granted once for every layer, and each layer's bytes leave when
+    the feed says so (the layer is ready and the link is this request's for it)."""
+
+    #: each layer's bound from when it may be sent, and the RESULT's after the last (seconds)
+    timeout_s: float
+
+    async def next(self) -> range | None:
+        """The next layers to send (indices from 0, in order: every layer that is ready, one
+        at least), once they may be sent; None when no more will come (the transfer failed
+        elsewhere: the request is aborted)."""
+        ...
+
+    def sent(self, layers: range, nbytes: int | None) -> None:
+        """``layers`` left (``nbytes`` each), or failed to (None): the link is free for others
+        again."""
+        ...
+
+
 class Exchange:
     """One request this side initiates on a link, from its XFER_REQ to its end, driven by the
     link's reader: it is sent at once (:meth:`start`), the GRANT is checked where it is read
@@ -72,6 +94,7 @@ class Exchange:
         req: Pending,
         key_reads: bool,
         on_end: Callable[[Exchange], None],
+        feed: LayerFeed | None = None,
     ) -> None:
         self.engine = engine
         self.link = link
@@ -96,6 +119,9 @@ class Exchange:
         self.error: BaseException | None = None
         #: the copy of a local grant by key failed (OSError): the stream may still work
         self.read_failed = False
+        #: a layer-wise push: its layers, and where each starts in the grant (layer_spans)
+        self.feed = feed
+        self._spans: list[int] | None = None
 
     # ------------------------------------------------------------------ on the loop
     def start(self) -> None:
@@ -140,6 +166,10 @@ class Exchange:
             assert grant.nbytes is not None
             if not grant_within_selection(self.spec, grant.local, grant.nbytes):
                 raise ProtocolError("GRANT points outside what this request selected of our cache")
+            if self.feed is not None:
+                self._spans = layer_spans(self.spec, grant.local, grant.nbytes)
+                if self._spans is None:
+                    raise ProtocolError("GRANT of a layer-wise push is not in layer order")
             if grant.mode is Mode.STREAM and self.spec.op == Op.PULL:
                 # The reader cannot await here; a staging buffer comes from the adapter's cache
                 # after the first transfers.
@@ -162,10 +192,11 @@ class Exchange:
         if refusal is not None:
             self.stop(refusal)
             return
-        if grant.mode is Mode.STREAM and self.spec.op == Op.PUSH and self._push_now(grant):
-            return
-        if grant.mode is Mode.LOCAL and self._copy_now(grant):
-            return
+        if self.feed is None:  # (a layer-wise push always waits for its layers in a task)
+            if grant.mode is Mode.STREAM and self.spec.op == Op.PUSH and self._push_now(grant):
+                return
+            if grant.mode is Mode.LOCAL and self._copy_now(grant):
+                return
         if grant.mode is Mode.LOCAL or self.spec.op != Op.PULL:
             self._running = True
             try:
@@ -317,9 +348,10 @@ class Exchange:
         total = u64_sum(grant.nbytes)
         link.stats_transfers += 1
         mode = "" if grant.mode is None else grant.mode.value
-        link.history.append(
-            TransferRecord(self.spec.op.value, self._t_start, time.monotonic(), total, mode)
-        )
+        if self.feed is None:  # (a layer-wise push recorded each layer)
+            link.history.append(
+                TransferRecord(self.spec.op.value, self._t_start, time.monotonic(), total, mode)
+            )
         self.result = (total, len(grant.nbytes))
         self._end(None)
 
@@ -413,11 +445,18 @@ class Exchange:
             by_key = spec.op == Op.PULL and spec.target.by in KEYS
             if not (by_key and link.access.reaches(remote, nbytes)):
                 await link.view.check_remote(remote, nbytes, engine.sync_kv_timeout_s)
+            access = link.access
             try:
                 if spec.op == Op.PULL:
-                    await link.access.read(remote, local, nbytes, req.token)
+                    await access.read(remote, local, nbytes, req.token)
+                elif self.feed is not None:
+
+                    async def write(a: int, b: int) -> None:
+                        await access.write(local[a:b], remote[a:b], nbytes[a:b], req.token)
+
+                    await self._send_layers(write)
                 else:
-                    await link.access.write(local, remote, nbytes, req.token)
+                    await access.write(local, remote, nbytes, req.token)
             except CopyCancelled:
                 raise req.error or CopyCancelled() from None
             except OSError:
@@ -428,10 +467,65 @@ class Exchange:
             return
         stream = await engine.open_stream(local, nbytes, link.threads)
         try:
-            if not await link.send_stream(req, stream, to_initiator=False, token=req.token):
-                raise req.error or CopyCancelled()
+            if self.feed is None:
+                if not await link.send_stream(req, stream, to_initiator=False, token=req.token):
+                    raise req.error or CopyCancelled()
+            else:
+                begins = list(itertools.accumulate(nbytes.tolist(), initial=0))
+
+                async def send(a: int, b: int) -> None:
+                    span = (begins[a], begins[b])
+                    if not await link.send_stream(req, stream, False, req.token, span=span):
+                        raise req.error or CopyCancelled()
+
+                await self._send_layers(send)
         finally:
             stream.close()
-        await req.wait_result()
+        if self.feed is None:
+            await req.wait_result()
+        else:
+            with anyio.fail_after(self.feed.timeout_s):
+                await req.wait_result()
         assert req.result is not None
         _raise_unless_ok(Result.decode(req.result), "peer failed")
+
+    async def _send_layers(self, send: Callable[[int, int], Awaitable[None]]) -> None:
+        """Send each layer's ranges (``send(first, stop)``, range indices of the grant) when
+        the feed hands the layer over, each within the feed's timeout.
+
+        Raises:
+            CopyCancelled: the feed ended early (the request is aborted). TimeoutError: a
+                layer took longer. What ``send`` raises.
+        """
+        feed, spans = self.feed, self._spans
+        assert feed is not None
+        assert spans is not None  # set with the grant
+        assert self._grant is not None
+        assert self._grant.nbytes is not None
+        per = u64_sum(self._grant.nbytes) // (len(spans) - 1)  # layers are alike (layer_spans)
+        mode = "" if self._grant.mode is None else self._grant.mode.value
+        due = 0
+        while due < len(spans) - 1:
+            run = await feed.next()
+            if run is None:
+                raise CopyCancelled()
+            if run.start != due or not 0 < len(run) <= len(spans) - 1 - due:
+                raise RuntimeError(f"layers {run} handed over where layer {due} was due")
+            moved: int | None = None
+            t_start = time.monotonic()
+            try:
+                # Layers that are ready together leave together (their bytes are adjacent
+                # in the stream): a frame and a syscall for many when the link lags.
+                with anyio.fail_after(feed.timeout_s * len(run)):
+                    await send(spans[run.start], spans[run.stop])
+                moved = per
+                # The link's record of each run: its bytes hold the link alone (a pull may go
+                # between two runs of the request).
+                self.link.history.append(
+                    TransferRecord(
+                        self.spec.op.value, t_start, time.monotonic(), per * len(run), mode
+                    )
+                )
+            finally:
+                feed.sent(run, moved)
+            due = run.stop

@@ -43,6 +43,7 @@ __all__ = [
     "bound_bytes",
     "finish",
     "grant_within_selection",
+    "layer_spans",
     "pieces_bound",
     "plan_checked",
     "plan_request",
@@ -158,6 +159,41 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
     b0, b1 = off // unit, last // unit
     run = np.searchsorted(run_lo, b0, side="right") - 1
     return bool(np.all((run >= 0) & (b1 <= run_hi[np.maximum(run, 0)])))
+
+
+def layer_spans(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) -> list[int] | None:
+    """Where each layer of a layer-wise push starts in its grant: ``spans[j]`` is the index of
+    the first range of layer ``spec.src_range[j]`` (``spans[-1] == len(nbytes)``), or None
+    unless the grant is in layer order, every layer an equal share of its bytes, each range
+    inside one tensor of its layer (as every plan is: tensor-major). The push then sends
+    each layer's ranges as soon as that layer is ready, and only then: a grant out of layer
+    order would have it send a layer before it is computed.
+    """
+    layers, tnpl = spec.src_range, spec.tensor_num_per_layer
+    e = spec.local
+    if layers is None or not len(layers) or tnpl <= 0 or len(local) != len(nbytes):
+        return None
+    n = np.asarray(nbytes, dtype=np.int64)
+    total = int(n.sum())
+    per, rest = divmod(total, len(layers))
+    if rest or per <= 0 or np.any(n <= 0):
+        return None
+    a = np.asarray(local, dtype=_U64)
+    order = np.argsort(e.addrs.astype(_U64), kind="stable")
+    starts = e.addrs.astype(_U64)[order]
+    t = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
+    if np.any(t < 0):
+        return None
+    t = np.maximum(t, 0)
+    off = (a - starts[t]).astype(np.int64)
+    if np.any(off + n > e.tensor_bytes):
+        return None
+    layer = order[t].astype(np.int64) // tnpl  # the layer of each range's tensor
+    begin = np.cumsum(n) - n  # where each range starts in the stream
+    j = begin // per
+    if np.any((begin + n - 1) // per != j) or np.any(layer != layers.start + j):
+        return None
+    return [int(i) for i in np.searchsorted(begin, np.arange(len(layers) + 1) * per)]
 
 
 def _within_units_small(

@@ -31,7 +31,7 @@ from .._errors import CopyCancelled, raise_if_false
 from .._memory import CancelToken
 from .._messages import By, Op
 from .._planner import Plan, check_within
-from .exchange import Exchange
+from .exchange import Exchange, LayerFeed
 from .grants import TransferRequest, plan_selection
 from .host import LinkHost
 from .link import Link
@@ -43,17 +43,24 @@ _U64 = np.uint64
 
 
 async def initiate(
-    engine: LinkHost, link: Link, spec: TransferRequest, token: CancelToken, deadline: float | None
+    engine: LinkHost,
+    link: Link,
+    spec: TransferRequest,
+    token: CancelToken,
+    deadline: float | None,
+    feed: LayerFeed | None = None,
 ) -> tuple[int, int]:
     """Run one request to completion; returns ``(bytes, descriptors)``. The caller holds the
-    link's transfer lock and a pin on ``spec.local`` (and awaited its population); ``token``
-    stops the workers (its own deadline included) and ``deadline`` (monotonic) is sent to the
-    target.
+    link's transfer lock (a layer-wise push: its ``feed`` takes it per layer) and a pin on
+    ``spec.local`` (and awaited its population); ``token`` stops the workers (its own
+    deadline included) and ``deadline`` (monotonic) is sent to the target.
 
     Raises:
         LLMException: the target refused (its status code), the link failed
             (LLM_LINK_FAILED / LLM_NOT_YET_LINK), or the transfer was stopped.
     """
+    if feed is not None:
+        return await _initiate(engine, link, spec, token, deadline, None, feed)
     failed_read: list[OSError] = []
     try:
         return await _initiate(engine, link, spec, token, deadline, failed_read)
@@ -73,6 +80,7 @@ async def _initiate(
     token: CancelToken,
     deadline: float | None,
     failed_read: list[OSError] | None,
+    feed: LayerFeed | None = None,
 ) -> tuple[int, int]:
     """:func:`initiate`, once; a failed copy of a local grant by key is put in
     ``failed_read`` (None: ask for no such grant) before it is raised."""
@@ -92,7 +100,7 @@ async def _initiate(
         link.close_pending(req)
         return done
     ended = anyio.Event()
-    exchange = Exchange(engine, link, spec, req, key_reads, lambda _: ended.set())
+    exchange = Exchange(engine, link, spec, req, key_reads, lambda _: ended.set(), feed)
     exchange.start()
     try:
         await ended.wait()

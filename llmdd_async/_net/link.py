@@ -307,14 +307,15 @@ class Link:
         to_initiator: bool,
         token: CancelToken,
         lead: Message | None = None,
+        span: tuple[int, int] | None = None,
     ) -> bool:
-        """A plan's bytes as DATA frames (:meth:`~.writer.LinkWriter.send_stream`); False if
-        stopped by ``token``.
+        """A plan's bytes (those of ``span``, default all) as DATA frames
+        (:meth:`~.writer.LinkWriter.send_stream`); False if stopped by ``token``.
 
         Raises:
             LinkBroken: the link failed (the link is then broken).
         """
-        return await self.writer.send_stream(req, stream, to_initiator, token, lead)
+        return await self.writer.send_stream(req, stream, to_initiator, token, lead, span)
 
     # ------------------------------------------------------------------ requests
     def open_pending(self, deadline: float | None) -> Pending:

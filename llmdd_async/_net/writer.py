@@ -305,8 +305,10 @@ class LinkWriter:
         to_initiator: bool,
         token: CancelToken,
         lead: Message | None = None,
+        span: tuple[int, int] | None = None,
     ) -> bool:
-        """Send a plan's bytes as DATA frames. Returns False if stopped by ``token``.
+        """Send a plan's bytes as DATA frames: stream bytes ``[start, stop)`` of ``span``, by
+        default all. Returns False if stopped by ``token``.
 
         Each frame goes out from a worker thread straight from the source memory. When the
         token trips, the worker stops reading source memory at once (the current frame is
@@ -316,17 +318,17 @@ class LinkWriter:
         Raises:
             LinkBroken: the link failed (the link is then broken).
         """
-        off = 0
+        off, end = (0, stream.total) if span is None else span
         flags = FLAG_TO_INITIATOR if to_initiator else 0
-        if lead is not None and (stream.total > INLINE_BYTES or not stream.total):
+        if lead is not None and (end - off > INLINE_BYTES or end <= off):
             await self.send(lead)
             lead = None
-        while off < stream.total:
+        while off < end:
             if token.cancelled or not self.link.alive:
                 if lead is not None and self.link.alive:
                     await self.send(lead)
                 return False
-            n = min(CHUNK_BYTES, stream.total - off)
+            n = min(CHUNK_BYTES, end - off)
             views = await stream.prepare(off, n, token)
             fence = Fence(token, self.link.host.stall_timeout_s, req.deadline)
             async with self.send_lock:

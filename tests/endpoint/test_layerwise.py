@@ -456,9 +456,10 @@ async def test_the_next_layer_is_awaited_while_one_is_in_flight() -> None:
 
 
 @pytest.mark.parametrize("transport", ["tcp", "same-host"], indirect=True)
-async def test_layers_ready_while_the_link_is_busy_go_in_one_request(transport) -> None:
-    """A request costs round trips whatever its size: the layers that became ready while one
-    was in flight leave together, byte-exact, each still counted in the statistics."""
+async def test_a_layerwise_transfer_is_one_request_per_destination(transport) -> None:
+    """A request costs round trips whatever its size: a destination's layers all go in one
+    request, granted once, each layer's bytes leaving when it is ready (each recorded on the
+    link on its own), byte-exact, each still counted in the statistics."""
     layers, shape = 10, (8, 1024)
     async with decoders(
         transport, **{"llm.LayerWindow": "16", "llm.SyncKvCacheWaitTime": "20000"}
@@ -479,10 +480,11 @@ async def test_layers_ready_while_the_link_is_busy_go_in_one_request(transport) 
         )
         await cm.transfer_cache_async(src, Always(), [cfg], [0], [0])  # snapshot the table
         before = len(prompt.link_statistics(2).recent)
+        requests_before = prompt.link_statistics(2).transfers
         ready = dd.LayerEvents()
         for i in range(layers):
             ready.layer_ready(i)
-        dec.pause()  # the first request stalls; every other layer queues meanwhile
+        dec.pause()  # the request stalls; every layer queues meanwhile
         try:
             task = cm.transfer_cache_async(src, ready, [cfg], [1, 2, 3], [6, 5, 4])
             await anyio.sleep(0.3)
@@ -490,10 +492,11 @@ async def test_layers_ready_while_the_link_is_busy_go_in_one_request(transport) 
             dec.resume()
         await task
         assert await task.get_results() == [S.LLM_SUCCESS]
-        pushes = [r for r in prompt.link_statistics(2).recent[before:] if r.op == "push"]
-        # Before: one request per layer (10 here), so this fails; now the stalled first request
-        # and one more for every layer that queued behind it.
-        assert 1 <= len(pushes) <= 2
+        stats = prompt.link_statistics(2)
+        # One request per run of layers that queued (two, three here) before; one now.
+        assert stats.transfers - requests_before == 1
+        pushes = [r for r in stats.recent[before:] if r.op == "push"]
+        assert 1 <= len(pushes) <= layers  # a record per run of layers that left together
         assert sum(r.nbytes for r in pushes) == 2 * layers * 3 * shape[1]
         for t in range(2 * layers):
             got = await peer_tensor(dec, dst, t, shape)
@@ -536,6 +539,51 @@ async def test_cancel_fences_a_layerwise_transfer(transport) -> None:
         assert await task.get_results() == [S.LLM_FAILED]
         # the link is still fine
         await cm.transfer_cache_async(src, Always(), [cfg], [0], [0])
+
+
+@pytest.mark.parametrize("transport", ["tcp", "same-host"], indirect=True)
+@pytest.mark.parametrize("gap_ms", [5, 300])
+async def test_a_request_takes_the_layers_to_come_only_at_a_pace_the_target_allows(
+    transport, gap_ms: int
+) -> None:
+    """Layers signalled one by one: a fast model's layers go in one or two requests (each
+    layer's bytes leave as soon as it is ready); a model slower than the target's bound per
+    layer (llm.SyncKvCacheWaitTime) gets a request per layer, so no request outlives that
+    bound on the target: the transfer succeeds either way, byte-exact."""
+    layers, shape = 6, (4, 512)
+    async with decoders(transport, **{"llm.SyncKvCacheWaitTime": "200"}) as ([dec], prompt):
+        dst = await dec.request(
+            "register",
+            kind="blocks",
+            num_tensors=2 * layers,
+            shape=list(shape),
+            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
+        )
+        cm = prompt.cache_manager
+        desc = dd.CacheDesc(2 * layers, list(shape), dd.DataType.DT_UINT8)
+        src = cm.allocate_blocks_cache(desc)
+        fill_src(src, 69)
+        cfg = dd.TransferWithCacheKeyConfig(
+            dd.BlocksCacheKey(2, 0), range(0, layers), range(0, layers)
+        )
+        await cm.transfer_cache_async(src, Always(), [cfg], [0], [0])  # snapshot the table
+        requests_before = prompt.link_statistics(2).transfers
+        ready = dd.LayerEvents()
+        task = cm.transfer_cache_async(src, ready, [cfg], [1, 2], [3, 0])
+        for i in range(layers):
+            ready.layer_ready(i)
+            await anyio.sleep(gap_ms / 1000)
+        await task
+        assert await task.get_results() == [S.LLM_SUCCESS]
+        requests = prompt.link_statistics(2).transfers - requests_before
+        if gap_ms == 5:
+            assert requests <= 2
+        else:  # a layer every 300 ms: a request of n layers would outlive n x 200 ms
+            assert requests >= 3
+        for t in range(2 * layers):
+            got = await peer_tensor(dec, dst, t, shape)
+            want = expected_tensor(69, t, shape)
+            assert np.array_equal(got[[3, 0]], want[[1, 2]])
 
 
 @pytest.mark.parametrize("transport", ["tcp", TRANSPORTS[2]], indirect=True)
