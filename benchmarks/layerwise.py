@@ -8,7 +8,8 @@ compute thread of this process and signals ``LayerEvents.layer_ready(i)`` after 
 * one layer: the transfer time of a single layer on its own (median);
 * after prefill: everything sent once the prefill finished (what a non-overlapping stack sees).
 
-Run: ``python benchmarks/layerwise.py [--layers 16] [--layer-mib 8] [--json PATH]``.
+Run: ``python benchmarks/layerwise.py [--layers 16] [--layer-mib 8] [--json PATH]``; 80 small
+layers: ``--layers 80 --layer-kib 64``.
 Target (benchmark): exposed <= 1.5 x one layer's transfer time whenever per-layer compute >=
 per-layer transfer.
 """
@@ -40,6 +41,19 @@ from llmdd_async.testing import PeerProcess, encode_key
 BLOCK = 1 << 19  # 512 KiB blocks: K and V of a layer of n MiB are n blocks each
 
 
+def layer_geometry(layer_bytes: int) -> tuple[int, int]:
+    """``(blocks, block bytes)`` of each K (and V) tensor for ``layer_bytes`` of K+V per
+    layer: ``BLOCK``-sized blocks, or one block per tensor for a layer smaller than that.
+
+    Raises:
+        ValueError: not a positive even size, or a large one that is no multiple of 2 blocks.
+    """
+    half, odd = divmod(layer_bytes, 2)
+    if half < 1 or odd or (half > BLOCK and half % BLOCK):
+        raise ValueError(f"no layer of {layer_bytes} bytes of K+V in blocks of {BLOCK} bytes")
+    return (half // BLOCK, BLOCK) if half >= BLOCK else (1, half)
+
+
 def layer_blocks(layer_mib: int) -> int:
     """Blocks per K (and per V) tensor for ``layer_mib`` MiB of K+V per layer.
 
@@ -48,7 +62,7 @@ def layer_blocks(layer_mib: int) -> int:
     """
     if layer_mib < 1:
         raise ValueError(f"layer_mib must be >= 1, got {layer_mib}")
-    return layer_mib * (1 << 20) // (2 * BLOCK)
+    return layer_geometry(layer_mib << 20)[0]
 
 
 def hidden_percent(exposed: float, after_prefill: float) -> float:
@@ -90,11 +104,12 @@ def options(transport: str, listen: bool, pool: int) -> dict[str, str]:
 
 
 async def run(
-    transport: str, layers: int, layer_mib: int, ratios: list[float], repeat: int
+    transport: str, layers: int, layer_bytes: int, ratios: list[float], repeat: int
 ) -> list[dict[str, Any]]:
-    blocks = layer_blocks(layer_mib)  # K and V of one layer: layer_mib MiB
-    pool = 2 * layers * blocks * BLOCK + (64 << 20)
-    shape = [blocks, BLOCK]
+    blocks, block = layer_geometry(layer_bytes)  # K and V of one layer: layer_bytes
+    page = 1 << 21  # the pools' page (options): each tensor takes whole pages
+    pool = 2 * layers * -(-blocks * block // page) * page + (64 << 20)
+    shape = [blocks, block]
     rows = []
     async with PeerProcess.start(dd.LLMRole.DECODER, 2, options(transport, True, pool)) as dec:
         await dec.request(
@@ -172,7 +187,7 @@ async def run(
                     {
                         "transport": used,
                         "layers": layers,
-                        "MiB/layer": layer_mib,
+                        "KiB/layer": layer_bytes >> 10,
                         "compute ms/layer": compute * 1e3,
                         "transfer ms/layer": one_layer * 1e3,
                         "compute/transfer": compute / one_layer,
@@ -192,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=positive_int, default=16, help="layers of the prefill")
     p.add_argument("--layer-mib", type=positive_int, default=8, help="K+V bytes per layer, MiB")
     p.add_argument(
+        "--layer-kib",
+        type=positive_int,
+        default=0,
+        help="K+V bytes per layer, KiB, instead of --layer-mib (default 0: use that), e.g. 64 for "
+        "80 small layers",
+    )
+    p.add_argument(
         "--ratios",
         type=positive_floats,
         default="0.5,1.25,2",
@@ -210,17 +232,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    p = build_parser()
+    args = p.parse_args()
+    layer_bytes = args.layer_kib << 10 if args.layer_kib else args.layer_mib << 20
+    try:
+        layer_geometry(layer_bytes)
+    except ValueError as exc:
+        p.error(str(exc))
     rows: list[dict[str, Any]] = []
     for transport in args.transports:
-        rows += anyio.run(run, transport, args.layers, args.layer_mib, args.ratios, args.repeat)
+        rows += anyio.run(run, transport, args.layers, layer_bytes, args.ratios, args.repeat)
     print_table(
         "Layer-wise streaming (exposed = last compute done -> last byte landed)",
         rows,
         [
             "transport",
             "layers",
-            "MiB/layer",
+            "KiB/layer",
             "compute ms/layer",
             "transfer ms/layer",
             "compute/transfer",

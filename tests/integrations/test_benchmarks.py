@@ -52,6 +52,7 @@ def test_every_benchmark_option_has_help_and_a_default() -> None:
     "args",
     [
         ["--layer-mib", "0"],
+        ["--layer-kib", "1536"],
         ["--layers", "-1"],
         ["--ratios", "1,-2"],
         ["--transports", "tcp,udp"],
@@ -81,6 +82,11 @@ def test_layerwise_helpers() -> None:
         assert 2 * blocks * layerwise.BLOCK == mib << 20  # exactly the asked size
     with pytest.raises(ValueError):
         layerwise.layer_blocks(0)
+    assert layerwise.layer_geometry(64 << 10) == (1, 32 << 10)  # small: a block per tensor
+    assert layerwise.layer_geometry(8 << 20) == (8, layerwise.BLOCK)
+    for bad in (0, 3, 3 * layerwise.BLOCK):
+        with pytest.raises(ValueError):
+            layerwise.layer_geometry(bad)
     assert layerwise.hidden_percent(exposed=3.0, after_prefill=2.0) == 0.0  # not negative
     assert layerwise.hidden_percent(exposed=0.5, after_prefill=2.0) == 75.0
     assert layerwise.hidden_percent(exposed=-0.1, after_prefill=2.0) == 100.0
@@ -96,7 +102,7 @@ def test_smallest_layerwise_run(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     (row,) = json.loads(result.read_text())["rows"]
-    assert row["MiB/layer"] == 1 and row["layers"] == 2
+    assert row["KiB/layer"] == 1024 and row["layers"] == 2
     assert 0.0 <= row["hidden %"] <= 100.0
 
 
