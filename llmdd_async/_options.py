@@ -32,8 +32,8 @@ __all__ = [
 DEFAULT_LAYER_SYNC_TIMEOUT_MS = 600_000
 
 #: llm.LayerWindow's default: layers a layer-wise transfer may run ahead of its slowest
-#: destination. The layers waiting there leave in one request, so the window also bounds
-#: how many a request carries (staging stays one chunk whatever the request's size).
+#: destination. The layers waiting there leave together (staging stays one chunk whatever
+#: how many leave at once).
 DEFAULT_LAYER_WINDOW = 16
 
 #: Option keys of upstream (reference §4: emitted by ``LLMConfig``, accepted or derived by

@@ -348,7 +348,7 @@ async def run_layerwise(
             while pos < len(d.layers):
                 if not await handed.wait():
                     return  # the transfer failed before this layer
-                n = _request_size(d, pos, handed.ready(), ready_at, ctl.now(), timeout_s)
+                n = _request_size(d, pos, handed.ready(), ready_at, ctl.now(), engine)
                 run = range(d.layers[pos], d.layers[pos + n - 1] + 1)
                 await send_layers(d, _Feed(d, handed, run, timeout_s, ctl, started_at, sent))
                 pos += n
@@ -448,11 +448,13 @@ def _request_size(
     ready: int,
     ready_at: dict[int, float],
     now: float,
-    timeout_s: float,
+    engine: Engine,
 ) -> int:
     """How many of ``d``'s layers from ``d.layers[pos]`` its next request carries: the
     ``ready`` ones handed over already (one at least), and as many of the later ones as the
-    pace of the layers so far says will be ready in time (:data:`_LOOKAHEAD_SHARE`)."""
+    pace of the layers so far says will be ready in time (:data:`_LOOKAHEAD_SHARE`) for the
+    target's bound on the request, taken to be what this side would allow
+    (``llm.ServeTimeout``, by default ``sync_kv_timeout`` per layer)."""
     left = len(d.layers) - pos
     ready = max(1, min(ready, left))
     times = sorted(ready_at.values())
@@ -463,9 +465,7 @@ def _request_size(
     more = left - ready
     while more:
         n = ready + more
-        # the target's default bound on a request of n layers (engine.serve_budget_s)
-        bound = timeout_s * max(1, (n * d.tensors_per_layer + 1) // 2)
-        if more * gap <= _LOOKAHEAD_SHARE * bound:
+        if more * gap <= _LOOKAHEAD_SHARE * engine.serve_budget_s(n * d.tensors_per_layer):
             break
         more //= 2
     return ready + more
