@@ -287,8 +287,8 @@ def _pull_direct_now(
         return False
     try:
         done = pull_direct_now(engine, link, spec)
-    except LLMException:
-        done = None  # the task reports it (the same check fails there)
+    except Exception:
+        done = None  # the task reports it (the same check fails there), or runs it
     finally:
         link.transfer_lock.give(False)
     if done is None:
@@ -340,6 +340,11 @@ async def run_layerwise(
     nbytes_at: dict[int, int] = {}
     remaining = {layer: sum(layer in d.layers for d in dests) for layer in all_layers}
     failure: list[BaseException] = []
+    #: when the layers that had to be waited for became ready (the model's pace)
+    waited: list[float] = []
+
+    def known_ready(layer: int) -> bool:
+        return isinstance(sync, LayerEvents) and sync.is_layer_ready(layer)
 
     async def consume(d: Destination, receive: Any) -> None:
         async with receive:
@@ -348,7 +353,7 @@ async def run_layerwise(
             while pos < len(d.layers):
                 if not await handed.wait():
                     return  # the transfer failed before this layer
-                n = _request_size(d, pos, handed.ready(), ready_at, ctl.now(), engine)
+                n = _request_size(d, pos, handed.ready(), known_ready, waited, ctl.now(), engine)
                 run = range(d.layers[pos], d.layers[pos + n - 1] + 1)
                 await send_layers(d, _Feed(d, handed, run, timeout_s, ctl, started_at, sent))
                 pos += n
@@ -357,13 +362,14 @@ async def run_layerwise(
     async def send_layers(d: Destination, feed: _Feed) -> None:
         ctl.start_slot(d.slot)
         spec = d.make_spec(feed.run)
-        # The first layer queues for the link before the request goes out (FIFO with the
-        # pulls and pushes issued before and after the transfer).
-        await feed.open()
+        # The link is taken for each layer once the request is granted, never while the
+        # GRANT is awaited: the target may hold the request until other layer-wise requests
+        # of this link, which need the link for their next layers, let go of its slots.
         try:
             d.link.check_alive()
-            moved, descs = await initiate(engine, d.link, spec, ctl.token.child(None), None, feed)
+            _, descs = await initiate(engine, d.link, spec, ctl.token.child(None), None, feed)
         except TimeoutError:
+            ctl.set_result(d.slot, LLMStatusCode.LLM_TIMEOUT)
             raise LLMException(
                 f"layer {feed.layer} to cluster {d.link.peer_cluster_id} did not finish within "
                 f"{timeout_s:.3f} s (sync_kv_timeout per layer)",
@@ -381,11 +387,12 @@ async def run_layerwise(
             raise
         finally:
             feed.close()
-        ctl.add(moved, descs)
+        ctl.add(0, descs)  # (the bytes were counted as each layer left)
 
     def sent(d: Destination, layer: int, nbytes: int) -> None:
         # The layers of one cache are alike (the same tensors per layer and blocks), so each
         # moves an equal share.
+        ctl.add(nbytes, 0)
         nbytes_at[layer] = nbytes_at.get(layer, 0) + nbytes
         remaining[layer] -= 1
         if remaining[layer] == 0:  # the layer left for everywhere
@@ -399,6 +406,7 @@ async def run_layerwise(
     async def produce(sends: dict[int, Any]) -> None:
         try:
             for layer in all_layers:
+                t_wait = ctl.now()
                 try:
                     await wait_for_layer(engine, sync, layer, sync_timeout_ms)
                 except SynchronizerAborted as exc:
@@ -411,6 +419,8 @@ async def run_layerwise(
                         failure.append(exc)
                     return
                 ready_at[layer] = ctl.now()
+                if ready_at[layer] - t_wait > _WAITED_S:
+                    waited.append(ready_at[layer])  # the model's pace, not a layer ready early
                 for d in dests:
                     if layer in members[d.index]:
                         send = sends[d.index]
@@ -437,38 +447,47 @@ async def run_layerwise(
 
 #: a request of a layer-wise transfer takes the layers not ready yet only if, at the pace
 #: they have been coming, they would all be ready within this share of the target's bound on
-#: the request (``sync_kv_timeout`` per layer): the request then never outlives that bound
-#: because the model is slow, while a fast one's layers all go in one request
+#: the request (``sync_kv_timeout`` per layer) and within ``_LOOKAHEAD_S``: the request then
+#: does not outlive that bound because the model is slow (only a stall of about that bound
+#: in the middle of a request would), and holds the target's serving slot for about as long
+#: as a request per layer would, while a fast model's layers go in one or two requests
 _LOOKAHEAD_SHARE = 0.5
+_LOOKAHEAD_S = 0.1
+#: a layer whose synchronizer took longer than this was being computed (it sets the pace)
+_WAITED_S = 50e-6
 
 
 def _request_size(
     d: Destination,
     pos: int,
-    ready: int,
-    ready_at: dict[int, float],
+    handed: int,
+    known_ready: Callable[[int], bool],
+    waited: list[float],
     now: float,
     engine: Engine,
 ) -> int:
     """How many of ``d``'s layers from ``d.layers[pos]`` its next request carries: the
-    ``ready`` ones handed over already (one at least), and as many of the later ones as the
-    pace of the layers so far says will be ready in time (:data:`_LOOKAHEAD_SHARE`) for the
+    ``handed`` ones (one at least) and the later ones known ready already, and as many more as
+    the model's pace so far (``waited``: when the layers that were waited for became ready)
+    says will be ready in time (:data:`_LOOKAHEAD_SHARE`, :data:`_LOOKAHEAD_S`) for the
     target's bound on the request, taken to be what this side would allow
-    (``llm.ServeTimeout``, by default ``sync_kv_timeout`` per layer)."""
+    (``llm.ServeTimeout``, by default ``sync_kv_timeout`` per layer). Without a pace (fewer
+    than two layers waited for) it takes only what is ready."""
     left = len(d.layers) - pos
-    ready = max(1, min(ready, left))
-    times = sorted(ready_at.values())
-    if len(times) < 2 or ready >= left:
-        return ready
+    n = max(1, min(handed, left))
+    while n < left and known_ready(d.layers[pos + n]):
+        n += 1
+    if n >= left or len(waited) < 2:
+        return n
     # The pace: the mean gap between layers so far, or the wait for the next one if longer.
-    gap = max((times[-1] - times[0]) / (len(times) - 1), now - times[-1])
-    more = left - ready
+    gap = max((waited[-1] - waited[0]) / (len(waited) - 1), now - waited[-1])
+    more = left - n
     while more:
-        n = ready + more
-        if more * gap <= _LOOKAHEAD_SHARE * engine.serve_budget_s(n * d.tensors_per_layer):
+        bound = _LOOKAHEAD_SHARE * engine.serve_budget_s((n + more) * d.tensors_per_layer)
+        if more * gap <= min(bound, _LOOKAHEAD_S):
             break
         more //= 2
-    return ready + more
+    return n + more
 
 
 class _Handed:
@@ -530,6 +549,8 @@ class _Feed:
         sent: Callable[[Destination, int, int], None],
     ) -> None:
         self.timeout_s = timeout_s
+        # As when a request's budget covered its GRANT: sync_kv_timeout per layer it carries.
+        self.grant_timeout_s = timeout_s * len(run)
         self.run = run
         self._d = d
         self._handed = handed
@@ -542,11 +563,6 @@ class _Feed:
         self.layer = run.start
         #: the producer stopped before this request's last layer
         self.ended_early = False
-
-    async def open(self) -> None:
-        """Queue for the link for the first layer (then :meth:`close`)."""
-        await self._d.link.transfer_lock.acquire(True)
-        self._holding = True
 
     def close(self) -> None:
         """Give the link back if a layer still holds it (the request ended early)."""

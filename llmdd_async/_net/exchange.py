@@ -4,12 +4,12 @@ reader (:class:`Exchange`): see :mod:`.initiator` for the transfer as a whole.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import anyio
+import numpy as np
 
 from .._errors import (
     CopyCancelled,
@@ -21,6 +21,7 @@ from .._errors import (
 from .._messages import Abort, By, Cap, Data, Done, Grant, Mode, Op, Result
 from .._planner import check_within, u64_sum
 from .._protocol import Message
+from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
 from .grants import TransferRequest, grant_within_selection, layer_spans
 from .host import LinkHost
@@ -60,6 +61,9 @@ class LayerFeed(Protocol):
 
     #: each layer's bound from when it may be sent, and the RESULT's after the last (seconds)
     timeout_s: float
+    #: the bound on the wait for the GRANT (seconds): a peer that never answers must not hold
+    #: the transfer (nothing holds the link meanwhile)
+    grant_timeout_s: float
 
     async def next(self) -> range | None:
         """The next layers to send (indices from 0, in order: every layer that is ready, one
@@ -122,6 +126,7 @@ class Exchange:
         #: a layer-wise push: its layers, and where each starts in the grant (layer_spans)
         self.feed = feed
         self._spans: list[int] | None = None
+        self._grant_timer: Timer | None = None
 
     # ------------------------------------------------------------------ on the loop
     def start(self) -> None:
@@ -147,6 +152,17 @@ class Exchange:
         wire = spec.to_wire(req.req_id, caps, timeout_ms).encode()
         if not link.send_soon([wire], [], _nothing):
             self._end(link.down_error())
+            return
+        if self.feed is not None:
+            when = anyio.current_time() + self.feed.grant_timeout_s
+            self._grant_timer = engine.timers.call_at(when, self._grant_late)
+
+    def _grant_late(self) -> None:
+        """A layer-wise push's GRANT did not come in time (its deadline is the feed's)."""
+        self._grant_timer = None
+        if not self.ended and self._grant is None:
+            bound = self.feed.grant_timeout_s if self.feed is not None else 0.0
+            self.stop(TimeoutError(f"the peer did not grant the request within {bound:.3f} s"))
 
     def _check_grant(self, msg: Message) -> None:
         """The reader's look at the GRANT, before any DATA of this request is read (in a
@@ -182,6 +198,7 @@ class Exchange:
 
     def _granted(self) -> None:
         """The GRANT arrived (or the request failed: then there is none)."""
+        self._cancel_grant_timer()
         if self.ended or self._running:
             return
         req, grant = self.req, self._grant
@@ -370,9 +387,15 @@ class Exchange:
         reason.__cause__ = exc
         return reason
 
+    def _cancel_grant_timer(self) -> None:
+        if self._grant_timer is not None:
+            self.engine.timers.cancel(self._grant_timer)
+            self._grant_timer = None
+
     def _end(self, error: BaseException | None) -> None:
         if self.ended:
             return
+        self._cancel_grant_timer()
         self.ended = True
         self.error = error
         req = self.req
@@ -404,6 +427,11 @@ class Exchange:
             with anyio.CancelScope() as self._scope:
                 if self._stopping is not None:
                     self._scope.cancel()
+                if self.feed is not None:
+                    # A layer-wise push waits for its layers: a failure of the request (the
+                    # peer's ABORT, the link) must stop it now, not at the next layer.
+                    self.req.result_event.callback = self._failed_meanwhile
+                    self._failed_meanwhile()
                 await self._move(grant)
                 completed = True
         except BaseException as exc:
@@ -416,6 +444,11 @@ class Exchange:
                 await self._unwind(error if error is not None else self._stopping)
         if error is not None and not isinstance(error, Exception):
             raise error  # the engine's own cancellation
+
+    def _failed_meanwhile(self) -> None:
+        error = self.req.error
+        if error is not None and not self.ended:
+            self.stop(error)
 
     async def _unwind(self, exc: BaseException | None) -> None:
         exc = exc or CopyCancelled()
@@ -471,10 +504,10 @@ class Exchange:
                 if not await link.send_stream(req, stream, to_initiator=False, token=req.token):
                     raise req.error or CopyCancelled()
             else:
-                begins = list(itertools.accumulate(nbytes.tolist(), initial=0))
+                ends = np.cumsum(nbytes.astype(np.int64))
 
                 async def send(a: int, b: int) -> None:
-                    span = (begins[a], begins[b])
+                    span = (int(ends[a - 1]) if a else 0, int(ends[b - 1]))
                     if not await link.send_stream(req, stream, False, req.token, span=span):
                         raise req.error or CopyCancelled()
 

@@ -245,6 +245,8 @@ def pull_direct_now(engine: LinkHost, link: Link, spec: TransferRequest) -> tupl
     Raises:
         LLMException: as :func:`_direct_plan`.
     """
+    if _selected_bytes(spec) > NOW_BYTES:
+        return None  # not planned twice: the task plans it
     plan = _direct_plan(engine, link, spec)
     access, epoch = link.access, link.view.epoch
     if plan is None or access is None or epoch is None or not link.alive:
@@ -260,6 +262,25 @@ def pull_direct_now(engine: LinkHost, link: Link, spec: TransferRequest) -> tupl
     if total is None or access.read_word(epoch[0]) != epoch[1]:
         return None  # not inline; or a cache was released under the copy
     return _recorded(link, spec, t_start, total, len(plan))
+
+
+#: one-sided pulls of at most this much may be copied from the loop (the accesses' own
+#: bound on a copy there)
+NOW_BYTES = 1 << 20
+
+
+def _selected_bytes(spec: TransferRequest) -> int:
+    """About the bytes a pull selects into our cache (cheap, before planning; a block or a
+    slot counted whole)."""
+    e = spec.local
+    tensors = e.num_tensors
+    if spec.dst_range is not None:
+        tensors = len(spec.dst_range) * spec.tensor_num_per_layer
+    if spec.dst_blocks is not None:
+        return tensors * len(spec.dst_blocks) * (spec.dst_block_bytes or e.stride)
+    if spec.size >= 0:
+        return tensors * spec.size
+    return tensors * e.stride  # one slot of each tensor (a blocks cache's block: its unit)
 
 
 def _recorded(
