@@ -65,7 +65,8 @@ async def test_64_concurrent_mixed_pulls_and_pushes_are_byte_exact(transport: st
                 assert np.array_equal(got[untouched], want[untouched])
 
 
-BIG = (32, 1 << 20)  # 32 blocks of 1 MiB: copies long enough to be cut short
+BIG = (32, 2 << 20)  # 32 blocks of 2 MiB: copies long enough to be cut short (and more than
+# a one-sided pull copies within the API call, done when the call returns)
 
 
 @pytest.mark.parametrize("ra", [False, True], ids=["grant", "remote-accessible"])
