@@ -330,7 +330,7 @@ class LinkWriter:
                 return False
             n = min(CHUNK_BYTES, end - off)
             views = await stream.prepare(off, n, token)
-            fence = Fence(token, self.link.host.stall_timeout_s, req.deadline)
+            fence: Fence | None = None  # (only a frame a worker thread sends has one)
             async with self.send_lock:
                 if not self.link.alive:
                     raise self.link.down_error()
@@ -357,6 +357,7 @@ class LinkWriter:
                                 )
                         else:
                             # Set only now, next to the worker that will release it.
+                            fence = Fence(token, self.link.host.stall_timeout_s, req.deadline)
                             req.fence = fence
                             # Shielded: the header's tag is spent, so the frame must go out
                             # (the worker itself stops at the fence's token or stall).
@@ -371,8 +372,9 @@ class LinkWriter:
                                     limiter=self.link.threads,
                                 )
                 finally:
-                    fence.released.set()  # the worker has returned (or never started)
-                    req.fence = None
+                    if fence is not None:
+                        fence.released.set()  # the worker has returned (or never started)
+                        req.fence = None
             off += n
             self.link.stats_bytes += n
         return not token.cancelled
