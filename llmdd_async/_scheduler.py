@@ -445,16 +445,12 @@ async def run_layerwise(
         raise failure[0]
 
 
-#: a request of a layer-wise transfer takes the layers not ready yet only if, at the pace
-#: they have been coming, they would all be ready within this share of the target's bound on
-#: the request (``sync_kv_timeout`` per layer) and within ``_LOOKAHEAD_S``: the request then
-#: does not outlive that bound because the model is slow (only a stall of about that bound
-#: in the middle of a request would), and holds the target's serving slot for about as long
-#: as a request per layer would, while a fast model's layers go in one or two requests
-_LOOKAHEAD_SHARE = 0.5
-_LOOKAHEAD_S = 0.1
-#: a layer whose synchronizer took longer than this was being computed (it sets the pace)
-_WAITED_S = 50e-6
+#: a layer-wise request takes layers not ready yet only if, at the model's pace, they would
+#: be ready within this share of the target's bound on the request and within _LOOKAHEAD_S:
+#: it then outlives that bound only if the model stalls, and holds the target's serving slot
+#: about as long as a request per layer would, while a fast model's layers go in a few
+_LOOKAHEAD_SHARE, _LOOKAHEAD_S = 0.5, 0.1
+_WAITED_S = 50e-6  # a layer whose synchronizer took longer was being computed (the pace)
 
 
 def _request_size(
@@ -466,13 +462,10 @@ def _request_size(
     now: float,
     engine: Engine,
 ) -> int:
-    """How many of ``d``'s layers from ``d.layers[pos]`` its next request carries: the
-    ``handed`` ones (one at least) and the later ones known ready already, and as many more as
-    the model's pace so far (``waited``: when the layers that were waited for became ready)
-    says will be ready in time (:data:`_LOOKAHEAD_SHARE`, :data:`_LOOKAHEAD_S`) for the
-    target's bound on the request, taken to be what this side would allow
-    (``llm.ServeTimeout``, by default ``sync_kv_timeout`` per layer). Without a pace (fewer
-    than two layers waited for) it takes only what is ready."""
+    """How many of ``d``'s layers from ``d.layers[pos]`` its next request carries: those
+    ``handed`` over (one at least) or known ready, and as many more as the model's pace
+    (``waited``: when the layers waited for became ready; two at least) says will be ready in
+    time for the target's bound, taken to be this side's own (``engine.serve_budget_s``)."""
     left = len(d.layers) - pos
     n = max(1, min(handed, left))
     while n < left and known_ready(d.layers[pos + n]):
