@@ -330,3 +330,53 @@ async def test_a_local_grant_for_a_request_that_asked_for_the_stream_breaks_the_
     broken = str(link_of(d, 66, alive=False).broken)
     assert "asked for the stream" in broken, broken
     assert (arr == 0).all()
+
+
+async def test_a_layerwise_grant_out_of_layer_order_breaks_the_link_and_sends_nothing() -> None:
+    """A layer-wise push sends each layer's ranges of its grant when that layer is ready, so
+    the grant must be in layer order: one that puts layer 1's ranges where layer 0's are due
+    (each range still inside what was selected) is the peer's lie. The link breaks and not a
+    byte of the cache goes out."""
+    opts = endpoint_options("tcp", listen=True, **{"llm.SyncKvCacheWaitTime": "2000"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        assert p.listen_address is not None
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            await wait_until(lambda: 66 in engine_of(p).links.links, 5)
+            arrays = [np.full((4, BLOCK), t + 1, np.uint8) for t in range(4)]  # 2 layers, K+V
+            src = p.cache_manager.register_blocks_cache(
+                dd.CacheDesc(4, [4, BLOCK], dd.DataType.DT_UINT8), arrays
+            )
+            await populated(p, src.cache_id)
+            ready = dd.LayerEvents()
+            ready.layer_ready(0)
+            ready.layer_ready(1)
+            theirs = [(1 << 40) + t * (4 << 20) for t in range(4)]  # the peer's raw tensors
+            cfg = dd.TransferConfig(66, theirs, range(0, 2))
+            task = p.cache_manager.transfer_cache_async(src, ready, [cfg], [1], [2])
+            req = await peer.recv(MT.XFER_REQ)
+            addrs = np.frombuffer(req.arrays["local_addrs"], "<u8").astype(np.uint64)
+            block1 = addrs + np.uint64(BLOCK)  # block 1 of each tensor, tensor order
+            grant = Grant(
+                req.req_id,
+                mode=Mode.STREAM,
+                total=4 * BLOCK,
+                done=True,
+                local=block1[[2, 3, 0, 1]],  # layer 1 first
+                nbytes=np.full(4, BLOCK, np.uint64),
+            )
+            await peer.send(grant.encode())
+            with anyio.fail_after(5), pytest.raises(dd.LLMException):
+                await task
+            broken = str(link_of(p, 66, alive=False).broken)
+            assert "layer order" in broken, broken
+            types = []
+            with anyio.fail_after(5):
+                try:
+                    while True:
+                        types.append((await peer.frame()).type)
+                except (EOFError, OSError):
+                    pass
+            assert MT.DATA not in types, types
+        finally:
+            peer.close()
