@@ -45,7 +45,18 @@ from .control import (
     regions_of,
     regions_of_table,
 )
-from .fields import FLAG_TO_INITIATOR, MAX_REASON, By, Cap, Mode, Op, Shape, caps_of, wire_status
+from .fields import (
+    FLAG_EAGER,
+    FLAG_TO_INITIATOR,
+    MAX_REASON,
+    By,
+    Cap,
+    Mode,
+    Op,
+    Shape,
+    caps_of,
+    wire_status,
+)
 from .side_channel import Proof, Prove, ProveAck, ProveFin, tcp_binding_of
 from .transfer import Abort, Address, Data, Done, Grant, Request, Result
 
@@ -59,6 +70,7 @@ __all__ = [
     "Challenge",
     "Data",
     "Done",
+    "FLAG_EAGER",
     "FLAG_TO_INITIATOR",
     "Grant",
     "Hello",

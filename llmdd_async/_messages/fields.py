@@ -18,12 +18,16 @@ from .._protocol import MT, Message
 
 #: DATA/ABORT flag: the frame concerns a request that the *receiver* of the frame started.
 FLAG_TO_INITIATOR = 1
+#: DATA flag: the bytes of a push sent right behind its XFER_REQ, before any GRANT (the
+#: request's ``eager``); they land only where the target took the push as sent
+FLAG_EAGER = 2
 #: characters of a peer's reason (an ABORT's message) kept
 MAX_REASON = 512
 
 _U64 = np.uint64
 U64_MAX = 2**64 - 1
 I64_MIN = -(2**63)
+I64_MAX = 2**63 - 1
 
 
 # ====================================================================== vocabularies
@@ -107,6 +111,16 @@ def int_field(value: Any, what: str, lo: int = I64_MIN, hi: int = U64_MAX) -> in
     if type(value) is not int or not lo <= value <= hi:
         raise bad_field(what, value)
     return value
+
+
+def eager_field(value: Any) -> tuple[int, int]:
+    """An eager push's ``[total bytes, digest]`` (``Request.eager``).
+
+    Raises:
+        ProtocolError: not a pair, a total that is not positive, a digest outside int64."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise bad_field("eager", value)
+    return int_field(value[0], "eager bytes", 1), int_field(value[1], "eager digest", hi=I64_MAX)
 
 
 def opt_int_field(value: Any, what: str, lo: int = I64_MIN) -> int | None:

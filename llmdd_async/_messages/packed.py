@@ -20,11 +20,11 @@ SHAPES: tuple[Shape, ...] = tuple(Shape)
 BYS: tuple[By, ...] = tuple(By)
 MODES: tuple[Mode, ...] = tuple(Mode)
 CAP_BIT: dict[Cap, int] = {c: 1 << i for i, c in enumerate(CAPS_ORDER)}
-#: XFER_REQ: op, shape, by, which optional fields are present, caps; then 20 integers (see
+#: XFER_REQ: op, shape, by, which optional fields are present, caps; then 22 integers (see
 #: ``Request._packed``)
-REQ = struct.Struct("<BBBBH20q")
-HAS_SRC_RANGE, HAS_DST_RANGE, HAS_DST_BB, HAS_RAW, HAS_DTYPE, BLOCKS, RAW_BLOCKS = (
-    1 << i for i in range(7)
+REQ = struct.Struct("<BBBBH22q")
+HAS_SRC_RANGE, HAS_DST_RANGE, HAS_DST_BB, HAS_RAW, HAS_DTYPE, BLOCKS, RAW_BLOCKS, HAS_EAGER = (
+    1 << i for i in range(8)
 )
 #: GRANT: status, which optional fields are present, mode, total
 GRANT = struct.Struct("<iBBq")

@@ -17,6 +17,7 @@ from .._protocol import MT, Message
 from . import packed
 from .fields import (
     CAPS_ORDER,
+    FLAG_EAGER,
     FLAG_TO_INITIATOR,
     ArraysEqual,
     By,
@@ -27,6 +28,7 @@ from .fields import (
     bad_field,
     bool_field,
     caps_of,
+    eager_field,
     enum_field,
     expect_type,
     int_field,
@@ -141,6 +143,10 @@ class Request(ArraysEqual):
     #: the initiator's cache's element type (a ``DataType`` value); None: not said (earlier
     #: releases leave it out), then the target does not check it
     dtype: int | None = None
+    #: a push whose bytes follow at once, before any GRANT (DATA frames flagged
+    #: ``FLAG_EAGER``): ``(total bytes, digest)``, the digest that of the initiator's ranges in
+    #: stream order as it planned them from the target's table (``grants.stream_digest``)
+    eager: tuple[int, int] | None = None
 
     def encode(self) -> Message:
         body = self._packed()
@@ -160,12 +166,13 @@ class Request(ArraysEqual):
         t = self.target
         tb, count, is_blocks = self.layout
         present = packed.BLOCKS if is_blocks else 0
-        src_r, dst_r, dbb, raw, dtype = (
+        src_r, dst_r, dbb, raw, dtype, eager = (
             self.src_range,
             self.dst_range,
             self.dst_block_bytes,
             self.raw,
             self.dtype,
+            self.eager,
         )
         if src_r is not None:
             present |= packed.HAS_SRC_RANGE
@@ -177,6 +184,8 @@ class Request(ArraysEqual):
             present |= packed.HAS_RAW | (packed.RAW_BLOCKS if raw[2] else 0)
         if dtype is not None:
             present |= packed.HAS_DTYPE
+        if eager is not None:
+            present |= packed.HAS_EAGER
         caps = 0
         for c in self.caps:
             caps |= packed.CAP_BIT[c]
@@ -207,6 +216,8 @@ class Request(ArraysEqual):
                 0 if raw is None else raw[0],
                 0 if raw is None else raw[1],
                 0 if dtype is None else dtype,
+                0 if eager is None else eager[0],
+                0 if eager is None else eager[1],
             )
         except struct.error:  # an integer outside int64: JSON carries it
             return None
@@ -237,6 +248,8 @@ class Request(ArraysEqual):
             fields["raw"] = list(self.raw)
         if self.dtype is not None:
             fields["dtype"] = self.dtype
+        if self.eager is not None:
+            fields["eager"] = list(self.eager)
         return fields
 
     @classmethod
@@ -260,6 +273,7 @@ class Request(ArraysEqual):
             raise bad_field("caps", caps)
         raw = f.get("raw")
         g = f.get
+        eager = g("eager")
 
         def opt(name: str, what: str) -> int:
             # most fields are left out at their defaults (see _REQ_DEFAULTS)
@@ -288,6 +302,7 @@ class Request(ArraysEqual):
             raw=None if raw is None else layout_field(raw, "raw layout"),
             raw_addrs=raw_addrs,
             dtype=opt_int_field(g("dtype"), "data type", 0),
+            eager=None if eager is None else eager_field(eager),
         )
 
     @classmethod
@@ -297,7 +312,7 @@ class Request(ArraysEqual):
         """The packed form; checks as the JSON one (its integers fit int64 by construction)."""
         (op, shape, by, present, caps, key_id, model_id, cache_id, index, tb, count, timeout,
          local_slot, size, src_offset, dst_offset, src_a, src_b, dst_a, dst_b, tnpl, dbb,
-         raw_tb, raw_count, dtype) = packed.unpack(packed.REQ, msg)  # fmt: skip
+         raw_tb, raw_count, dtype, eager_n, digest) = packed.unpack(packed.REQ, msg)  # fmt: skip
         by = packed.index(packed.BYS, by, "addressing")
         if by is By.REQ_KEY or by is By.PREFIX_KEY:
             target = Address(by, id=key_id, model_id=model_id)
@@ -338,6 +353,7 @@ class Request(ArraysEqual):
             raw=raw,
             raw_addrs=raw_addrs,
             dtype=int_field(dtype, "data type", 0) if present & packed.HAS_DTYPE else None,
+            eager=eager_field([eager_n, digest]) if present & packed.HAS_EAGER else None,
         )
 
     def caps_claimed(self) -> dict[str, bool]:
@@ -457,9 +473,11 @@ class Data:
     off: int
     payload_len: int
     to_initiator: bool = False
+    #: the bytes of a push sent behind its request, before any GRANT (``Request.eager``)
+    eager: bool = False
 
     def encode(self) -> Message:
-        flags = FLAG_TO_INITIATOR if self.to_initiator else 0
+        flags = (FLAG_TO_INITIATOR if self.to_initiator else 0) | (FLAG_EAGER if self.eager else 0)
         return Message(
             MT.DATA, self.req_id, {}, {}, self.payload_len, flags, packed.OFF.pack(self.off)
         )
@@ -470,7 +488,11 @@ class Data:
         ProtocolError: a missing or negative offset."""
         expect_type(msg, MT.DATA)
         return cls(
-            msg.req_id, cls.offset_of(msg), msg.payload_len, bool(msg.flags & FLAG_TO_INITIATOR)
+            msg.req_id,
+            cls.offset_of(msg),
+            msg.payload_len,
+            bool(msg.flags & FLAG_TO_INITIATOR),
+            bool(msg.flags & FLAG_EAGER),
         )
 
     @staticmethod

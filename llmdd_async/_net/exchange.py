@@ -23,6 +23,7 @@ from .._planner import check_within, u64_sum
 from .._protocol import Message
 from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
+from .eager import eager_plan, stream_digest
 from .grants import TransferRequest, grant_within_selection, layer_spans
 from .host import LinkHost
 from .link import Link
@@ -127,6 +128,10 @@ class Exchange:
         self.feed = feed
         self._spans: list[int] | None = None
         self._grant_timer: Timer | None = None
+        #: a push whose bytes followed its request (:mod:`.eager`): what they were, as a
+        #: grant; and a GRANT that came while they were still being sent (acted on after)
+        self._eager: Grant | None = None
+        self._grant_waits = False
 
     # ------------------------------------------------------------------ on the loop
     def start(self) -> None:
@@ -149,10 +154,29 @@ class Exchange:
         self._t_start = time.monotonic()
         deadline = req.deadline
         timeout_ms = max(1, int((deadline - time.monotonic()) * 1000)) if deadline else 0
-        wire = spec.to_wire(req.req_id, caps, timeout_ms).encode()
-        if not link.send_soon([wire], [], _nothing):
-            self._end(link.down_error())
+        plan = None
+        if spec.op == Op.PUSH and self.feed is None and not self._direct:
+            plan = eager_plan(engine, link, spec)
+        if plan is None:
+            wire = spec.to_wire(req.req_id, caps, timeout_ms, None).encode()
+            if not link.send_soon([wire], [], _nothing):
+                self._end(link.down_error())
             return
+        # The bytes go now, behind the request: the RESULT alone answers a push the target
+        # took as sent; a GRANT one it did not (they are sent again under it, _sent).
+        total = plan.total_bytes
+        eager = (total, stream_digest(plan.src, plan.nbytes))
+        wire = spec.to_wire(req.req_id, caps, timeout_ms, eager).encode()
+        self._eager = Grant(
+            req.req_id, mode=Mode.STREAM, total=total, local=plan.src, nbytes=plan.nbytes
+        )
+        req.result_event.callback = self._answered
+        self._sending = True
+        data = Data(req.req_id, 0, total, eager=True).encode()
+        views = StreamPlan(plan.src, plan.nbytes).views(0, total)
+        if not link.send_soon([wire, data], views, self._sent):
+            self._sending = False
+            self._end(link.down_error())
         if self.feed is not None:
             when = anyio.current_time() + self.feed.grant_timeout_s
             self._grant_timer = engine.timers.call_at(when, self._grant_late)
@@ -200,6 +224,11 @@ class Exchange:
         """The GRANT arrived (or the request failed: then there is none)."""
         self._cancel_grant_timer()
         if self.ended or self._running:
+            return
+        if self._eager is not None and self._sending:
+            # Not taken as sent: the GRANT's turn comes once our early bytes are out (one
+            # frame of this request in the writer at a time, withdrawn as a whole).
+            self._grant_waits = True
             return
         req, grant = self.req, self._grant
         if req.grant is None or grant is None:
@@ -291,12 +320,17 @@ class Exchange:
         self._sending = False
         if self._stopping is not None and not self.ended:
             self.stop(self._stopping)
+        elif self._grant_waits and not self.ended:
+            self._grant_waits = False
+            self._granted()
 
     def _answered(self) -> None:
         """The RESULT of a push this side sent from the reader (or the request failed)."""
         if self.ended or self._running:
             return
         req, grant = self.req, self._grant
+        if grant is None and req.grant is None:
+            grant = self._eager  # the target took the push as sent (no GRANT came)
         if req.result is None or grant is None:
             self.stop(req.error or LinkBroken("link closed before the peer answered"))
             return
@@ -365,6 +399,8 @@ class Exchange:
         total = u64_sum(grant.nbytes)
         link.stats_transfers += 1
         mode = "" if grant.mode is None else grant.mode.value
+        if grant is self._eager:
+            mode = "eager"
         if self.feed is None:  # (a layer-wise push recorded each layer)
             link.history.append(
                 TransferRecord(self.spec.op.value, self._t_start, time.monotonic(), total, mode)

@@ -61,8 +61,7 @@ INLINE_PIECES = 1 << 14
 @dataclasses.dataclass
 class TransferRequest:
     """What the initiator asks for, in source/destination terms: the target's cache (as
-    ``target``, the wire's addressing), the selection, and its own cache ``local``. Strings
-    for ``op``/``shape`` are read as their enums."""
+    ``target``, the wire's addressing), the selection, and its own cache ``local``."""
 
     op: Op  # pull: the target is the source; push: the target is the destination
     target: Address  # how to find the target's cache
@@ -86,8 +85,10 @@ class TransferRequest:
     def __post_init__(self) -> None:
         self.op, self.shape = Op(self.op), Shape(self.shape)
 
-    def to_wire(self, req_id: int, caps: dict[str, bool], timeout_ms: int) -> Request:
-        """The XFER_REQ of this request (``caps``: how this side reaches the peer's memory)."""
+    def to_wire(
+        self, req_id: int, caps: dict[str, bool], timeout_ms: int, eager: tuple[int, int] | None
+    ) -> Request:
+        """The XFER_REQ (``caps``: how we reach the peer's memory; ``eager``: :mod:`.eager`)."""
         e = self.local
         return Request(
             req_id,
@@ -115,6 +116,7 @@ class TransferRequest:
             ),
             raw_addrs=self.raw_addrs,
             dtype=e.dtype,
+            eager=eager,
         )
 
 
@@ -199,8 +201,7 @@ def layer_spans(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) ->
 def _within_units_small(
     e: CacheEntry, unit: int, selected: set[int], local: np.ndarray, nbytes: np.ndarray
 ) -> bool:
-    """:func:`grant_within_selection` for a few descriptors, in plain Python (numpy costs
-    microseconds per call on arrays this small)."""
+    """:func:`grant_within_selection` for a few descriptors, in plain Python ints."""
     if not selected:
         return False
     starts = e.sorted_addrs
@@ -331,8 +332,7 @@ def plan_selection(
 @dataclasses.dataclass
 class Resolved:
     """A peer's request resolved against our registry, before it is planned: all that
-    :func:`plan_checked` needs, so that a large request can be planned in a worker thread
-    while the registry changes on the loop."""
+    :func:`plan_checked` needs (in a worker thread for a large one)."""
 
     op: Op
     by: By

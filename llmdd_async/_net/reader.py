@@ -35,7 +35,7 @@ from .._errors import (
     map_link_errors,
 )
 from .._memory import CancelToken
-from .._messages import FLAG_TO_INITIATOR, Abort, Data
+from .._messages import FLAG_EAGER, FLAG_TO_INITIATOR, Abort, Data
 from .._protocol import MT, NEED_DATA, PAYLOAD_TAG, Message
 from .._transports.tcp import (
     CHUNK_BYTES,
@@ -87,6 +87,10 @@ class _Landing:
         req: Request | None = table.get(msg.req_id)
         off = Data.offset_of(msg)
         stream = req.stream if req is not None else None
+        if req is not None and bool(msg.flags & FLAG_EAGER) is not req.eager:
+            # Early bytes of a push the target did not take as sent (it granted the push, and
+            # they come again under the grant), or late ones for one it did: discarded.
+            stream = None
         if stream is None:
             req = None  # nothing of ours receives this frame: discard it, touching no request
         elif off + n > stream.total:

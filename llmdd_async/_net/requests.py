@@ -93,6 +93,9 @@ class Request:
         self.deadline = deadline
         self.token = CancelToken()
         self.stream: StreamPlan | None = None
+        #: its DATA is what followed its request, before any GRANT (flagged ``FLAG_EAGER``):
+        #: only such DATA lands in it, and only in it
+        self.eager = False
         self.received = 0
         self.data_event = Signal()
         self.fence: Fence | None = None

@@ -28,6 +28,7 @@ from .._protocol import Message
 from .._registry import CacheEntry
 from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
+from .eager import stream_digest
 from .grants import INLINE_PIECES, bound_bytes, finish, pieces_bound, plan_checked, resolve
 from .host import LinkHost
 from .link import Link
@@ -261,7 +262,12 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
     ):
         return False
     if not pull:
-        return _grant_now(engine, link, request, entries, plan, ntensors, mode, None)
+        # A push whose bytes follow its request (.eager) is taken as sent only as we planned it.
+        eager = request.eager is not None and request.eager == (
+            total,
+            stream_digest(plan.src, plan.nbytes),
+        )
+        return _grant_now(engine, link, request, entries, plan, ntensors, mode, None, eager)
     grant = Grant(
         request.req_id, mode=mode, total=total, done=False, local=plan.dst, nbytes=plan.nbytes
     ).encode()
@@ -291,11 +297,14 @@ def _grant_now(
     ntensors: int,
     mode: Mode,
     slot_info: tuple[int, np.ndarray] | None,
+    eager: bool = False,
 ) -> bool:
     """Grant a request from the reader and finish it there: a streamed push ends where its
     DATA lands (straight into our checked ranges; then the RESULT), a local grant where the
     initiator's DONE arrives (its effect, consuming a key, happens there too). It holds one of
     the link's serving slots (``llm.LinkServing``), as a task would: False when none is free.
+    ``eager``: a push whose bytes follow its request is taken as sent, with no GRANT (its
+    DATA, flagged so, lands; see :mod:`.eager`).
 
     A timer of the engine bounds it by this side's budget: then the initiator is told (an
     ABORT). A push then ends at once (the reader diverts what still comes to scratch); a local
@@ -358,8 +367,11 @@ def _grant_now(
     else:
         req.stream = StreamPlan(plan.dst, plan.nbytes)
         req.data_event.callback = landed
+        req.eager = eager
     link.serving[req.req_id] = req
     timer.append(timers.call_at(anyio.current_time() + budget_s, expired))
+    if req.eager:
+        return True
     local_side, target_side = (plan.dst, plan.src) if pull else (plan.src, plan.dst)
     grant = Grant(
         request.req_id,

@@ -15,7 +15,7 @@ from .._errors import ProtocolError
 
 MAGIC = 0x3144444C  # b"LDD1" little-endian
 #: 2: the hot messages are packed structs (1: JSON only)
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("<IHHQIIQ")
 MAX_META = 256 << 20  # descriptor arrays of very large requests; anything larger is hostile
 #: the JSON part of a frame's meta (scalar fields); arrays carry everything big

@@ -705,8 +705,8 @@ async def test_the_serve_budget_tells_the_initiator_at_once() -> None:
 
             def drop_data(frames: list[Message], views: Any, done: Any) -> bool:
                 if frames[-1].type == MT.DATA:  # a small push's DATA, sent from the reader
-                    done()
-                    return True
+                    done()  # (or behind its request: the request alone goes)
+                    return send_soon(frames[:-1], [], lambda: None) if frames[:-1] else True
                 return send_soon(frames, views, done)
 
             lnk.send_soon = drop_data  # type: ignore[method-assign]

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from llmdd_async._enums import DataType, LLMStatusCode
 from llmdd_async._errors import ProtocolError
 from llmdd_async._messages import (
+    FLAG_EAGER,
     FLAG_TO_INITIATOR,
     MAX_REASON,
     Abort,
@@ -57,7 +58,7 @@ from llmdd_async._messages import (
     regions_of_table,
     wire_status,
 )
-from llmdd_async._protocol import MT, NEED_DATA, Decoder, Message, encode
+from llmdd_async._protocol import MT, NEED_DATA, PROTOCOL_VERSION, Decoder, Message, encode
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -132,6 +133,7 @@ def requests(draw: st.DrawFn) -> Request:
         dst_blocks=draw(opt(arrays())),
         raw=draw(opt(triples)),
         raw_addrs=raw_addrs,
+        eager=draw(opt(st.tuples(st.integers(1, 2**64 - 1), st.integers(-(2**63), 2**63 - 1)))),
     )
 
 
@@ -282,6 +284,8 @@ def _old_request(r: Request) -> Message:
         fields["raw"] = list(r.raw)
     if r.dtype is not None:
         fields["dtype"] = r.dtype
+    if r.eager is not None:
+        fields["eager"] = list(r.eager)
     arr: dict[str, bytes | memoryview] = {"local_addrs": r.local_addrs.astype("<u8").tobytes()}
     for name, a in (("src_blocks", r.src_blocks), ("dst_blocks", r.dst_blocks)):
         if a is not None:
@@ -300,19 +304,32 @@ def test_a_request_reads_the_same_packed_and_as_json(r: Request) -> None:
     assert Request.decode(wire(msg)) == r == Request.decode(wire(_old_request(r)))
 
 
-def test_a_packed_request_is_the_bytes_of_wire_version_2() -> None:
+def test_a_packed_request_is_the_bytes_of_wire_version_3() -> None:
     r = Request.decode(_valid_request())
     r = dataclasses.replace(
-        r, caps=frozenset({Cap.PVR, Cap.MOONCAKE}), dtype=4, src_range=range(1, 3)
+        r,
+        caps=frozenset({Cap.PVR, Cap.MOONCAKE}),
+        dtype=4,
+        src_range=range(1, 3),
+        eager=(4096, -5),
     )
-    ints = [0, 0, 1, 0, 64, 8, 0, 0, -1, 0, 0, 1, 3, 0, 0, 2, 0, 0, 0, 4]
-    # pull, blocks, by cache id; src_range, dtype, a blocks layout; caps pvr and mooncake
-    fields = struct.pack("<BBBBH20q", 0, 1, 3, 0b110001, 0b100100, *ints)
+    ints = [0, 0, 1, 0, 64, 8, 0, 0, -1, 0, 0, 1, 3, 0, 0, 2, 0, 0, 0, 4, 4096, -5]
+    # pull, blocks, by cache id; src_range, dtype, a blocks layout, eager (version 3: its
+    # total and digest last); caps pvr and mooncake
+    fields = struct.pack("<BBBBH22q", 0, 1, 3, 0b10110001, 0b100100, *ints)
     sizes = struct.pack("<4I", 8, 8, 8, 0xFFFFFFFF)
     arrays = struct.pack("<3Q", 4096, 2, 1)
     meta = struct.pack("<I", len(fields) | 1 << 31) + fields + sizes + arrays
-    head = struct.pack("<IHHQIIQ", 0x3144444C, 2, 10, 1, len(meta), 0, 0)
+    head = struct.pack("<IHHQIIQ", 0x3144444C, 3, 10, 1, len(meta), 0, 0)
     assert encode(r.encode()) == head + meta
+    assert Request.decode(wire(r.encode())).eager == (4096, -5)
+
+
+def test_an_eager_data_frame_says_so_in_its_flags() -> None:
+    msg = Data(5, 0, 16, eager=True).encode()
+    assert msg.flags == FLAG_EAGER
+    assert Data.decode(wire(msg)) == Data(5, 0, 16, False, True)
+    assert Data.decode(wire(Data(5, 0, 16, to_initiator=True).encode())).eager is False
 
 
 def test_targets_are_the_dicts_they_always_were() -> None:
@@ -479,6 +496,7 @@ BAD_REQUEST_FIELDS: dict[str, list[Any]] = {
     "tnpl": [None, "2", 2.0],
     "dst_block_bytes": ["64", [64]],
     "raw": [[0, 1], [0, 1, 1], "raw"],
+    "eager": [[0, 1], [1], [1, 2**63], "1,2", [True, 1], [-4, 1]],
 }
 
 
@@ -1166,10 +1184,11 @@ def _packed_frame(mtype: MT, packed: bytes, sizes: list[int], arrays: bytes = b"
     """A packed frame written by hand (a hostile peer's)."""
     meta = struct.pack("<I", len(packed) | 1 << 31) + packed
     meta += struct.pack(f"<{len(sizes)}I", *sizes) + arrays
-    return struct.pack("<IHHQIIQ", 0x3144444C, 2, int(mtype), 1, len(meta), 0, 0) + meta
+    head = (0x3144444C, PROTOCOL_VERSION, int(mtype), 1, len(meta), 0, 0)
+    return struct.pack("<IHHQIIQ", *head) + meta
 
 
-_REQ_OK = struct.pack("<BBBBH20q", 0, 1, 2, 32, 0, *([0] * 4 + [64, 8] + [0] * 14))
+_REQ_OK = struct.pack("<BBBBH22q", 0, 1, 2, 32, 0, *([0] * 4 + [64, 8] + [0] * 16))
 _NONE = 0xFFFFFFFF
 
 

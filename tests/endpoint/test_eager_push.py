@@ -1,0 +1,204 @@
+"""A small push over TCP in remote-accessible mode takes one round trip: its bytes follow its
+request at once, and the target lands them only where its own plan of the push is the one
+the initiator sent them by (``_net/eager.py``); otherwise it grants the push as always, the
+early bytes are discarded, and they come again under the GRANT."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from helpers import endpoint_options, raw_link
+
+import llmdd_async as dd
+from llmdd_async._messages import Address, By, Data, Grant, Op, Ping, Request, Result, Shape
+from llmdd_async._net import exchange
+from llmdd_async._net.eager import EAGER_BYTES, stream_digest
+from llmdd_async._planner import Plan
+from llmdd_async._protocol import MT, encode
+from llmdd_async.testing import DEFAULT_OPTIONS, engine_of, linked_pair, populated, wait_until
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 64 << 10
+BLOCKS = 24  # 1.5 MiB: more than an eager push carries
+OPTIONS = {**DEFAULT_OPTIONS, "llm.Transport": "tcp", "llm.EnableRemoteCacheAccessible": "1"}
+
+
+class _Tensors:
+    """A cache's tensors (user arrays), indexed as one ``(tensor, block, byte)`` array."""
+
+    def __init__(self, arrays: list[np.ndarray]) -> None:
+        self.arrays = arrays
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return np.stack(self.arrays)[index]
+
+    def add(self, blocks: list[int], value: int) -> None:
+        for a in self.arrays:
+            a[blocks] += np.uint8(value)
+
+
+async def _pair_caches(
+    prompt: dd.LLMDataDist, decoder: dd.LLMDataDist
+) -> tuple[Any, _Tensors, _Tensors]:
+    desc = dd.CacheDesc(2, [BLOCKS, BLOCK], dd.DataType.DT_UINT8)
+    theirs = [np.zeros((BLOCKS, BLOCK), np.uint8) for _ in range(2)]
+    prompt.cache_manager.register_blocks_cache(desc, theirs, dd.BlocksCacheKey(1, 0))
+    rng = np.random.default_rng(3)
+    ours = [rng.integers(0, 255, (BLOCKS, BLOCK), dtype=np.uint8) for _ in range(2)]
+    cache = decoder.cache_manager.register_blocks_cache(desc, ours)
+    return cache, _Tensors(ours), _Tensors(theirs)
+
+
+async def test_a_small_push_goes_with_its_request_and_a_large_one_waits_for_its_grant() -> None:
+    async with linked_pair(OPTIONS) as (prompt, decoder):
+        cache, ours, theirs = await _pair_caches(prompt, decoder)
+        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        await cm.push_blocks(key, cache, [0], [0])  # the first fetches the peer's table
+        await cm.push_blocks(key, cache, [3, 7], [9, 1])
+        assert np.array_equal(theirs[:, [9, 1]], ours[:, [3, 7]])
+        assert decoder.link_statistics(1).recent[-1].mode == "eager"
+        big = list(range(BLOCKS))
+        assert 2 * BLOCKS * BLOCK > EAGER_BYTES
+        await cm.push_blocks(key, cache, big, big[::-1])
+        assert np.array_equal(theirs[:, big[::-1]], ours[:, big])
+        assert decoder.link_statistics(1).recent[-1].mode == "stream"
+
+
+async def test_a_push_planned_otherwise_than_the_target_plans_it_is_sent_again_under_its_grant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As if the peer's table no longer said what it holds: our plan reads the blocks in
+    # another order. The target's digest differs, it grants the push, and the bytes land
+    # where the GRANT says.
+    planned = exchange.eager_plan
+
+    def stale(*args: Any) -> Plan | None:
+        plan = planned(*args)
+        if plan is None:
+            return None
+        return Plan(plan.src[::-1].copy(), plan.dst[::-1].copy(), plan.nbytes[::-1].copy())
+
+    monkeypatch.setattr(exchange, "eager_plan", stale)
+    async with linked_pair(OPTIONS) as (prompt, decoder):
+        cache, ours, theirs = await _pair_caches(prompt, decoder)
+        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        for _ in range(3):
+            await cm.push_blocks(key, cache, [3, 7], [9, 1])
+            assert np.array_equal(theirs[:, [9, 1]], ours[:, [3, 7]])
+            assert decoder.link_statistics(1).recent[-1].mode == "stream"
+            ours.add([3, 7], 1)  # (each round: bytes the target does not hold yet)
+
+
+# ---------------------------------------------------------------------- a hand-made initiator
+PEER_TENSOR = 1 << 40  # the raw peer's one tensor (its bytes are sent by hand)
+
+
+@pytest.fixture
+async def target() -> AsyncIterator[tuple[Any, np.ndarray, int]]:
+    """An endpoint in remote-accessible mode with one blocks cache, linked to a hand-made
+    peer: ``(raw peer, the cache's array, its cache id)``."""
+    opts = endpoint_options(
+        "tcp",
+        listen=True,
+        **{"llm.EnableRemoteCacheAccessible": "1", "llm.SyncKvCacheWaitTime": "2000"},
+    )
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        assert p.listen_address is not None
+        peer = await raw_link(p.listen_address, 66, remote_accessible=True)
+        try:
+            await wait_until(lambda: 66 in engine_of(p).links.links, 5)
+            arr = np.zeros((4, BLOCK), np.uint8)
+            cache = p.cache_manager.register_blocks_cache(
+                dd.CacheDesc(1, [4, BLOCK], dd.DataType.DT_UINT8), [arr]
+            )
+            await populated(p, cache.cache_id)
+            yield peer, arr, cache.cache_id
+        finally:
+            peer.close()
+
+
+def _push(req_id: int, cache_id: int, eager: tuple[int, int] | None) -> bytes:
+    """A push of the peer's block 0 into block 2 of ``cache_id``."""
+    return encode(
+        Request(
+            req_id,
+            Op.PUSH,
+            Address(By.CACHE_ID, cache_id=cache_id),
+            Shape.BLOCKS,
+            (4 * BLOCK, 4, True),
+            np.array([PEER_TENSOR], np.uint64),
+            src_blocks=np.array([0], np.uint64),
+            dst_blocks=np.array([2], np.uint64),
+            eager=eager,
+        ).encode()
+    )
+
+
+def _data(req_id: int, fill: int, eager: bool) -> bytes:
+    return encode(Data(req_id, 0, BLOCK, eager=eager).encode()) + bytes([fill]) * BLOCK
+
+
+async def _settled(peer: Any) -> None:
+    """Everything the peer sent so far was read and acted on (frames are read in order)."""
+    await peer.send(Ping().encode())
+    with anyio.fail_after(5):
+        await peer.recv(MT.PONG)
+
+
+RIGHT = (BLOCK, stream_digest(np.array([PEER_TENSOR], np.uint64), np.array([BLOCK], np.uint64)))
+
+
+async def test_bytes_that_follow_the_request_as_the_target_plans_it_land_with_no_grant(
+    target: tuple[Any, np.ndarray, int],
+) -> None:
+    peer, arr, cache_id = target
+    await peer.send_bytes(_push(1, cache_id, RIGHT) + _data(1, 0xAB, eager=True))
+    with anyio.fail_after(5):
+        answer = await peer.frame()
+    assert answer.type == MT.RESULT and Result.decode(answer).ok, answer
+    assert (arr[2] == 0xAB).all() and (arr[[0, 1, 3]] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "eager",
+    [(BLOCK, RIGHT[1] ^ 1), (2 * BLOCK, RIGHT[1]), None],
+    ids=["other-digest", "other-total", "not-eager"],
+)
+async def test_early_bytes_the_target_did_not_take_never_land(
+    target: tuple[Any, np.ndarray, int], eager: tuple[int, int] | None
+) -> None:
+    # A plan that is not the target's (or a request that sent no early bytes, whose DATA
+    # still says it is early): the target grants the push, the flagged bytes go nowhere,
+    # and only the bytes sent under the GRANT land.
+    peer, arr, cache_id = target
+    await peer.send_bytes(_push(1, cache_id, eager) + _data(1, 0xAB, eager=True))
+    with anyio.fail_after(5):
+        grant = Grant.decode(await peer.recv(MT.GRANT))
+    assert grant.ok and grant.local is not None and grant.nbytes is not None
+    assert grant.local.tolist() == [PEER_TENSOR] and grant.nbytes.tolist() == [BLOCK]
+    await _settled(peer)
+    assert (arr == 0).all()
+    await peer.send_bytes(_data(1, 0xCD, eager=False))
+    with anyio.fail_after(5):
+        assert Result.decode(await peer.recv(MT.RESULT)).ok
+    assert (arr[2] == 0xCD).all() and (arr[[0, 1, 3]] == 0).all()
+
+
+async def test_late_bytes_for_a_push_taken_as_sent_never_land(
+    target: tuple[Any, np.ndarray, int],
+) -> None:
+    # A push the target took as sent takes only early bytes: a DATA frame that says it was
+    # sent under a grant (none was given) is discarded.
+    peer, arr, cache_id = target
+    await peer.send_bytes(_push(1, cache_id, RIGHT) + _data(1, 0xCD, eager=False))
+    await _settled(peer)
+    assert (arr == 0).all()
+    await peer.send_bytes(_data(1, 0xAB, eager=True))
+    with anyio.fail_after(5):
+        assert Result.decode(await peer.recv(MT.RESULT)).ok
+    assert (arr[2] == 0xAB).all()
