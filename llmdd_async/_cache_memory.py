@@ -69,6 +69,7 @@ def _new_entry(
         shape=tuple(desc.shape),
         addrs=addrs,
         remote_accessible=remote_accessible,
+        device_memory=not engine.host_reachable(addrs),
         **extra,
     )
 

@@ -394,6 +394,11 @@ class CancelToken:
 # memmoves (machine_limits.md), so only copies above this size are cut for cancellation checks.
 _MAX_PIECE = 256 << 20
 _CHECK_EVERY = 64
+#: copies of at most this many ranges (and a MiB) run on the event loop: a range costs about
+#: a microsecond and a half of ctypes, so even the most take a couple of milliseconds, and a
+#: thread hop costs more than a small copy. A KV block of a many-layer model is a range per
+#: tensor (160 for 80 layers of K and V): 64 sent such one-block pulls to a worker thread.
+INLINE_RANGES = 1024
 
 
 def copy_ranges(

@@ -46,6 +46,8 @@ class CacheEntry:
     id_released: bool = False
     pins: int = 0
     freed: bool = False
+    #: memory the CPU cannot address directly (a device adapter's): its bytes are staged
+    device_memory: bool = False
 
     @property
     def stride(self) -> int:
@@ -78,6 +80,7 @@ class CacheEntry:
             "placement": int(self.placement),
             "remote_accessible": self.remote_accessible,
             "dtype": self.dtype,
+            **({"device": True} if self.device_memory else {}),
         }
 
 

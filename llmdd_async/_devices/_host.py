@@ -10,6 +10,7 @@ import numpy as np
 
 from .._errors import raise_if_false
 from .._memory import (
+    INLINE_RANGES,
     CancelToken,
     MemoryPool,
     PoolConfig,
@@ -63,7 +64,7 @@ async def copy_plan(
     """
     if len(plan) == 0:
         return 0
-    if plan.total_bytes <= INLINE_MAX_BYTES and len(plan) <= 64:
+    if plan.total_bytes <= INLINE_MAX_BYTES and len(plan) <= INLINE_RANGES:
         # A thread hop costs more than this copy (tens of microseconds at most).
         return copy_ranges(plan.src, plan.dst, plan.nbytes, token)
     parts = split_plan(plan, threads if wants_threads(plan) else 1)

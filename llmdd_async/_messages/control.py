@@ -96,6 +96,8 @@ class CacheInfo:
     remote_accessible: bool
     #: a ``DataType`` value; None: the peer did not say (earlier releases)
     dtype: int | None = None
+    #: device memory (the peer's CPU cannot address it): a push into it waits for its GRANT
+    device: bool = False
 
     def encode(self) -> dict[str, Any]:
         out = {
@@ -109,7 +111,7 @@ class CacheInfo:
         }
         if self.dtype is not None:
             out["dtype"] = self.dtype
-        return out
+        return {**out, "device": True} if self.device else out
 
     @classmethod
     def decode(cls, raw: Any) -> CacheInfo | None:
@@ -127,6 +129,7 @@ class CacheInfo:
                 int_field(raw.get("placement", 0), "placement"),
                 raw.get("remote_accessible") is True,
                 opt_int_field(raw.get("dtype"), "data type", 0),
+                raw.get("device") is True,
             )
         except (ProtocolError, KeyError, TypeError, AttributeError):
             return None

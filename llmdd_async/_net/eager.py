@@ -22,7 +22,7 @@ import numpy as np
 from .._checks import check_same_dtype
 from .._errors import LLMException
 from .._messages import By, Op
-from .._planner import Plan
+from .._planner import Plan, check_within
 from .._transports.tcp import INLINE_BYTES
 from .grants import TransferRequest, plan_selection
 from .host import LinkHost
@@ -45,18 +45,16 @@ def stream_digest(ranges: np.ndarray, nbytes: np.ndarray) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def _selected_bytes(spec: TransferRequest) -> int:
-    """About the bytes a push selects of our cache (cheap, before planning; a block or a slot
-    counted whole)."""
+def _selected(spec: TransferRequest) -> tuple[int, int]:
+    """About the bytes a push selects of our cache, and at most how many ranges (cheap,
+    before planning; a block or a slot counted whole)."""
     e = spec.local
     tensors = e.num_tensors
     if spec.src_range is not None:
         tensors = len(spec.src_range) * spec.tensor_num_per_layer
     if spec.src_blocks is not None:
-        return tensors * len(spec.src_blocks) * e.stride
-    if spec.size >= 0:
-        return tensors * spec.size
-    return tensors * e.stride
+        return tensors * len(spec.src_blocks) * e.stride, tensors * len(spec.src_blocks)
+    return tensors * (spec.size if spec.size >= 0 else e.stride), tensors
 
 
 def eager_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | None:
@@ -64,22 +62,20 @@ def eager_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | No
     order the target's plan will read the stream), or None: then it waits for its GRANT.
 
     Only a push over the stream (the request claims no direct access), in remote-accessible
-    mode, to a cache by id that the peer's table publishes, of at most ``EAGER_BYTES`` of
-    host memory in at most ``VIEWS_INLINE`` ranges. A selection that does not fit is left to
-    the target, which says why.
+    mode, to a cache by id that the peer's table publishes as host memory, of at most
+    ``EAGER_BYTES`` of host memory in at most ``VIEWS_INLINE`` ranges: what the target serves
+    from its reader. A selection that does not fit is left to the target, which says why.
     """
     target = spec.target
-    if (
-        spec.op != Op.PUSH
-        or not engine.options.remote_accessible
-        or target.by is not By.CACHE_ID
-        or _selected_bytes(spec) > EAGER_BYTES
-    ):
+    if spec.op != Op.PUSH or not engine.options.remote_accessible or target.by is not By.CACHE_ID:
         return None
+    nbytes, ranges = _selected(spec)
+    if nbytes > EAGER_BYTES or ranges > VIEWS_INLINE:
+        return None  # not planned here as well as there
     view = link.view
     tgt = view.layout(target.cache_id)
-    if tgt is None:
-        return None
+    if tgt is None or view.device_memory(target.cache_id):
+        return None  # (the target stages device memory from a task: it would grant)
     try:
         check_same_dtype(spec.local.dtype, view.dtype(target.cache_id), "push")
         plan, _, _ = plan_selection(
@@ -106,6 +102,8 @@ def eager_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | No
         not 0 < plan.total_bytes <= EAGER_BYTES
         or len(plan) > VIEWS_INLINE
         or not engine.host_reachable(plan.src)
+        # (the peer's table shapes the plan: whatever it says, we read only our own cache)
+        or not check_within(plan.src, plan.nbytes, *spec.local.regions)
     ):
         return None
     return plan

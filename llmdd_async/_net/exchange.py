@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 import anyio
 import numpy as np
@@ -19,18 +18,19 @@ from .._errors import (
     status_from_exception,
 )
 from .._messages import Abort, By, Cap, Data, Done, Grant, Mode, Op, Result
-from .._planner import check_within, u64_sum
+from .._planner import Plan, check_within, u64_sum
 from .._protocol import Message
 from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
 from .eager import eager_plan, stream_digest
+from .feed import LayerFeed
 from .grants import TransferRequest, grant_within_selection, layer_spans
 from .host import LinkHost
 from .link import Link
 from .requests import Pending, TransferRecord
 from .streams import VIEWS_INLINE
 
-__all__ = ["KEYS", "Exchange", "LayerFeed"]
+__all__ = ["KEYS", "Exchange"]
 
 #: how a pull names a cache by the key that grants it
 KEYS = (By.REQ_KEY, By.PREFIX_KEY, By.BLOCKS_KEY)
@@ -53,29 +53,6 @@ def _raise_unless_ok(answer: Grant | Result, default: str) -> None:
 
 def _nothing() -> None:
     return None
-
-
-class LayerFeed(Protocol):
-    """The layers of a layer-wise push that one request carries (:class:`Exchange` with a
-    feed): the request is granted once for every layer, and each layer's bytes leave when
-    the feed says so (the layer is ready and the link is this request's for it)."""
-
-    #: each layer's bound from when it may be sent, and the RESULT's after the last (seconds)
-    timeout_s: float
-    #: the bound on the wait for the GRANT (seconds): a peer that never answers must not hold
-    #: the transfer (nothing holds the link meanwhile)
-    grant_timeout_s: float
-
-    async def next(self) -> range | None:
-        """The next layers to send (indices from 0, in order: every layer that is ready, one
-        at least), once they may be sent; None when no more will come (the transfer failed
-        elsewhere: the request is aborted)."""
-        ...
-
-    def sent(self, layers: range, nbytes: int | None) -> None:
-        """``layers`` left (``nbytes`` each), or failed to (None): the link is free for others
-        again."""
-        ...
 
 
 class Exchange:
@@ -132,6 +109,7 @@ class Exchange:
         #: grant; and a GRANT that came while they were still being sent (acted on after)
         self._eager: Grant | None = None
         self._grant_waits = False
+        self._result_waits = False
 
     # ------------------------------------------------------------------ on the loop
     def start(self) -> None:
@@ -157,16 +135,25 @@ class Exchange:
         plan = None
         if spec.op == Op.PUSH and self.feed is None and not self._direct:
             plan = eager_plan(engine, link, spec)
-        if plan is None:
+        if plan is not None:
+            sent = self._send_eager(plan, caps, timeout_ms)
+        else:
             wire = spec.to_wire(req.req_id, caps, timeout_ms, None).encode()
-            if not link.send_soon([wire], [], _nothing):
-                self._end(link.down_error())
+            sent = link.send_soon([wire], [], _nothing)
+        if not sent:
+            self._end(link.down_error())
             return
-        # The bytes go now, behind the request: the RESULT alone answers a push the target
-        # took as sent; a GRANT one it did not (they are sent again under it, _sent).
-        total = plan.total_bytes
+        if self.feed is not None:
+            when = anyio.current_time() + self.feed.grant_timeout_s
+            self._grant_timer = engine.timers.call_at(when, self._grant_late)
+
+    def _send_eager(self, plan: Plan, caps: dict[str, bool], timeout_ms: int) -> bool:
+        """Send a push's bytes right behind its request (:mod:`.eager`): the RESULT alone
+        answers one the target took as sent, a GRANT one it did not (they are sent again
+        under it, once these are out: :meth:`_sent`). False if the link is down."""
+        req, total = self.req, plan.total_bytes
         eager = (total, stream_digest(plan.src, plan.nbytes))
-        wire = spec.to_wire(req.req_id, caps, timeout_ms, eager).encode()
+        wire = self.spec.to_wire(req.req_id, caps, timeout_ms, eager).encode()
         self._eager = Grant(
             req.req_id, mode=Mode.STREAM, total=total, local=plan.src, nbytes=plan.nbytes
         )
@@ -174,12 +161,10 @@ class Exchange:
         self._sending = True
         data = Data(req.req_id, 0, total, eager=True).encode()
         views = StreamPlan(plan.src, plan.nbytes).views(0, total)
-        if not link.send_soon([wire, data], views, self._sent):
+        if not self.link.send_soon([wire, data], views, self._sent):
             self._sending = False
-            self._end(link.down_error())
-        if self.feed is not None:
-            when = anyio.current_time() + self.feed.grant_timeout_s
-            self._grant_timer = engine.timers.call_at(when, self._grant_late)
+            return False
+        return True
 
     def _grant_late(self) -> None:
         """A layer-wise push's GRANT did not come in time (its deadline is the feed's)."""
@@ -323,6 +308,9 @@ class Exchange:
         elif self._grant_waits and not self.ended:
             self._grant_waits = False
             self._granted()
+        elif self._result_waits and not self.ended:
+            self._result_waits = False
+            self._answered()
 
     def _answered(self) -> None:
         """The RESULT of a push this side sent from the reader (or the request failed)."""
@@ -338,8 +326,10 @@ class Exchange:
         if refusal is not None:
             self.stop(refusal)
             return
-        if self._sending:  # a RESULT for bytes not yet sent: not from an honest peer
-            self.stop(ProtocolError("RESULT before the push's DATA was sent"))
+        if self._sending:
+            # The bytes are out but the writer has not run our done yet (it runs a batch's
+            # callbacks after the whole batch): act on the RESULT once it has.
+            self._result_waits = True
             return
         self._succeed(grant)
 

@@ -40,11 +40,9 @@ __all__ = [
     "Planned",
     "Resolved",
     "TransferRequest",
-    "bound_bytes",
     "finish",
     "grant_within_selection",
     "layer_spans",
-    "pieces_bound",
     "plan_checked",
     "plan_request",
     "plan_selection",
@@ -578,23 +576,3 @@ def _reads_itself(engine: LinkHost, by: By, caps: dict[str, bool], ranges: np.nd
         and bool(caps.get(Cap.KEY_READS) and caps.get(Cap.PVR))
         and engine.host_reachable(ranges)
     )
-
-
-# ====================================================================== shortcuts
-def pieces_bound(req: Request) -> int:
-    """An upper bound of the ranges a request selects, from its arrays' sizes alone: at most
-    every tensor of the initiator's cache times its longest block list."""
-    src, dst = req.src_blocks, req.dst_blocks
-    return len(req.local_addrs) * max(
-        0 if src is None else len(src), 0 if dst is None else len(dst), 1
-    )
-
-
-def bound_bytes(req: Request) -> int:
-    """About how many bytes a pull moves, from its request alone: the selected units of the
-    initiator's cache in every tensor of it. Only a shortcut before planning: a request it
-    underestimates (destination blocks of another size) is planned, found larger than the
-    inline limit and served by a task."""
-    tb, count, _ = req.layout
-    units = 1 if req.dst_blocks is None else len(req.dst_blocks)
-    return units * (tb // max(1, count)) * len(req.local_addrs)

@@ -28,10 +28,11 @@ import numpy as np
 from .._checks import check_same_dtype
 from .._enums import LLMStatusCode
 from .._errors import CopyCancelled, raise_if_false
-from .._memory import CancelToken
+from .._memory import INLINE_RANGES, CancelToken
 from .._messages import By, Op
 from .._planner import Plan, check_within
-from .exchange import Exchange, LayerFeed
+from .exchange import Exchange
+from .feed import LayerFeed
 from .grants import TransferRequest, plan_selection
 from .host import LinkHost
 from .link import Link
@@ -245,7 +246,7 @@ def pull_direct_now(engine: LinkHost, link: Link, spec: TransferRequest) -> tupl
     Raises:
         LLMException: as :func:`_direct_plan`.
     """
-    if _selected_bytes(spec) > NOW_BYTES:
+    if _selected_bytes(spec) > NOW_BYTES or _selected_ranges(spec) > INLINE_RANGES:
         return None  # not planned twice: the task plans it
     plan = _direct_plan(engine, link, spec)
     access, epoch = link.access, link.view.epoch
@@ -281,6 +282,15 @@ def _selected_bytes(spec: TransferRequest) -> int:
     if spec.size >= 0:
         return tensors * spec.size
     return tensors * e.stride  # one slot of each tensor (a blocks cache's block: its unit)
+
+
+def _selected_ranges(spec: TransferRequest) -> int:
+    """At most how many ranges a pull's plan has (a range per tensor and block, before
+    contiguous ones merge)."""
+    tensors = spec.local.num_tensors
+    if spec.dst_range is not None:
+        tensors = len(spec.dst_range) * spec.tensor_num_per_layer
+    return tensors * max(1, 0 if spec.dst_blocks is None else len(spec.dst_blocks))
 
 
 def _recorded(

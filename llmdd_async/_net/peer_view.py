@@ -57,7 +57,7 @@ class PeerView:
         #: the table's caches by id (as the peer described them; checked before any use)
         self.caches: dict[int, dict[str, Any]] = {}
         #: cache id -> (its table entry, the layout and the data type parsed from that entry)
-        self._layouts: dict[int, tuple[dict[str, Any], Layout | None, int | None]] = {}
+        self._layouts: dict[int, tuple[dict[str, Any], Layout | None, int | None, bool]] = {}
         #: (address, value) of the peer's epoch counter as of that view (one-sided pulls)
         self.epoch: tuple[int, int] | None = None
         #: (starts, ends) of the peer's memory that it let us reach directly, refreshed from
@@ -94,11 +94,16 @@ class PeerView:
         it did not say (earlier releases) or the entry is missing or malformed."""
         return self._parsed(cache_id)[1]
 
-    def _parsed(self, cache_id: int) -> tuple[Layout | None, int | None]:
+    def device_memory(self, cache_id: int) -> bool:
+        """True if the peer published ``cache_id`` as memory its CPU cannot address (device
+        memory: its bytes are staged there)."""
+        return self._parsed(cache_id)[2]
+
+    def _parsed(self, cache_id: int) -> tuple[Layout | None, int | None, bool]:
         desc = self.caches.get(cache_id)
         cached = self._layouts.get(cache_id)
         if cached is not None and cached[0] is desc:
-            return cached[1], cached[2]
+            return cached[1], cached[2], cached[3]
         layout: Layout | None = None
         info = CacheInfo.decode(desc) if desc is not None else None
         if info is not None and info.remote_accessible:
@@ -106,9 +111,10 @@ class PeerView:
             if layout.num_tensors == 0 or layout.count <= 0 or layout.tensor_bytes <= 0:
                 layout = None
         dtype = info.dtype if info is not None else None
+        device = info is not None and info.device
         if desc is not None:
-            self._layouts[cache_id] = (desc, layout, dtype)
-        return layout, dtype
+            self._layouts[cache_id] = (desc, layout, dtype, device)
+        return layout, dtype, device
 
     def adopt(self, table: Mapping[str, Any]) -> None:
         """What this side knows of the peer's memory, from a copy of its table: the reachable

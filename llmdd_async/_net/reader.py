@@ -458,10 +458,11 @@ class LinkReader:
 
 
 def _count(link: Link, landing: _Landing) -> None:
-    """A payload landed: count it, and tell its request when all of its bytes are in."""
-    link.stats_bytes += landing.n
+    """A payload landed: count it, and tell its request when all of its bytes are in (one
+    nobody receives, discarded, is not counted)."""
     req, stream = landing.req, landing.stream
     if req is not None and stream is not None:
+        link.stats_bytes += landing.n
         req.received += landing.n
         if req.received >= stream.total:
             req.data_event.set()
@@ -479,17 +480,21 @@ def _copy_into(views: list[memoryview], pos: int, data: memoryview) -> None:
 
 
 def _slice_views(views: list[memoryview], pos: int, n: int) -> list[memoryview]:
-    out = []
+    out: list[memoryview] = []
     for v in views:
         if n <= 0:
             break
-        if pos >= v.nbytes:
-            pos -= v.nbytes
-            continue
-        take = min(v.nbytes - pos, n)
-        out.append(v[pos : pos + take])
-        n -= take
-        pos = 0
+        size = v.nbytes
+        if pos >= size:
+            pos -= size
+        elif not pos and size <= n:  # (most views are taken whole: no new view)
+            out.append(v)
+            n -= size
+        else:
+            take = min(size - pos, n)
+            out.append(v[pos : pos + take])
+            n -= take
+            pos = 0
     return out
 
 

@@ -29,7 +29,7 @@ from .._registry import CacheEntry
 from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
 from .eager import stream_digest
-from .grants import INLINE_PIECES, bound_bytes, finish, pieces_bound, plan_checked, resolve
+from .grants import INLINE_PIECES, finish, plan_checked, resolve
 from .host import LinkHost
 from .link import Link
 from .requests import Serving
@@ -389,6 +389,29 @@ def _grant_now(
 
 def _nothing() -> None:
     return None
+
+
+def pieces_bound(req: Request) -> int:
+    """An upper bound of the ranges a request selects, from its arrays' sizes alone: at most
+    every tensor of the initiator's cache times its longest block list."""
+    src, dst = req.src_blocks, req.dst_blocks
+    return len(req.local_addrs) * max(
+        0 if src is None else len(src), 0 if dst is None else len(dst), 1
+    )
+
+
+def bound_bytes(req: Request) -> int:
+    """About how many bytes a request moves, from itself alone: the selected units of the
+    initiator's cache in the tensors its layer window selects. Only a shortcut before
+    planning: a request it underestimates (destination blocks of another size) is planned,
+    found larger than the inline limit and served by a task."""
+    tb, count, _ = req.layout
+    units = 1 if req.dst_blocks is None else len(req.dst_blocks)
+    tensors = len(req.local_addrs)
+    window = req.dst_range if req.op is Op.PULL else req.src_range
+    if window is not None:
+        tensors = min(tensors, len(window) * max(1, req.tensor_num_per_layer))
+    return units * (tb // max(1, count)) * tensors
 
 
 async def _out_of_budget(engine: LinkHost, link: Link, req: Serving, mode: Mode) -> None:

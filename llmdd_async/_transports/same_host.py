@@ -29,7 +29,7 @@ import anyio.to_thread
 import numpy as np
 
 from .._errors import CopyCancelled
-from .._memory import CancelToken, copy_ranges, run_parts
+from .._memory import INLINE_RANGES, CancelToken, copy_ranges, run_parts
 from .._messages import Proof
 from .._planner import Plan, split_plan, u64_sum
 from . import CopyRunner, PeerAccess
@@ -46,8 +46,6 @@ _VM_SPLIT_BYTES = 8 << 20
 #: requests of 1 MiB in flight went from 1330 to about 1700 req/s here when pvr stopped
 #: hopping to threads, and from about 1900 to 2400 when pool memmoves did too
 _VM_INLINE_BYTES = _POOL_INLINE_BYTES = 1 << 20
-#: plans of at most this many ranges may be copied from the loop (copy_now)
-_NOW_RANGES = 64
 
 
 def check_pool_fd(fd: int, size: int) -> None:
@@ -204,7 +202,7 @@ class SameHostAccess(PeerAccess):
     async def _vm_plan(self, name: str, plan: Plan, token: CancelToken) -> int:
         """process_vm_* over ``plan`` (src: peer, dst: ours): small plans inline, big ones on
         two threads. Raises CopyCancelled, OSError (every thread stopped when it raises)."""
-        if plan.total_bytes <= _VM_INLINE_BYTES and len(plan) <= 64:
+        if plan.total_bytes <= _VM_INLINE_BYTES and len(plan) <= INLINE_RANGES:
             # Small copies on the loop, as for local memcpy: a thread hop costs more (measured:
             # one-block p50 110 against 250 us). Such a syscall blocks for long only on memory
             # the peer made slow (swapped out, userfaultfd): a process of the same user, which
@@ -248,7 +246,7 @@ class SameHostAccess(PeerAccess):
         """A few ranges on the loop, as :meth:`_move` does for small plans: inside the peer's
         mapped pools, one memmove each (up to ``_POOL_INLINE_BYTES``); in user-registered
         memory, one ``process_vm_*`` (up to ``_VM_INLINE_BYTES``)."""
-        if len(remote) > _NOW_RANGES:
+        if len(remote) > INLINE_RANGES:
             return None
         total = u64_sum(nbytes)
         if self._touches_pool(remote):

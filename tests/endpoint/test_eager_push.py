@@ -5,10 +5,12 @@ early bytes are discarded, and they come again under the GRANT."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 from helpers import endpoint_options, raw_link
@@ -92,6 +94,103 @@ async def test_a_push_planned_otherwise_than_the_target_plans_it_is_sent_again_u
             assert np.array_equal(theirs[:, [9, 1]], ours[:, [3, 7]])
             assert decoder.link_statistics(1).recent[-1].mode == "stream"
             ours.add([3, 7], 1)  # (each round: bytes the target does not hold yet)
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes of every push sent behind its request from now on."""
+    sent: list[int] = []
+    planned = exchange.eager_plan
+
+    def spied(*args: Any) -> Plan | None:
+        plan = planned(*args)
+        if plan is not None:
+            sent.append(plan.total_bytes)
+        return plan
+
+    monkeypatch.setattr(exchange, "eager_plan", spied)
+    return sent
+
+
+async def test_a_push_of_a_layer_window_goes_with_its_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The target's quick bound before planning counted every tensor of the initiator's cache,
+    # not those of the layer window: such pushes were sent twice.
+    sent = _spy(monkeypatch)
+    async with linked_pair(OPTIONS) as (prompt, decoder):
+        desc = dd.CacheDesc(32, [8, BLOCK], dd.DataType.DT_UINT8)  # 16 layers: 32 MiB
+        theirs = [np.zeros((8, BLOCK), np.uint8) for _ in range(32)]
+        prompt.cache_manager.register_blocks_cache(desc, theirs, dd.BlocksCacheKey(1, 0))
+        ours = [np.full((8, BLOCK), t + 1, np.uint8) for t in range(32)]
+        cache = decoder.cache_manager.register_blocks_cache(desc, ours)
+        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        await cm.push_blocks(key, cache, [0], [0])  # the first fetches the peer's table
+        sent.clear()
+        before = prompt.link_statistics(2).bytes
+        layer = range(3, 4)
+        await cm.push_blocks(key, cache, [3], [5], src_layer_range=layer, dst_layer_range=layer)
+        assert (theirs[6][5] == 7).all() and (theirs[7][5] == 8).all()
+        assert (theirs[5][5] == 0).all() and (theirs[8][5] == 0).all()
+        assert sent == [2 * BLOCK]
+        assert prompt.link_statistics(2).bytes - before == 2 * BLOCK  # once
+        assert decoder.link_statistics(1).recent[-1].mode == "eager"
+
+
+async def test_a_push_into_device_memory_waits_for_its_grant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The target stages device memory from a task, which grants: the initiator sees that in
+    # the peer's table and does not send the bytes twice.
+    torch = pytest.importorskip("torch")
+    sent = _spy(monkeypatch)
+    device = {"llm.DeviceAdapter": "torch", "llm.TorchDevice": "cpu"}
+    async with linked_pair(OPTIONS, prompt_options=device) as (prompt, decoder):
+        desc = dd.CacheDesc(2, [8, BLOCK], dd.DataType.DT_UINT8)
+        theirs = [torch.zeros((8, BLOCK), dtype=torch.uint8) for _ in range(2)]
+        prompt.cache_manager.register_blocks_cache(desc, theirs, dd.BlocksCacheKey(1, 0))
+        ours = [np.full((8, BLOCK), 9, np.uint8) for _ in range(2)]
+        cache = decoder.cache_manager.register_blocks_cache(desc, ours)
+        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        await cm.push_blocks(key, cache, [0], [0])
+        before = prompt.link_statistics(2).bytes
+        await cm.push_blocks(key, cache, [3], [5])
+        assert all((t[5] == 9).all() for t in theirs)
+        assert sent == []
+        assert prompt.link_statistics(2).bytes - before == 2 * BLOCK
+        assert decoder.link_statistics(1).recent[-1].mode == "stream"
+
+
+async def test_small_pushes_behind_a_large_one_on_a_slow_socket_all_succeed() -> None:
+    # The writer runs a batch's completions once the whole batch is out: a RESULT may come
+    # before a push that the batch carried hears its bytes left. That is not the peer lying.
+    async with linked_pair({**OPTIONS, "llm.SyncKvCacheWaitTime": "20000"}) as (prompt, decoder):
+        n = 128
+        desc = dd.CacheDesc(2, [n, BLOCK], dd.DataType.DT_UINT8)
+        theirs = [np.zeros((n, BLOCK), np.uint8) for _ in range(2)]
+        prompt.cache_manager.register_blocks_cache(desc, theirs, dd.BlocksCacheKey(1, 0))
+        ours = [np.full((n, BLOCK), 7, np.uint8) for _ in range(2)]
+        cache = decoder.cache_manager.register_blocks_cache(desc, ours)
+        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        await cm.push_blocks(key, cache, [0], [0])
+        for side in (decoder, prompt):
+            for lnk in engine_of(side).links.links.values():
+                lnk.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
+                lnk.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+        pushed = {0}
+        for _ in range(5):
+            big = list(range(64, 96))  # 4 MiB: it holds the socket while the others queue
+            pushed.update(big)
+            tasks = [cm.push_blocks(key, cache, big, big)]
+            await anyio.lowlevel.checkpoint()
+            for i in range(8):
+                blocks = [i] if i % 2 == 0 else [8 + i, 20 + i, 30 + i, 40 + i, 50 + i]
+                pushed.update(blocks)
+                tasks.append(cm.push_blocks(key, cache, blocks, blocks))
+            for task in tasks:
+                await task  # none fails (it broke the link: "RESULT before the push's DATA")
+            assert engine_of(decoder).links.links[1].alive
+        done = sorted(pushed)
+        assert all((t[done] == 7).all() for t in theirs)
 
 
 # ---------------------------------------------------------------------- a hand-made initiator

@@ -695,6 +695,37 @@ async def test_a_small_one_sided_pull_is_done_when_the_call_returns(registered: 
             assert np.array_equal(dst.tensors[t], want[t])
 
 
+@pytest.mark.parametrize("registered", [False, True], ids=["pool", "registered"])
+async def test_a_one_sided_pull_of_a_block_of_many_tensors_is_done_when_the_call_returns(
+    registered: bool,
+) -> None:
+    """A block of a many-layer model is a range per tensor (160 for 80 layers of K and V): a
+    one-sided pull of one such block is copied from the loop within the call too (it used to
+    go to a task and a worker thread past 64 ranges)."""
+    async with pair("same-host", ra=True) as (p, d):
+        tensors, shape = 160, (8, 4096)
+        await p.request(
+            "register" if registered else "alloc",
+            kind="blocks",
+            remote_accessible=True,
+            num_tensors=tensors,
+            shape=list(shape),
+            blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
+            seed=67,
+        )
+        cm = d.cache_manager
+        dst = cm.allocate_blocks_cache(dd.CacheDesc(tensors, list(shape), dd.DataType.DT_UINT8))
+        key = dd.BlocksCacheKey(PROMPT, 0)
+        await cm.pull_blocks(key, dst, [0], [0])  # the first fetches the peer's table
+        task = cm.pull_blocks(key, dst, [5], [2])
+        assert task.done()
+        await task
+        assert link_of(d, PROMPT).raw.statistics().recent[-1].mode == "direct"
+        assert task.statistics().bytes == tensors * shape[1]
+        for t in (0, 77, 159):
+            assert np.array_equal(dst.tensors[t][2], expected_tensor(67, t, shape)[5])
+
+
 async def test_a_cache_released_under_a_one_sided_copy_from_the_loop_is_not_kept() -> None:
     """The peer's epoch moves while a small one-sided pull copies from the loop: the copy is
     not reported; the pull goes to the peer, which answers for its caches."""
