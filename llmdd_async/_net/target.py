@@ -393,11 +393,23 @@ def _nothing() -> None:
 
 def pieces_bound(req: Request) -> int:
     """An upper bound of the ranges a request selects, from its arrays' sizes alone: at most
-    every tensor of the initiator's cache times its longest block list."""
+    the tensors of the initiator's layer window times its longest block list."""
     src, dst = req.src_blocks, req.dst_blocks
-    return len(req.local_addrs) * max(
+    return _window_tensors(req) * max(
         0 if src is None else len(src), 0 if dst is None else len(dst), 1
     )
+
+
+def _window_tensors(req: Request) -> int:
+    """The initiator's tensors the request selects: its layer window's, else all."""
+    tensors = len(req.local_addrs)
+    window = req.dst_range if req.op is Op.PULL else req.src_range
+    if window is not None:
+        # (stop - start, not len(): a peer's range may be longer than len() can say)
+        tensors = min(
+            tensors, max(0, window.stop - window.start) * max(1, req.tensor_num_per_layer)
+        )
+    return tensors
 
 
 def bound_bytes(req: Request) -> int:
@@ -406,12 +418,9 @@ def bound_bytes(req: Request) -> int:
     planning: a request it underestimates (destination blocks of another size) is planned,
     found larger than the inline limit and served by a task."""
     tb, count, _ = req.layout
-    units = 1 if req.dst_blocks is None else len(req.dst_blocks)
-    tensors = len(req.local_addrs)
-    window = req.dst_range if req.op is Op.PULL else req.src_range
-    if window is not None:
-        tensors = min(tensors, len(window) * max(1, req.tensor_num_per_layer))
-    return units * (tb // max(1, count)) * tensors
+    ours = req.dst_blocks if req.op is Op.PULL else req.src_blocks  # the initiator's units
+    units = 1 if ours is None else len(ours)
+    return units * (tb // max(1, count)) * _window_tensors(req)
 
 
 async def _out_of_budget(engine: LinkHost, link: Link, req: Serving, mode: Mode) -> None:

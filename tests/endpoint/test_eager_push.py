@@ -136,6 +136,30 @@ async def test_a_push_of_a_layer_window_goes_with_its_request(
         assert decoder.link_statistics(1).recent[-1].mode == "eager"
 
 
+async def test_a_layer_window_of_a_many_tensor_cache_goes_with_its_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 160 tensors of 128 blocks: every tensor times every block is more ranges than the target
+    # plans from its reader, one layer's are not (its bound of the ranges counts the window).
+    sent = _spy(monkeypatch)
+    tensors, blocks, block = 160, 128, 1024
+    async with linked_pair(OPTIONS) as (prompt, decoder):
+        desc = dd.CacheDesc(tensors, [blocks, block], dd.DataType.DT_UINT8)
+        theirs = [np.zeros((blocks, block), np.uint8) for _ in range(tensors)]
+        prompt.cache_manager.register_blocks_cache(desc, theirs, dd.BlocksCacheKey(1, 0))
+        ours = [np.full((blocks, block), t % 250 + 1, np.uint8) for t in range(tensors)]
+        cache = decoder.cache_manager.register_blocks_cache(desc, ours)
+        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        layer = range(3, 4)
+        await cm.push_blocks(key, cache, [0], [0], src_layer_range=layer, dst_layer_range=layer)
+        sent.clear()
+        every = list(range(blocks))
+        await cm.push_blocks(key, cache, every, every, src_layer_range=layer, dst_layer_range=layer)
+        assert (theirs[6] == 7).all() and (theirs[7] == 8).all() and (theirs[8] == 0).all()
+        assert sent == [2 * blocks * block]
+        assert decoder.link_statistics(1).recent[-1].mode == "eager"
+
+
 async def test_a_push_into_device_memory_waits_for_its_grant(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -301,3 +325,29 @@ async def test_late_bytes_for_a_push_taken_as_sent_never_land(
     with anyio.fail_after(5):
         assert Result.decode(await peer.recv(MT.RESULT)).ok
     assert (arr[2] == 0xAB).all()
+
+
+@pytest.mark.parametrize("window", [range(0, 1 << 63), range(-(1 << 62), 1 << 62)])
+async def test_a_layer_window_longer_than_python_can_count_is_refused(
+    target: tuple[Any, np.ndarray, int], window: range
+) -> None:
+    # (len() of such a range raises OverflowError: it broke the link, from the reader)
+    peer, arr, cache_id = target
+    req = Request(
+        1,
+        Op.PUSH,
+        Address(By.CACHE_ID, cache_id=cache_id),
+        Shape.BLOCKS,
+        (4 * BLOCK, 4, True),
+        np.array([PEER_TENSOR], np.uint64),
+        src_blocks=np.array([0], np.uint64),
+        dst_blocks=np.array([2], np.uint64),
+        src_range=window,
+        dst_range=range(0, 1),
+        tensor_num_per_layer=1,
+    )
+    await peer.send_bytes(encode(req.encode()))
+    with anyio.fail_after(5):
+        assert not Grant.decode(await peer.recv(MT.GRANT)).ok
+    await _settled(peer)  # the link is up
+    assert (arr == 0).all()
