@@ -287,11 +287,17 @@ def library_logs_enabled(monkeypatch: Any) -> None:
 
     Something earlier in a full run (a ``logging.config.dictConfig`` with its default
     ``disable_existing_loggers``) can leave our existing loggers disabled; tests about what
-    the library logs are not about that."""
+    the library logs are not about that. Every ``llmdd_async`` logger that exists is
+    enabled, propagates, and takes the package's level."""
     import logging
 
-    for name in ("llmdd_async", "llmdd_async.engine"):
-        monkeypatch.setattr(logging.getLogger(name), "disabled", False)
-    monkeypatch.setattr(logging.getLogger("llmdd_async.engine"), "level", logging.NOTSET)
-    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
-    logging.getLogger("llmdd_async").manager._clear_cache()
+    manager = logging.root.manager
+    names = [n for n in list(manager.loggerDict) if n.split(".")[0] == "llmdd_async"]
+    for name in {"llmdd_async", *names}:
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "disabled", False)
+        monkeypatch.setattr(logger, "propagate", True)
+        if name != "llmdd_async":  # (caplog.at_level sets the package's level)
+            monkeypatch.setattr(logger, "level", logging.NOTSET)
+    monkeypatch.setattr(manager, "disable", logging.NOTSET)
+    manager._clear_cache()

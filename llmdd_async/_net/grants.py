@@ -213,7 +213,10 @@ def _within_units_small(
         if last >= size:
             return False
         b0, b1 = off // unit, last // unit
-        if b1 - b0 > len(selected) or any(b not in selected for b in range(b0, b1 + 1)):
+        if b0 == b1:  # most ranges lie in one block
+            if b0 not in selected:
+                return False
+        elif b1 - b0 > len(selected) or any(b not in selected for b in range(b0, b1 + 1)):
             return False
     return True
 

@@ -14,7 +14,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from helpers import blocking_peer, cluster, endpoint_options, expected_tensor
+from helpers import (
+    blocking_peer,
+    cluster,
+    endpoint_options,
+    expected_tensor,
+    library_logs_enabled,
+)
 
 import llmdd_async.sync as s
 from llmdd_async.testing import encode_key
@@ -215,7 +221,8 @@ def test_the_facade_refuses_calls_from_its_own_loop_thread(facade_dd) -> None:
         LoopThread.get().call(inside)
 
 
-def test_atexit_finalizes_a_forgotten_endpoint(caplog) -> None:
+def test_atexit_finalizes_a_forgotten_endpoint(caplog, monkeypatch) -> None:
+    library_logs_enabled(monkeypatch)
     child = textwrap.dedent(
         """
         import sys

@@ -6,6 +6,7 @@ import logging
 
 import numpy as np
 import pytest
+from helpers import library_logs_enabled
 
 import llmdd_async as dd
 from llmdd_async.testing import DEFAULT_OPTIONS, linked_pair
@@ -18,8 +19,9 @@ def _events(caplog: pytest.LogCaptureFixture, name: str) -> list[logging.LogReco
 
 
 async def test_transfer_events_carry_the_task_id_and_the_peer_cluster(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    library_logs_enabled(monkeypatch)
     async with linked_pair({**DEFAULT_OPTIONS, "llm.Transport": "tcp"}) as (prompt, decoder):
         desc = dd.CacheDesc(1, [4, 1024], dd.DataType.DT_UINT8)
         src = np.arange(4 * 1024, dtype=np.uint32).astype(np.uint8).reshape(4, 1024)

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from helpers import library_logs_enabled
 
 import llmdd_async as dd
 from llmdd_async import _log
@@ -55,7 +56,10 @@ def _run(setup: str = "", **env: str) -> str:
     return out.stderr
 
 
-def test_message_is_the_event_then_its_fields(caplog: pytest.LogCaptureFixture) -> None:
+def test_message_is_the_event_then_its_fields(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    library_logs_enabled(monkeypatch)
     log = _log.get_logger("link", peer_cluster_id=1)
     with caplog.at_level(logging.INFO, logger="llmdd_async.link"):
         log.info("link.failed", reason="connection refused", attempt=2)
@@ -69,7 +73,10 @@ def test_message_is_the_event_then_its_fields(caplog: pytest.LogCaptureFixture) 
     assert record.peer_cluster_id == 1  # type: ignore[attr-defined]
 
 
-def test_exceptions_are_formatted_by_logging(caplog: pytest.LogCaptureFixture) -> None:
+def test_exceptions_are_formatted_by_logging(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    library_logs_enabled(monkeypatch)
     log = _log.get_logger("engine")
     with caplog.at_level(logging.ERROR, logger="llmdd_async.engine"):
         try:
@@ -132,8 +139,9 @@ def test_configure_from_env_values(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_a_real_event_reaches_caplog_with_its_fields(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    library_logs_enabled(monkeypatch)
     with caplog.at_level(logging.INFO, logger="llmdd_async"):
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 7).running(
             {"llm.EnableCacheManager": "1"}
@@ -147,9 +155,12 @@ async def test_a_real_event_reaches_caplog_with_its_fields(
     assert any(m.startswith("link.failed cluster_id=7 ") and "reason=" in m for m in msgs), msgs
 
 
-async def test_a_normal_unlink_logs_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_normal_unlink_logs_no_warning(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from helpers import cluster, endpoint_options, link
 
+    library_logs_enabled(monkeypatch)
     caplog.set_level(logging.INFO, logger="llmdd_async")
     async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(endpoint_options(listen=True)) as p:
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options()) as d:

@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from helpers import cluster, endpoint_options
+from helpers import cluster, endpoint_options, library_logs_enabled
 
 import llmdd_async as dd
 from llmdd_async._childproc import ChildProcess
@@ -392,11 +392,13 @@ async def test_an_unprivileged_peer_cannot_make_a_root_victim_map_its_files(
     victim_listens: bool,
     caplog: pytest.LogCaptureFixture,
     loop: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A uid-65534 process lists O_PATH descriptors of a 0600 and a 0644 root file as its
     pools. The root victim must never map them: the secret never comes back from a pull, the
     public file is never overwritten by a push, and it never hands its own pools over."""
     _need_root()
+    library_logs_enabled(monkeypatch)
     caplog.set_level(logging.INFO, logger="llmdd_async")
     secret_path, public_path, secret = root_files
     opts = endpoint_options(listen=True, ra=True)
