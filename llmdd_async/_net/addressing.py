@@ -26,7 +26,7 @@ from .._types import (
     slot_key_of,
 )
 from .grants import TransferRequest
-from .peer_view import typed_table
+from .peer_view import cache_info, typed_table
 
 __all__ = ["layer_spec_factory", "resolve_in_table", "target_of", "with_table"]
 
@@ -52,15 +52,13 @@ def resolve_in_table(table: Mapping[str, Any], target: Address, peer: int) -> Ad
     """
     by = target.by
     if by is By.BLOCKS_KEY:
-        typed = typed_table(table)
-        cid: int | None = typed.blocks_keys.get(str(target.model_id))
+        cid: int | None = typed_table(table).blocks_keys.get(str(target.model_id))
         index = 0
     elif by is By.CACHE_ID:
-        typed = typed_table(table)
         cid, index = target.cache_id, target.index
     else:
         return target
-    entry = next((c for c in typed.caches if c.cache_id == cid), None)
+    entry = cache_info(table, cid)
     if cid is None or entry is None:
         what = f"cache id {cid}" if by is By.CACHE_ID else f"blocks key {target.model_id}"
         raise LLMException(

@@ -31,17 +31,29 @@ class TableSnapshot(dict[str, Any]):
     them so), with the typed :class:`Table` parsed from them once: keys and ids resolve against
     it at every transfer of the link, and parsing a table per request would cost the hot path."""
 
-    __slots__ = ("typed",)
+    __slots__ = ("by_id", "typed")
 
     def __init__(self, fields: Mapping[str, Any]) -> None:
         super().__init__(fields)
         self.typed = Table.of(fields)
+        #: the first entry of each cache id (as a scan of ``typed.caches`` finds it)
+        self.by_id: dict[int, CacheInfo] = {}
+        for c in self.typed.caches:
+            self.by_id.setdefault(c.cache_id, c)
 
 
 def typed_table(table: Mapping[str, Any]) -> Table:
     """The typed form of a peer's table fields (parsed once for a :class:`TableSnapshot`);
     never raises: malformed entries count as nothing."""
     return table.typed if isinstance(table, TableSnapshot) else Table.of(table)
+
+
+def cache_info(table: Mapping[str, Any], cache_id: int | None) -> CacheInfo | None:
+    """The (first) entry of ``cache_id`` in a peer's table fields, None if there is none; a
+    dict lookup for a :class:`TableSnapshot` (a peer may publish thousands of caches)."""
+    if isinstance(table, TableSnapshot):
+        return None if cache_id is None else table.by_id.get(cache_id)
+    return next((c for c in Table.of(table).caches if c.cache_id == cache_id), None)
 
 
 class PeerView:

@@ -62,9 +62,10 @@ main() {
         export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
         export LLMDD_GPU_SUMMARY="$summary" PYTHONUNBUFFERED=1
         # -p no:llmdd_async: the checkout's own pytest plugin is not installed here anyway;
-        # pyproject's pytest-asyncio settings only warn (pytest-asyncio is not needed here).
+        # pyproject's pytest-asyncio settings only warn (pytest-asyncio is not needed here);
+        # -o addopts=: one process (pyproject's -n 2 needs pytest-xdist, not installed here).
         # shellcheck disable=SC2086
-        timeout -k 10 "$limit" "$vpy" -m pytest tests/gpu -q -rA \
+        timeout -k 10 "$limit" "$vpy" -m pytest tests/gpu -q -rA -o addopts= --strict-markers \
             -p no:cacheprovider -p no:llmdd_async -W ignore::pytest.PytestConfigWarning \
             --timeout 120 --junitxml "$out/junit.xml" ${GPU_PYTEST_ARGS:-}
         status=$?

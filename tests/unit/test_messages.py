@@ -1180,6 +1180,31 @@ def test_a_table_snapshot_is_the_dict_it_always_was_and_resolves_as_before() -> 
     assert [r.tolist() for r in view.regions] == [[4096, 8192], [4160, 8256]]
 
 
+def test_a_snapshot_finds_a_cache_by_id_as_a_scan_of_the_table_does() -> None:
+    """The snapshot's index by cache id keeps the scan's answer: a peer that lists one id
+    twice is read by its first entry, whichever form of the table resolves it."""
+    from llmdd_async._errors import LLMException
+    from llmdd_async._net.addressing import resolve_in_table
+    from llmdd_async._net.peer_view import TableSnapshot, cache_info
+
+    hidden = {**_CACHE, "remote_accessible": False}
+    many = [{**_CACHE, "cache_id": 100 + i} for i in range(1000)]
+    for first, second, ok in ((_CACHE, hidden, True), (hidden, _CACHE, False)):
+        fields = {"caches": [*many, first, second], "blocks_keys": {"5": 1}, "slot_keys": []}
+        for table in (fields, TableSnapshot(fields)):
+            info = cache_info(table, 1)
+            assert info is not None and info.remote_accessible is ok
+            assert cache_info(table, 2) is None and cache_info(table, None) is None
+            assert cache_info(table, 1099) is not None
+            for target in (Address(By.BLOCKS_KEY, model_id=5), Address(By.CACHE_ID, cache_id=1)):
+                if ok:
+                    assert resolve_in_table(table, target, 9).cache_id == 1
+                else:
+                    with pytest.raises(LLMException) as err:
+                        resolve_in_table(table, target, 9)
+                    assert err.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
 def _packed_frame(mtype: MT, packed: bytes, sizes: list[int], arrays: bytes = b"") -> bytes:
     """A packed frame written by hand (a hostile peer's)."""
     meta = struct.pack("<I", len(packed) | 1 << 31) + packed
