@@ -24,7 +24,7 @@ from .._errors import LLMException
 from .._messages import By, Op
 from .._planner import Plan, check_within
 from .._transports.tcp import INLINE_BYTES
-from .grants import TransferRequest, plan_selection
+from .grants import TransferRequest, plan_selection, selection_bound
 from .host import LinkHost
 from .link import Link
 from .streams import VIEWS_INLINE
@@ -45,18 +45,6 @@ def stream_digest(ranges: np.ndarray, nbytes: np.ndarray) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def _selected(spec: TransferRequest) -> tuple[int, int]:
-    """About the bytes a push selects of our cache, and at most how many ranges (cheap,
-    before planning; a block or a slot counted whole)."""
-    e = spec.local
-    tensors = e.num_tensors
-    if spec.src_range is not None:
-        tensors = len(spec.src_range) * spec.tensor_num_per_layer
-    if spec.src_blocks is not None:
-        return tensors * len(spec.src_blocks) * e.stride, tensors * len(spec.src_blocks)
-    return tensors * (spec.size if spec.size >= 0 else e.stride), tensors
-
-
 def eager_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | None:
     """The plan of a push whose bytes may follow its request (its ranges of our cache, in the
     order the target's plan will read the stream), or None: then it waits for its GRANT.
@@ -69,7 +57,7 @@ def eager_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | No
     target = spec.target
     if spec.op != Op.PUSH or not engine.options.remote_accessible or target.by is not By.CACHE_ID:
         return None
-    nbytes, ranges = _selected(spec)
+    nbytes, ranges = selection_bound(spec)
     if nbytes > EAGER_BYTES or ranges > VIEWS_INLINE:
         return None  # not planned here as well as there
     view = link.view

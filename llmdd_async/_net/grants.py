@@ -118,6 +118,21 @@ class TransferRequest:
         )
 
 
+def selection_bound(spec: TransferRequest) -> tuple[int, int]:
+    """About the bytes a request selects of our own cache, and at most how many ranges (a
+    range per tensor and block, before contiguous ones merge): cheap, before planning, a
+    block or a slot counted whole."""
+    pull, e = spec.op == Op.PULL, spec.local
+    window, blocks = (
+        (spec.dst_range, spec.dst_blocks) if pull else (spec.src_range, spec.src_blocks)
+    )
+    tensors = e.num_tensors if window is None else len(window) * spec.tensor_num_per_layer
+    if blocks is not None:
+        unit = (spec.dst_block_bytes if pull else None) or e.stride
+        return tensors * len(blocks) * unit, tensors * max(1, len(blocks))
+    return tensors * (spec.size if spec.size >= 0 else e.stride), tensors
+
+
 # ====================================================================== initiator's check
 def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) -> bool:
     """True if every range a grant names in our own cache lies in what the request selected:

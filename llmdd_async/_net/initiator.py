@@ -33,7 +33,7 @@ from .._messages import By, Op
 from .._planner import Plan, check_within
 from .exchange import Exchange
 from .feed import LayerFeed
-from .grants import TransferRequest, plan_selection
+from .grants import TransferRequest, plan_selection, selection_bound
 from .host import LinkHost
 from .link import Link
 from .requests import Pending, TransferRecord
@@ -246,7 +246,8 @@ def pull_direct_now(engine: LinkHost, link: Link, spec: TransferRequest) -> tupl
     Raises:
         LLMException: as :func:`_direct_plan`.
     """
-    if _selected_bytes(spec) > NOW_BYTES or _selected_ranges(spec) > INLINE_RANGES:
+    nbytes, ranges = selection_bound(spec)
+    if nbytes > NOW_BYTES or ranges > INLINE_RANGES:
         return None  # not planned twice: the task plans it
     plan = _direct_plan(engine, link, spec)
     access, epoch = link.access, link.view.epoch
@@ -268,29 +269,6 @@ def pull_direct_now(engine: LinkHost, link: Link, spec: TransferRequest) -> tupl
 #: one-sided pulls of at most this much may be copied from the loop (the accesses' own
 #: bound on a copy there)
 NOW_BYTES = 1 << 20
-
-
-def _selected_bytes(spec: TransferRequest) -> int:
-    """About the bytes a pull selects into our cache (cheap, before planning; a block or a
-    slot counted whole)."""
-    e = spec.local
-    tensors = e.num_tensors
-    if spec.dst_range is not None:
-        tensors = len(spec.dst_range) * spec.tensor_num_per_layer
-    if spec.dst_blocks is not None:
-        return tensors * len(spec.dst_blocks) * (spec.dst_block_bytes or e.stride)
-    if spec.size >= 0:
-        return tensors * spec.size
-    return tensors * e.stride  # one slot of each tensor (a blocks cache's block: its unit)
-
-
-def _selected_ranges(spec: TransferRequest) -> int:
-    """At most how many ranges a pull's plan has (a range per tensor and block, before
-    contiguous ones merge)."""
-    tensors = spec.local.num_tensors
-    if spec.dst_range is not None:
-        tensors = len(spec.dst_range) * spec.tensor_num_per_layer
-    return tensors * max(1, 0 if spec.dst_blocks is None else len(spec.dst_blocks))
 
 
 def _recorded(

@@ -245,8 +245,9 @@ async def target() -> AsyncIterator[tuple[Any, np.ndarray, int]]:
             peer.close()
 
 
-def _push(req_id: int, cache_id: int, eager: tuple[int, int] | None) -> bytes:
-    """A push of the peer's block 0 into block 2 of ``cache_id``."""
+def _push(req_id: int, cache_id: int, eager: tuple[int, int] | None, **fields: Any) -> bytes:
+    """A push of the peer's block 0 into block 2 of ``cache_id`` (``fields``: the request's
+    other fields, e.g. a layer window)."""
     return encode(
         Request(
             req_id,
@@ -258,6 +259,7 @@ def _push(req_id: int, cache_id: int, eager: tuple[int, int] | None) -> bytes:
             src_blocks=np.array([0], np.uint64),
             dst_blocks=np.array([2], np.uint64),
             eager=eager,
+            **fields,
         ).encode()
     )
 
@@ -333,20 +335,8 @@ async def test_a_layer_window_longer_than_python_can_count_is_refused(
 ) -> None:
     # (len() of such a range raises OverflowError: it broke the link, from the reader)
     peer, arr, cache_id = target
-    req = Request(
-        1,
-        Op.PUSH,
-        Address(By.CACHE_ID, cache_id=cache_id),
-        Shape.BLOCKS,
-        (4 * BLOCK, 4, True),
-        np.array([PEER_TENSOR], np.uint64),
-        src_blocks=np.array([0], np.uint64),
-        dst_blocks=np.array([2], np.uint64),
-        src_range=window,
-        dst_range=range(0, 1),
-        tensor_num_per_layer=1,
-    )
-    await peer.send_bytes(encode(req.encode()))
+    req = _push(1, cache_id, None, src_range=window, dst_range=range(0, 1), tensor_num_per_layer=1)
+    await peer.send_bytes(req)
     with anyio.fail_after(5):
         assert not Grant.decode(await peer.recv(MT.GRANT)).ok
     await _settled(peer)  # the link is up
