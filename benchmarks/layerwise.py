@@ -6,7 +6,9 @@ compute thread of this process and signals ``LayerEvents.layer_ready(i)`` after 
 
 * exposed (layer-wise): from the end of the last layer's compute to the last byte landing;
 * one layer: the transfer time of a single layer on its own (median);
-* after prefill: everything sent once the prefill finished (what a non-overlapping stack sees).
+* after prefill: everything sent once the prefill finished (what a non-overlapping stack sees);
+* transfer CPU per layer: this process's CPU time over the layer-wise run, less the compute
+  thread's own, per layer (what streaming costs the prefill worker beside its model).
 
 Run: ``python benchmarks/layerwise.py [--layers 16] [--layer-mib 8] [--json PATH]``; 80 small
 layers: ``--layers 80 --layer-kib 64``.
@@ -152,7 +154,7 @@ async def run(
             for ratio in ratios:
                 a, reps = calibrate(ratio * one_layer)
                 layer_compute = []
-                exposed, after, prefill = [], [], []
+                exposed, after, prefill, cpu = [], [], [], []
                 for _ in range(repeat):
                     # layer-wise: compute in a thread, stream meanwhile
                     ev = dd.LayerEvents()
@@ -160,19 +162,23 @@ async def run(
 
                     def forward(
                         ev: dd.LayerEvents = ev, a: np.ndarray = a, reps: int = reps
-                    ) -> tuple[float, list[float]]:
+                    ) -> tuple[float, list[float], float]:
                         times = []
+                        c0 = time.thread_time()
                         for i in range(layers):
                             t = time.perf_counter()
                             compute_layer(a, reps)
                             times.append(time.perf_counter() - t)
                             ev.layer_ready(i)
-                        return time.perf_counter(), times
+                        return time.perf_counter(), times, time.thread_time() - c0
 
                     t_start = time.perf_counter()
-                    t_end, times = await anyio.to_thread.run_sync(forward)
+                    c_start = time.process_time()
+                    t_end, times, compute_cpu = await anyio.to_thread.run_sync(forward)
                     await task
                     t_land = time.perf_counter()
+                    # what the transfer cost this process beside the model's own compute
+                    cpu.append((time.process_time() - c_start - compute_cpu) / layers)
                     exposed.append(t_land - t_end)
                     prefill.append(t_end - t_start)
                     layer_compute.extend(times)
@@ -195,6 +201,7 @@ async def run(
                         "exposed ms (after prefill)": statistics.median(after) * 1e3,
                         "exposed / one layer": exp / one_layer,
                         "hidden %": hidden_percent(exp, statistics.median(after)),
+                        "transfer CPU us/layer": statistics.median(cpu) * 1e6,
                         "target": 1.5 if compute >= one_layer else None,
                         "ok": exp / one_layer <= 1.5 if compute >= one_layer else None,
                     }
@@ -256,6 +263,7 @@ def main() -> None:
             "exposed ms (after prefill)",
             "exposed / one layer",
             "hidden %",
+            "transfer CPU us/layer",
             "target",
             "ok",
         ],

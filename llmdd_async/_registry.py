@@ -63,6 +63,12 @@ class CacheEntry:
         return sorted(int(a) for a in self.addrs.tolist())
 
     @functools.cached_property
+    def sorted_tensors(self) -> list[int]:
+        """The tensor indices in the order of :attr:`sorted_addrs` (a stable sort)."""
+        addrs = self.addrs.tolist()
+        return sorted(range(len(addrs)), key=addrs.__getitem__)
+
+    @functools.cached_property
     def regions(self) -> tuple[np.ndarray, np.ndarray]:
         """Sorted ``(starts, ends)`` of the cache's tensors."""
         starts = np.sort(self.addrs.astype(np.uint64))

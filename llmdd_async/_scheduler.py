@@ -29,15 +29,15 @@ from ._errors import (
     LLMException,
     SynchronizerAborted,
     is_caller_facing,
-    status_from_exception,
 )
+from ._layer_gate import wait_for_layer
 from ._net.addressing import resolve_in_table, with_table
 from ._net.exchange import Exchange
 from ._net.grants import TransferRequest
 from ._net.initiator import initiate, may_pull_directly, pull_direct_now
 from ._net.link import Link
-from ._options import DEFAULT_LAYER_SYNC_TIMEOUT_MS, DEFAULT_LAYER_WINDOW
-from ._synchronizer import AsyncLayerSynchronizer, LayerEvents
+from ._options import DEFAULT_LAYER_WINDOW
+from ._synchronizer import LayerEvents
 from ._task import CacheTask, LayerTiming, TaskControl
 
 if TYPE_CHECKING:
@@ -49,7 +49,6 @@ __all__ = [
     "run_request",
     "run_transfer",
     "start_request_now",
-    "wait_for_layer",
 ]
 
 
@@ -64,83 +63,6 @@ class Destination:
     #: the request of a run of consecutive layers
     make_spec: Callable[[range], TransferRequest]
     tensors_per_layer: int = 2
-
-
-#: a layer-wise transfer that waited this long for one layer's signal says so (once per
-#: layer): a forward pass that never calls ``layer_ready`` is the usual cause of a hang
-LAYER_WAIT_WARN_S = 5.0
-
-
-def _warn_waiting(engine: Engine, layer: int, t0: float, timeout_ms: int | None) -> None:
-    engine.log.warning(
-        "transfer.layer_wait",
-        layer=layer,
-        waited_s=round(time.monotonic() - t0, 1),
-        bound_ms=timeout_ms,
-        hint="the synchronizer has not released this layer (is layer_ready called for it?); "
-        "llm.LayerSyncTimeout bounds the wait",
-    )
-
-
-async def _warn_after(engine: Engine, layer: int, t0: float, timeout_ms: int | None) -> None:
-    await anyio.sleep(LAYER_WAIT_WARN_S)
-    _warn_waiting(engine, layer, t0, timeout_ms)
-
-
-async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int | None) -> None:
-    """Await ``sync`` for ``layer`` without blocking the loop: ``LayerEvents`` natively,
-    ``AsyncLayerSynchronizer`` on the loop, blocking synchronizers in a daemon thread (left
-    behind, harmlessly, if the task is cancelled while the callback still blocks).
-
-    Raises:
-        SynchronizerAborted: False (LLM_PARAM_INVALID, as upstream), an exception (its code,
-            LLM_FAILED by default) or a timeout (LLM_TIMEOUT).
-    """
-    if isinstance(sync, LayerEvents) and sync.is_layer_ready(layer):
-        return  # signalled already: no event, no scope (the usual case when the link lags)
-    t0 = time.monotonic()
-    # The user's synchronizer gets the user's value (None unless set, as upstream passes it);
-    # the wait itself is always bounded.
-    bound_ms = DEFAULT_LAYER_SYNC_TIMEOUT_MS if timeout_ms is None else timeout_ms
-    try:
-        with anyio.fail_after(bound_ms / 1000):
-            if isinstance(sync, LayerEvents):
-                event, wake = engine.threadsafe_event()
-                if not sync.add_waker(layer, wake):
-                    with anyio.move_on_after(LAYER_WAIT_WARN_S):
-                        await event.wait()
-                    if not event.is_set():
-                        _warn_waiting(engine, layer, t0, bound_ms)
-                        await event.wait()
-                ok = sync.result(layer)
-            else:
-                async with anyio.create_task_group() as tg:
-                    # A user's synchronizer cannot be asked twice: a watcher says it is slow.
-                    tg.start_soon(_warn_after, engine, layer, t0, bound_ms)
-                    if isinstance(sync, AsyncLayerSynchronizer):
-                        ok = await sync.synchronize_layer(layer, timeout_ms)
-                    else:
-                        ok = await engine.run_blocking(sync.synchronize_layer, layer, timeout_ms)
-                    tg.cancel_scope.cancel()
-    except TimeoutError:
-        raise SynchronizerAborted(
-            f"layer {layer} was not ready within {bound_ms} ms (llm.LayerSyncTimeout)",
-            status_code=LLMStatusCode.LLM_TIMEOUT,
-        ) from None
-    except anyio.get_cancelled_exc_class():
-        raise
-    except Exception as exc:
-        code = status_from_exception(exc)
-        if code == LLMStatusCode.LLM_PARAM_INVALID and not isinstance(exc, LLMException):
-            code = LLMStatusCode.LLM_FAILED  # a bug in the callback is not a bad parameter
-        raise SynchronizerAborted(
-            f"synchronize_layer({layer}) raised {exc!r}", status_code=code
-        ) from exc
-    if ok is not True:
-        raise SynchronizerAborted(
-            f"synchronize_layer({layer}) returned {ok!r}: transfer aborted",
-            status_code=LLMStatusCode.LLM_PARAM_INVALID,
-        )
 
 
 async def run_request(
@@ -346,9 +268,8 @@ async def run_layerwise(
     def known_ready(layer: int) -> bool:
         return isinstance(sync, LayerEvents) and sync.is_layer_ready(layer)
 
-    async def consume(d: Destination, receive: Any) -> None:
-        async with receive:
-            handed = _Handed(receive)
+    async def consume(d: Destination, handed: _Handed) -> None:
+        try:
             pos = 0  # the index in d.layers of the next layer to send
             while pos < len(d.layers):
                 if not await handed.wait():
@@ -358,6 +279,8 @@ async def run_layerwise(
                 await send_layers(d, _Feed(d, handed, run, timeout_s, ctl, started_at, sent))
                 pos += n
             ctl.set_result(d.slot, LLMStatusCode.LLM_SUCCESS)
+        finally:
+            handed.leave()
 
     async def send_layers(d: Destination, feed: _Feed) -> None:
         ctl.start_slot(d.slot)
@@ -403,7 +326,7 @@ async def run_layerwise(
 
     members = {d.index: set(d.layers) for d in dests}
 
-    async def produce(sends: dict[int, Any]) -> None:
+    async def produce(channels: dict[int, _Handed]) -> None:
         try:
             for layer in all_layers:
                 t_wait = ctl.now()
@@ -422,25 +345,19 @@ async def run_layerwise(
                 if ready_at[layer] - t_wait > _WAITED_S:
                     waited.append(ready_at[layer])  # the model's pace, not a layer ready early
                 for d in dests:
-                    if layer in members[d.index]:
-                        send = sends[d.index]
-                        try:
-                            # No loop turn while the window has room: a consumer that wakes
-                            # then finds every layer that was ready, for one request.
-                            send.send_nowait(layer)
-                        except anyio.WouldBlock:
-                            await send.send(layer)
+                    # No loop turn while the window has room: a consumer that wakes then
+                    # finds every layer that was ready, for one request.
+                    if layer in members[d.index] and not channels[d.index].hand_nowait(layer):
+                        await channels[d.index].hand(layer)
         finally:
-            for s in sends.values():
-                await s.aclose()
+            for channel in channels.values():
+                channel.finish()
 
     async with anyio.create_task_group() as tg:
-        sends = {}
+        channels = {d.index: _Handed(window) for d in dests}
         for d in dests:
-            send, receive = anyio.create_memory_object_stream[int](window)
-            sends[d.index] = send
-            tg.start_soon(_first_failure, consume, (d, receive), failure, tg)
-        tg.start_soon(_first_failure, produce, (sends,), failure, tg)
+            tg.start_soon(_first_failure, consume, (d, channels[d.index]), failure, tg)
+        tg.start_soon(_first_failure, produce, (channels,), failure, tg)
     if failure:
         raise failure[0]
 
@@ -484,31 +401,75 @@ def _request_size(
 
 
 class _Handed:
-    """The layers the producer handed a destination over, in order, as they come."""
+    """The layers the producer hands one destination over, in order, as they come. At most
+    ``window`` wait unseen by the consumer (:meth:`ready` sees them); the producer then waits.
+    A deque and two events: anyio's memory streams take a loop turn per item received."""
 
-    def __init__(self, receive: Any) -> None:
-        self._receive = receive
+    def __init__(self, window: int) -> None:
+        self._window = window
+        #: handed over, not yet seen by the consumer (what the window bounds)
+        self._unseen: collections.deque[int] = collections.deque()
+        #: seen, not yet taken
         self._layers: collections.deque[int] = collections.deque()
+        self._finished = False  # the producer hands over no more
+        self._left = False  # the consumer takes no more
+        self._arrived: anyio.Event | None = None
+        self._room: anyio.Event | None = None
 
-    def _drain(self) -> None:
-        while True:
-            try:
-                self._layers.append(self._receive.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                return
+    # ---------------------------------------------------------------- the producer's side
+    def hand_nowait(self, layer: int) -> bool:
+        """Hand ``layer`` over unless the window is full (False); dropped once the consumer
+        left (it failed: the task group is being cancelled)."""
+        if len(self._unseen) >= self._window and not self._left:
+            return False
+        if not self._left:
+            self._unseen.append(layer)
+            if self._arrived is not None:
+                self._arrived.set()
+        return True
+
+    async def hand(self, layer: int) -> None:
+        """Hand ``layer`` over once the window has room."""
+        while not self.hand_nowait(layer):
+            self._room = anyio.Event()
+            await self._room.wait()
+
+    def finish(self) -> None:
+        """No more layers will come."""
+        self._finished = True
+        if self._arrived is not None:
+            self._arrived.set()
+
+    # ---------------------------------------------------------------- the consumer's side
+    def leave(self) -> None:
+        """The consumer takes no more: a producer waiting for room goes on."""
+        self._left = True
+        self._see()
+
+    def _see(self) -> None:
+        self._layers.extend(self._unseen)
+        self._unseen.clear()
+        if self._room is not None:
+            self._room.set()
 
     async def wait(self) -> bool:
         """Wait for the next layer; False when none will come."""
-        if not self._layers:
-            try:
-                self._layers.append(await self._receive.receive())
-            except anyio.EndOfStream:
+        while not self._layers:
+            if self._unseen:
+                self._see()
+            elif self._finished:
                 return False
+            else:
+                self._arrived = anyio.Event()
+                try:
+                    await self._arrived.wait()
+                finally:
+                    self._arrived = None
         return True
 
     def ready(self) -> int:
         """How many layers are handed over and not taken yet."""
-        self._drain()
+        self._see()
         return len(self._layers)
 
     async def take(self) -> int | None:
@@ -519,7 +480,7 @@ class _Handed:
 
     def take_through(self, last: int) -> int | None:
         """Take the layers handed over already up to ``last``; the last one taken, or None."""
-        self._drain()
+        self._see()
         taken = None
         while self._layers and self._layers[0] <= last:
             taken = self._layers.popleft()

@@ -24,7 +24,8 @@ from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
 from .eager import eager_plan, stream_digest
 from .feed import LayerFeed
-from .grants import TransferRequest, grant_within_selection, layer_spans
+from .grant_checks import grant_within_selection, layer_spans
+from .grants import TransferRequest
 from .host import LinkHost
 from .link import Link
 from .requests import Pending, TransferRecord
@@ -575,8 +576,13 @@ class Exchange:
             try:
                 # Layers that are ready together leave together (their bytes are adjacent
                 # in the stream): a frame and a syscall for many when the link lags.
-                with anyio.fail_after(feed.timeout_s * len(run)):
+                # (a scope of our own, not fail_after's: a layer's send is most often a
+                # sendmsg, and fail_after costs as much again)
+                bound = anyio.CancelScope(deadline=anyio.current_time() + feed.timeout_s * len(run))
+                with bound:
                     await send(spans[run.start], spans[run.stop])
+                if bound.cancelled_caught:
+                    raise TimeoutError
                 moved = per
                 # The link's record of each run: its bytes hold the link alone (a pull may go
                 # between two runs of the request).

@@ -1,7 +1,7 @@
 """What a request may select and what a grant may name: the pure checks of both ends.
 
-No I/O, no anyio: the initiator's request in its own terms (:class:`TransferRequest`) and its
-check of a grant against it (:func:`grant_within_selection`); the target's resolution of a
+No I/O, no anyio: the initiator's request in its own terms (:class:`TransferRequest`; its
+check of a grant against it is :mod:`.grant_checks`); the target's resolution of a
 peer's :class:`~.._messages.Request` against its registry (:func:`resolve`), its plan and the
 check of every range it names (:func:`plan_checked`, safe in a worker thread), and the checks
 that need the registry again right before the caches are pinned (:func:`finish`).
@@ -9,7 +9,6 @@ that need the registry again right before the caches are pinned (:func:`finish`)
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -41,8 +40,6 @@ __all__ = [
     "Resolved",
     "TransferRequest",
     "finish",
-    "grant_within_selection",
-    "layer_spans",
     "plan_checked",
     "plan_request",
     "plan_selection",
@@ -134,108 +131,6 @@ def selection_bound(spec: TransferRequest) -> tuple[int, int]:
 
 
 # ====================================================================== initiator's check
-def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) -> bool:
-    """True if every range a grant names in our own cache lies in what the request selected:
-    the blocks (or the batch slot) it named, in any tensor of the cache. A grant naming other
-    blocks of ours is refused. Vectorised over descriptors: O(descriptors x log(runs)).
-    """
-    e = spec.local
-    local_is_dst = spec.op == Op.PULL
-    blocks = spec.dst_blocks if local_is_dst else spec.src_blocks
-    local_blocks = spec.shape == Shape.BLOCKS or (
-        spec.shape == Shape.SLOT_TO_BLOCKS and local_is_dst
-    )
-    if local_blocks and blocks is None:
-        return check_within(local, nbytes, *e.regions)  # every block was asked for
-    if local_blocks:
-        unit = spec.dst_block_bytes if (local_is_dst and spec.dst_block_bytes) else e.stride
-        assert blocks is not None
-        if len(local) <= 32 and len(blocks) <= 64:
-            return _within_units_small(e, unit, set(blocks.tolist()), local, nbytes)
-        units = np.unique(np.asarray(blocks, dtype=np.int64))
-    else:
-        unit, units = e.stride, np.array([spec.local_slot], dtype=np.int64)
-    if len(units) == 0:
-        return False
-    if len(local) <= 32:
-        return _within_units_small(e, unit, set(units.tolist()), local, nbytes)
-    if not check_within(local, nbytes, *e.regions):
-        return False
-    # Runs of consecutive selected units, inclusive: descriptors may span several blocks.
-    brk = np.flatnonzero(np.diff(units) != 1)
-    run_lo = units[np.concatenate(([0], brk + 1))]
-    run_hi = units[np.concatenate((brk, [len(units) - 1]))]
-    tstarts = np.sort(e.addrs.astype(_U64))
-    a = np.asarray(local, dtype=_U64)
-    n = np.asarray(nbytes, dtype=_U64)
-    t = np.searchsorted(tstarts, a, side="right").astype(np.int64) - 1
-    off = (a - tstarts[t]).astype(np.int64)
-    last = off + n.astype(np.int64) - 1  # inside tensor t: checked above
-    b0, b1 = off // unit, last // unit
-    run = np.searchsorted(run_lo, b0, side="right") - 1
-    return bool(np.all((run >= 0) & (b1 <= run_hi[np.maximum(run, 0)])))
-
-
-def layer_spans(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) -> list[int] | None:
-    """Where each layer of a layer-wise push starts in its grant: ``spans[j]`` is the index of
-    the first range of layer ``spec.src_range[j]`` (``spans[-1] == len(nbytes)``), or None
-    unless the grant is in layer order, every layer an equal share of its bytes, each range
-    inside one tensor of its layer (as every plan is: tensor-major). The push then sends
-    each layer's ranges as soon as that layer is ready, and only then: a grant out of layer
-    order would have it send a layer before it is computed.
-    """
-    layers, tnpl = spec.src_range, spec.tensor_num_per_layer
-    e = spec.local
-    if layers is None or not len(layers) or tnpl <= 0 or len(local) != len(nbytes):
-        return None
-    n = np.asarray(nbytes, dtype=np.int64)
-    total = int(n.sum())
-    per, rest = divmod(total, len(layers))
-    if rest or per <= 0 or np.any(n <= 0):
-        return None
-    a = np.asarray(local, dtype=_U64)
-    order = np.argsort(e.addrs.astype(_U64), kind="stable")
-    starts = e.addrs.astype(_U64)[order]
-    t = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
-    if np.any(t < 0):
-        return None
-    t = np.maximum(t, 0)
-    off = (a - starts[t]).astype(np.int64)
-    if np.any(off + n > e.tensor_bytes):
-        return None
-    layer = order[t].astype(np.int64) // tnpl  # the layer of each range's tensor
-    begin = np.cumsum(n) - n  # where each range starts in the stream
-    j = begin // per
-    if np.any((begin + n - 1) // per != j) or np.any(layer != layers.start + j):
-        return None
-    return [int(i) for i in np.searchsorted(begin, np.arange(len(layers) + 1) * per)]
-
-
-def _within_units_small(
-    e: CacheEntry, unit: int, selected: set[int], local: np.ndarray, nbytes: np.ndarray
-) -> bool:
-    """:func:`grant_within_selection` for a few descriptors, in plain Python ints."""
-    if not selected:
-        return False
-    starts = e.sorted_addrs
-    size = e.tensor_bytes
-    for a, n in zip(local.tolist(), nbytes.tolist(), strict=True):
-        t = bisect.bisect_right(starts, a) - 1
-        if t < 0 or n <= 0:
-            return False
-        off = a - starts[t]
-        last = off + n - 1
-        if last >= size:
-            return False
-        b0, b1 = off // unit, last // unit
-        if b0 == b1:  # most ranges lie in one block
-            if b0 not in selected:
-                return False
-        elif b1 - b0 > len(selected) or any(b not in selected for b in range(b0, b1 + 1)):
-            return False
-    return True
-
-
 # ====================================================================== planning
 def plan_request(
     req: Request, init_layout: Layout, tgt_layout: Layout, slot: int, max_bytes: int | None = None

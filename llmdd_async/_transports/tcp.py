@@ -13,6 +13,7 @@ lands, in the same thread, while the kernel already moves the next bytes.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import functools
@@ -57,6 +58,11 @@ _SYSCALL_BYTES = 4 << 20
 _SCRATCH = 4 << 20
 #: plans of up to this many ranges are kept as Python ints
 _FEW = 16
+#: plans of up to this many ranges also keep Python lists (built on first use): a frame of a
+#: few of their ranges (one layer of a layer-wise stream) is found by bisect, not numpy
+_LISTED = 4096
+#: a frame of up to this many ranges of a listed plan is cut in Python ints
+_FEW_IN_FRAME = 64
 
 
 def configure_socket(sock: socket.socket, heartbeat_s: float = 10.0) -> None:
@@ -135,6 +141,13 @@ class StreamPlan:
         self.total = total
 
     @functools.cached_property
+    def _listed(self) -> tuple[list[int], list[int], list[int]] | None:
+        # (a plan of few ranges has its lists already: _few)
+        if self._few is not None or len(self.addrs) > _LISTED:
+            return None
+        return self.addrs.tolist(), self.nbytes.tolist(), self.ends.tolist()
+
+    @functools.cached_property
     def _span(self) -> tuple[int, memoryview]:
         # One view over the whole span; descriptors become cheap slices of it. Gaps in the
         # span are never touched: every range was validated against registered memory.
@@ -146,17 +159,23 @@ class StreamPlan:
         """Local ``(addresses, lengths)`` holding stream bytes ``[offset, offset + n)``."""
         if n <= 0 or not self.total:
             return [], []
-        if self._few is not None:
-            out_a: list[int] = []
-            out_n: list[int] = []
+        listed = self._few if self._few is not None else self._listed
+        if listed is not None:
+            addrs_l, nbytes_l, ends_l = listed
             hi = offset + n
-            for a, k, end in zip(*self._few, strict=True):
-                start = end - k
-                lo_, hi_ = max(start, offset), min(end, hi)
-                if hi_ > lo_:
-                    out_a.append(a + lo_ - start)
-                    out_n.append(hi_ - lo_)
-            return out_a, out_n
+            i0 = bisect.bisect_right(ends_l, offset)
+            i1 = min(bisect.bisect_left(ends_l, hi) + 1, len(ends_l))
+            if self._few is not None or i1 - i0 <= _FEW_IN_FRAME:
+                out_a: list[int] = []
+                out_n: list[int] = []
+                for i in range(i0, i1):
+                    end = ends_l[i]
+                    start = end - nbytes_l[i]
+                    lo_, hi_ = max(start, offset), min(end, hi)
+                    if hi_ > lo_:
+                        out_a.append(addrs_l[i] + lo_ - start)
+                        out_n.append(hi_ - lo_)
+                return out_a, out_n
         lo, hi = np.uint64(offset), np.uint64(offset + n)
         i0 = int(np.searchsorted(self.ends, lo, side="right"))
         i1 = int(np.searchsorted(self.ends, hi, side="left")) + 1

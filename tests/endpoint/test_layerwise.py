@@ -342,10 +342,10 @@ async def test_a_long_layer_wait_is_logged_then_the_transfer_goes_on(
     transfer completes."""
     import logging
 
-    from llmdd_async import _scheduler
+    from llmdd_async import _layer_gate
 
     library_logs_enabled(monkeypatch)
-    monkeypatch.setattr(_scheduler, "LAYER_WAIT_WARN_S", 0.2)
+    monkeypatch.setattr(_layer_gate, "LAYER_WAIT_WARN_S", 0.2)
     async with decoders("tcp") as ([dec], prompt):
         cm, src, cfg = await _one_layer_to(dec, prompt)
         events = dd.LayerEvents()
@@ -377,11 +377,11 @@ async def test_an_unsignalled_layer_fails_at_the_default_bound(
 ) -> None:
     """Without ``llm.LayerSyncTimeout`` a layer that never comes still ends the transfer, at
     ``DEFAULT_LAYER_SYNC_TIMEOUT_MS`` (600 s; shortened here), with LLM_TIMEOUT."""
-    from llmdd_async import _scheduler
+    from llmdd_async import _layer_gate
     from llmdd_async._options import DEFAULT_LAYER_SYNC_TIMEOUT_MS
 
     assert DEFAULT_LAYER_SYNC_TIMEOUT_MS == 600_000  # what README's option table says
-    monkeypatch.setattr(_scheduler, "DEFAULT_LAYER_SYNC_TIMEOUT_MS", 300)
+    monkeypatch.setattr(_layer_gate, "DEFAULT_LAYER_SYNC_TIMEOUT_MS", 300)
     async with decoders("tcp") as ([dec], prompt):
         cm, src, cfg = await _one_layer_to(dec, prompt)
         task = cm.transfer_cache_async(src, dd.LayerEvents(), [cfg], [0], [0])  # never ready

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from llmdd_async._enums import Placement
 from llmdd_async._messages import Address, By
-from llmdd_async._net.grants import TransferRequest, grant_within_selection
+from llmdd_async._net.grant_checks import grant_within_selection
+from llmdd_async._net.grants import TransferRequest
 from llmdd_async._registry import CacheEntry
 
 BLOCK = 64

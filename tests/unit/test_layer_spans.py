@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from llmdd_async._enums import Placement
 from llmdd_async._messages import Address, By, Op, Shape
-from llmdd_async._net.grants import TransferRequest, layer_spans, plan_selection
+from llmdd_async._net.grant_checks import layer_spans
+from llmdd_async._net.grants import TransferRequest, plan_selection
 from llmdd_async._planner import Layout
 from llmdd_async._registry import CacheEntry
 
@@ -166,3 +167,28 @@ def test_a_grant_without_layers_is_refused(bad: str) -> None:
     local = np.array([1 << 30, (1 << 30) + 1024], dtype=_U64)
     nbytes = np.array([1024, 0 if bad == "zero bytes" else 1024], dtype=_U64)
     assert layer_spans(spec, local, nbytes) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(_pushes(), st.data())
+def test_few_ranges_are_split_in_python_as_numpy_splits_them(push, data) -> None:
+    """A grant of a few ranges is split in Python ints, a larger one with numpy: on honest
+    grants and on grants a hostile peer bent (ranges moved, resized, swapped) both agree."""
+    from llmdd_async._net import grant_checks
+
+    spec, local, nbytes = push
+    local, nbytes = local.copy(), nbytes.copy()
+    if len(local) and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(local) - 1))
+        how = data.draw(st.sampled_from(["move", "resize", "swap"]))
+        if how == "move":
+            local[i] = _U64(int(local[i]) + data.draw(st.sampled_from([-4096, -1, 1, 64, 1 << 20])))
+        elif how == "resize":
+            nbytes[i] = _U64(data.draw(st.sampled_from([0, 1, int(nbytes[i]) + 64])))
+        else:
+            j = data.draw(st.integers(0, len(local) - 1))
+            local[[i, j]], nbytes[[i, j]] = local[[j, i]], nbytes[[j, i]]
+    run, tnpl = spec.src_range, spec.tensor_num_per_layer
+    assert run is not None
+    small = grant_checks._layer_spans_small(spec.local, run, tnpl, local.tolist(), nbytes.tolist())
+    assert small == grant_checks._layer_spans_numpy(spec.local, run, tnpl, local, nbytes)

@@ -53,6 +53,31 @@ def test_stream_plan_views_follow_the_ranges_in_order(pieces, cuts) -> None:
     assert got == want
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 9)), min_size=17, max_size=200),
+    cuts=st.lists(st.integers(0, 2000), max_size=12),
+)
+def test_a_plan_of_many_ranges_cuts_frames_alike_in_python_and_numpy(pieces, cuts) -> None:
+    """Past ``_FEW`` ranges a plan keeps Python lists (up to ``_LISTED``) to cut a frame of a
+    few ranges by bisect; frames of many ranges, and larger plans, use numpy: every way gives
+    the same ranges."""
+    pos, addrs, lens = 4096, [], []
+    for gap, n in pieces:
+        pos += gap
+        addrs.append(pos)
+        lens.append(n)
+        pos += n
+    order = np.random.default_rng(len(pieces)).permutation(len(pieces))
+    a, n = np.array(addrs, np.uint64)[order], np.array(lens, np.uint64)[order]
+    listed, plain = StreamPlan(a, n), StreamPlan(a, n)
+    plain.__dict__["_listed"] = None  # as a plan of more than _LISTED ranges
+    assert listed._listed is not None
+    bounds = sorted({0, listed.total, *(c % (listed.total + 1) for c in cuts)})
+    for lo, hi in [*itertools.pairwise(bounds), (0, listed.total), (3, 1), (listed.total, 5)]:
+        assert listed.ranges(lo, hi - lo) == plain.ranges(lo, hi - lo)
+
+
 def pair() -> tuple[socket.socket, socket.socket]:
     """A connected TCP pair on 127.0.0.1, configured as the links configure theirs."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
