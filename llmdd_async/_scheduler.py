@@ -403,7 +403,8 @@ def _request_size(
 class _Handed:
     """The layers the producer hands one destination over, in order, as they come. At most
     ``window`` wait unseen by the consumer (:meth:`ready` sees them); the producer then waits.
-    A deque and two events: anyio's memory streams take a loop turn per item received."""
+    A deque and two events: anyio's memory streams take a loop turn per item received (and
+    let one layer more through, straight to a waiting consumer)."""
 
     def __init__(self, window: int) -> None:
         self._window = window

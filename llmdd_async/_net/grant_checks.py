@@ -2,7 +2,8 @@
 every range the grant names in our cache lies in what the request selected
 (:func:`grant_within_selection`), and a layer-wise push's grant is in layer order
 (:func:`layer_spans`). A few ranges (most requests) are checked in Python ints, many with
-numpy: both give the same answer.
+numpy: both give the same answer (offsets compared in uint64: an address 2**63 past a tensor
+does not wrap into it).
 """
 
 from __future__ import annotations
@@ -107,9 +108,12 @@ def _layer_spans_numpy(
     e: CacheEntry, layers: range, tnpl: int, local: np.ndarray, nbytes: np.ndarray
 ) -> list[int] | None:
     n = np.asarray(nbytes, dtype=np.int64)
+    # (a range longer than a tensor is refused before the sum, which could then wrap)
+    if np.any(n <= 0) or np.any(n > e.tensor_bytes):
+        return None
     total = int(n.sum())
     per, rest = divmod(total, len(layers))
-    if rest or per <= 0 or np.any(n <= 0):
+    if rest or per <= 0:
         return None
     a = np.asarray(local, dtype=_U64)
     order = np.argsort(e.addrs.astype(_U64), kind="stable")
@@ -118,8 +122,10 @@ def _layer_spans_numpy(
     if np.any(t < 0):
         return None
     t = np.maximum(t, 0)
-    off = (a - starts[t]).astype(np.int64)
-    if np.any(off + n > e.tensor_bytes):
+    # In uint64: an address far past its tensor (2**63 and more) must not wrap to a small
+    # offset; where off >= size, size - off wraps, but the first test already refuses.
+    off, size = a - starts[t], _U64(e.tensor_bytes)
+    if np.any((off >= size) | (n.astype(_U64) > size - off)):
         return None
     layer = order[t].astype(np.int64) // tnpl  # the layer of each range's tensor
     begin = np.cumsum(n) - n  # where each range starts in the stream

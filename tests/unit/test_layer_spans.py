@@ -192,3 +192,34 @@ def test_few_ranges_are_split_in_python_as_numpy_splits_them(push, data) -> None
     assert run is not None
     small = grant_checks._layer_spans_small(spec.local, run, tnpl, local.tolist(), nbytes.tolist())
     assert small == grant_checks._layer_spans_numpy(spec.local, run, tnpl, local, nbytes)
+
+
+@pytest.mark.parametrize("ranges", [8, 40])
+def test_a_range_far_past_its_tensor_is_refused_not_wrapped(ranges: int) -> None:
+    """An address 2**63 bytes past a tensor's start: an offset taken as int64 wraps negative
+    and would pass the bound check (the numpy path, for more than 32 ranges, did); both
+    paths refuse it, as the selection check does."""
+    from llmdd_async._net import grant_checks
+    from llmdd_async._planner import check_within
+
+    base, size = 1 << 20, 64 * ranges
+    e = _entry([base], ranges, 64)
+    spec = TransferRequest(
+        Op.PUSH,
+        Address(By.CACHE_ID, 7),
+        Shape.BLOCKS,
+        e,
+        src_range=range(0, 1),
+        dst_range=range(0, 1),
+        tensor_num_per_layer=1,
+    )
+    local = np.array([base + 64 * i for i in range(ranges)], dtype=_U64)
+    nbytes = np.full(ranges, 64, dtype=_U64)
+    assert layer_spans(spec, local, nbytes) == [0, ranges]
+    local[5] = _U64(base + (1 << 63) + 320)
+    assert not check_within(local, nbytes, *e.regions)
+    assert layer_spans(spec, local, nbytes) is None
+    assert grant_checks._layer_spans_numpy(e, range(0, 1), 1, local, nbytes) is None
+    nbytes[5] = _U64(size + 64)  # longer than the tensor
+    local[5] = _U64(base)
+    assert grant_checks._layer_spans_numpy(e, range(0, 1), 1, local, nbytes) is None
