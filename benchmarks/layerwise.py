@@ -8,7 +8,9 @@ compute thread of this process and signals ``LayerEvents.layer_ready(i)`` after 
 * one layer: the transfer time of a single layer on its own (median);
 * after prefill: everything sent once the prefill finished (what a non-overlapping stack sees);
 * transfer CPU per layer: this process's CPU time over the layer-wise run, less the compute
-  thread's own, per layer (what streaming costs the prefill worker beside its model).
+  thread's own, per layer (what streaming costs the prefill worker beside its model);
+  ``--compute device`` makes each layer's compute a sleep (an accelerator's: the CPU is left
+  to the transfer), ``cpu`` (the default) numpy matmuls that compete with it for the cores.
 
 Run: ``python benchmarks/layerwise.py [--layers 16] [--layer-mib 8] [--json PATH]``; 80 small
 layers: ``--layers 80 --layer-kib 64``.
@@ -27,9 +29,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -92,6 +96,22 @@ def compute_layer(a: np.ndarray, reps: int) -> None:
         a @ a
 
 
+def make_compute(kind: str, seconds: float) -> Callable[[], None]:
+    """One layer's compute of about ``seconds``: numpy matmuls on this process's CPU
+    (``cpu``), or a sleep (``device``: an accelerator computes, the CPU stays free for the
+    transfer, whose own CPU cost is then measured without a model competing for it).
+
+    Raises:
+        ValueError: another kind.
+    """
+    if kind == "device":
+        return functools.partial(time.sleep, seconds)
+    if kind != "cpu":
+        raise ValueError(f"no compute kind {kind!r}")
+    a, reps = calibrate(seconds)
+    return functools.partial(compute_layer, a, reps)
+
+
 def options(transport: str, listen: bool, pool: int) -> dict[str, str]:
     opts = {
         "llm.EnableCacheManager": "1",
@@ -106,7 +126,12 @@ def options(transport: str, listen: bool, pool: int) -> dict[str, str]:
 
 
 async def run(
-    transport: str, layers: int, layer_bytes: int, ratios: list[float], repeat: int
+    transport: str,
+    layers: int,
+    layer_bytes: int,
+    ratios: list[float],
+    repeat: int,
+    compute_kind: str = "cpu",
 ) -> list[dict[str, Any]]:
     blocks, block = layer_geometry(layer_bytes)  # K and V of one layer: layer_bytes
     page = 1 << 21  # the pools' page (options): each tensor takes whole pages
@@ -152,7 +177,7 @@ async def run(
             await send_all_ready(everything)  # warm-up: first touch on both sides
             one_layer = statistics.median([await send_all_ready(one) for _ in range(5)])
             for ratio in ratios:
-                a, reps = calibrate(ratio * one_layer)
+                compute_one = make_compute(compute_kind, ratio * one_layer)
                 layer_compute = []
                 exposed, after, prefill, cpu = [], [], [], []
                 for _ in range(repeat):
@@ -161,13 +186,13 @@ async def run(
                     task = cm.transfer_cache_async(src, ev, [everything], idx, idx)
 
                     def forward(
-                        ev: dd.LayerEvents = ev, a: np.ndarray = a, reps: int = reps
+                        ev: dd.LayerEvents = ev, compute_one: Callable[[], None] = compute_one
                     ) -> tuple[float, list[float], float]:
                         times = []
                         c0 = time.thread_time()
                         for i in range(layers):
                             t = time.perf_counter()
-                            compute_layer(a, reps)
+                            compute_one()
                             times.append(time.perf_counter() - t)
                             ev.layer_ready(i)
                         return time.perf_counter(), times, time.thread_time() - c0
@@ -184,7 +209,7 @@ async def run(
                     layer_compute.extend(times)
                     # after prefill: compute everything, then send everything
                     await anyio.to_thread.run_sync(
-                        lambda a=a, reps=reps: [compute_layer(a, reps) for _ in range(layers)]
+                        lambda c=compute_one: [c() for _ in range(layers)]
                     )
                     after.append(await send_all_ready(everything))
                 compute = statistics.median(layer_compute)
@@ -192,6 +217,7 @@ async def run(
                 rows.append(
                     {
                         "transport": used,
+                        "compute": compute_kind,
                         "layers": layers,
                         "KiB/layer": layer_bytes >> 10,
                         "compute ms/layer": compute * 1e3,
@@ -235,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--repeat", type=positive_int, default=3, help="timed runs per case (median reported)"
     )
+    p.add_argument(
+        "--compute",
+        choices=["cpu", "device"],
+        default="cpu",
+        help="a layer's compute: numpy matmuls in this process (cpu), or a sleep as long "
+        "(device: an accelerator computes, the CPU is left to the transfer)",
+    )
     return p
 
 
@@ -248,12 +281,15 @@ def main() -> None:
         p.error(str(exc))
     rows: list[dict[str, Any]] = []
     for transport in args.transports:
-        rows += anyio.run(run, transport, args.layers, layer_bytes, args.ratios, args.repeat)
+        rows += anyio.run(
+            run, transport, args.layers, layer_bytes, args.ratios, args.repeat, args.compute
+        )
     print_table(
         "Layer-wise streaming (exposed = last compute done -> last byte landed)",
         rows,
         [
             "transport",
+            "compute",
             "layers",
             "KiB/layer",
             "compute ms/layer",

@@ -57,6 +57,7 @@ def test_every_benchmark_option_has_help_and_a_default() -> None:
         ["--ratios", "1,-2"],
         ["--transports", "tcp,udp"],
         ["--repeat", "x"],
+        ["--compute", "gpu"],
     ],
 )
 def test_bad_layerwise_options_are_usage_errors(args: list[str]) -> None:
@@ -93,17 +94,19 @@ def test_layerwise_helpers() -> None:
     assert layerwise.hidden_percent(exposed=1.0, after_prefill=0.0) == 0.0
 
 
-def test_smallest_layerwise_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compute", ["cpu", "device"])
+def test_smallest_layerwise_run(tmp_path: Path, compute: str) -> None:
     result = tmp_path / "layerwise.json"
     out = _bench(
         str(BENCH / "layerwise.py"),
-        *("--layers", "2", "--layer-mib", "1", "--ratios", "0.5"),
+        *("--layers", "2", "--layer-mib", "1", "--ratios", "0.5", "--compute", compute),
         *("--transports", "tcp", "--repeat", "1", "--json", str(result)),
     )
     assert out.returncode == 0, out.stderr
     (row,) = json.loads(result.read_text())["rows"]
-    assert row["KiB/layer"] == 1024 and row["layers"] == 2
+    assert row["KiB/layer"] == 1024 and row["layers"] == 2 and row["compute"] == compute
     assert 0.0 <= row["hidden %"] <= 100.0
+    assert row["transfer CPU us/layer"] > 0  # a transfer costs its process some CPU
 
 
 def test_smallest_peers_run(tmp_path: Path) -> None:
