@@ -35,6 +35,27 @@ def _entry(addrs: list[int], blocks: int, block_bytes: int) -> CacheEntry:
     )
 
 
+def _layer_push(
+    e: CacheEntry,
+    layers: range,
+    tnpl: int,
+    src_blocks: np.ndarray | None = None,
+    dst_blocks: np.ndarray | None = None,
+) -> TransferRequest:
+    """A layer-wise push of ``layers`` of ``e`` to the same layers of the peer's cache 7."""
+    return TransferRequest(
+        Op.PUSH,
+        Address(By.CACHE_ID, 7),
+        Shape.BLOCKS,
+        e,
+        src_range=layers,
+        dst_range=layers,
+        tensor_num_per_layer=tnpl,
+        src_blocks=src_blocks,
+        dst_blocks=dst_blocks,
+    )
+
+
 @st.composite
 def _pushes(draw: st.DrawFn) -> tuple[TransferRequest, np.ndarray, np.ndarray]:
     """An honest grant of a layer-wise push: the target's plan of the request."""
@@ -58,17 +79,7 @@ def _pushes(draw: st.DrawFn) -> tuple[TransferRequest, np.ndarray, np.ndarray]:
     src_b = np.array(picked, dtype=np.int64)
     dst_b = np.array(draw(st.permutations(range(len(picked)))), dtype=np.int64)
     tgt = Layout.of([(1 << 40) + i * size for i in range(tensors)], size, blocks, True)
-    spec = TransferRequest(
-        Op.PUSH,
-        Address(By.CACHE_ID, 7),
-        Shape.BLOCKS,
-        e,
-        src_range=run,
-        dst_range=run,
-        tensor_num_per_layer=tnpl,
-        src_blocks=src_b,
-        dst_blocks=dst_b,
-    )
+    spec = _layer_push(e, run, tnpl, src_blocks=src_b, dst_blocks=dst_b)
     plan, _, _ = plan_selection(
         Op.PUSH,
         Shape.BLOCKS,
@@ -132,15 +143,7 @@ def test_a_grant_out_of_layer_order_is_refused(push, data) -> None:
 
 def test_a_grant_whose_layers_differ_in_size_or_cross_a_tensor_is_refused() -> None:
     e = _entry([1 << 30, (1 << 30) + 1024, (1 << 30) + 2048, (1 << 30) + 3072], 4, 256)
-    spec = TransferRequest(
-        Op.PUSH,
-        Address(By.CACHE_ID, 7),
-        Shape.BLOCKS,
-        e,
-        src_range=range(0, 2),
-        dst_range=range(0, 2),
-        tensor_num_per_layer=2,
-    )
+    spec = _layer_push(e, range(0, 2), 2)
     base = 1 << 30
     whole = np.array([base, base + 1024, base + 2048, base + 3072], dtype=_U64)
     assert layer_spans(spec, whole, np.full(4, 1024, dtype=_U64)) == [0, 2, 4]
@@ -204,15 +207,7 @@ def test_a_range_far_past_its_tensor_is_refused_not_wrapped(ranges: int) -> None
 
     base, size = 1 << 20, 64 * ranges
     e = _entry([base], ranges, 64)
-    spec = TransferRequest(
-        Op.PUSH,
-        Address(By.CACHE_ID, 7),
-        Shape.BLOCKS,
-        e,
-        src_range=range(0, 1),
-        dst_range=range(0, 1),
-        tensor_num_per_layer=1,
-    )
+    spec = _layer_push(e, range(0, 1), 1)
     local = np.array([base + 64 * i for i in range(ranges)], dtype=_U64)
     nbytes = np.full(ranges, 64, dtype=_U64)
     assert layer_spans(spec, local, nbytes) == [0, ranges]
