@@ -28,7 +28,7 @@ from ._checks import (
 )
 from ._cluster import LLMClusterInfo
 from ._enums import LLMStatusCode, Memtype, Placement
-from ._errors import LLMException, raise_if_false
+from ._errors import LLMException, raise_if_false, raise_param
 from ._messages import Shape
 from ._registry import CacheEntry, SlotKey
 from ._types import (
@@ -185,7 +185,8 @@ def pull_kwargs(
         ("dst_cache_offset", dst_cache_offset),
     ):
         check_int64(name, value)
-        raise_if_false(value >= -1, f"{name} must be >= 0 (or -1 for none)")
+        if value < -1:  # (on every pull: the message is formatted only when it fails)
+            raise_param(f"{name} must be >= 0 (or -1 for none)")
         out[name] = max(0, int(value))
     return out
 
@@ -307,13 +308,12 @@ def check_pull_blocks(
     raise_if_false(entry.is_blocks, "pull_blocks needs a blocks destination cache")
     raise_if_false(len(dst_b) > 0, "dst_blocks must not be empty")
     top = max(dst_b.tolist()) if 0 < len(dst_b) <= 64 else int(dst_b.max(initial=0))
-    raise_if_false(top < entry.count, f"dst block {top} >= the local {entry.count} blocks")
+    if top >= entry.count:
+        raise_param(f"dst block {top} >= the local {entry.count} blocks")
     if blocks_to_blocks:
         raise_if_false(len(src_b) > 0, "src_blocks must not be empty with a BlocksCacheKey")
-        raise_if_false(
-            len(src_b) == len(dst_b),
-            f"src_blocks ({len(src_b)}) and dst_blocks ({len(dst_b)}) differ in length",
-        )
+        if len(src_b) != len(dst_b):
+            raise_param(f"src_blocks ({len(src_b)}) and dst_blocks ({len(dst_b)}) differ in length")
         shape = Shape.BLOCKS
     else:
         raise_if_false(len(src_b) == 0, "src_blocks must be empty when pulling a contiguous slot")
@@ -395,14 +395,11 @@ def check_push_blocks(entry: CacheEntry, src_blocks: Any, dst_blocks: Any) -> tu
     raise_if_false(entry.is_blocks, "push_blocks needs a blocks source cache")
     raise_if_false(len(dst_b) > 0, "dst_blocks must not be empty")
     raise_if_false(len(src_b) > 0, "src_blocks must not be empty")
-    raise_if_false(
-        len(src_b) == len(dst_b),
-        f"src_blocks ({len(src_b)}) and dst_blocks ({len(dst_b)}) differ in length",
-    )
-    raise_if_false(
-        int(src_b.max()) < entry.count,
-        f"src block {int(src_b.max())} >= the local {entry.count} blocks",
-    )
+    if len(src_b) != len(dst_b):
+        raise_param(f"src_blocks ({len(src_b)}) and dst_blocks ({len(dst_b)}) differ in length")
+    top = max(src_b.tolist()) if len(src_b) <= 64 else int(src_b.max())
+    if top >= entry.count:
+        raise_param(f"src block {top} >= the local {entry.count} blocks")
     return src_b, dst_b
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from ._enums import LLMStatusCode
-from ._errors import raise_if_false
+from ._errors import LLMException, raise_if_false, raise_param
 
 __all__ = [
     "MAX_DESCRIPTORS",
@@ -135,30 +136,32 @@ def tensor_windows(
         LLMException: LLM_PARAM_INVALID when N is 0 or does not divide a tensor count that a
             range refers to, a window leaves its cache, or the two sides' counts differ.
     """
+    # (Checks on every request's path: messages are formatted only when they fail.)
     n = tensor_num_per_layer
-    raise_if_false(n > 0, f"tensor_num_per_layer must be > 0, got {n}")
-    if src_layer_range is not None or dst_layer_range is not None:
-        raise_if_false(
-            src_count % n == 0 and dst_count % n == 0,
-            f"tensor_num_per_layer {n} must divide the tensor counts ({src_count}, {dst_count})",
+    if n <= 0:
+        raise_param(f"tensor_num_per_layer must be > 0, got {n}")
+    if (src_layer_range is not None or dst_layer_range is not None) and (
+        src_count % n or dst_count % n
+    ):
+        raise_param(
+            f"tensor_num_per_layer {n} must divide the tensor counts ({src_count}, {dst_count})"
         )
 
     def window(r: range | None, count: int, side: str) -> np.ndarray:
         if r is None:
             return np.arange(count, dtype=np.int64)
-        raise_if_false(r.step == 1 and 0 <= r.start < r.stop, f"bad {side}_layer_range {r}")
-        raise_if_false(
-            r.stop * n <= count,
-            f"{side}_layer_range {r} exceeds the {count // n} layers of the {side} cache",
-        )
+        if not (r.step == 1 and 0 <= r.start < r.stop):
+            raise_param(f"bad {side}_layer_range {r}")
+        if r.stop * n > count:
+            raise_param(
+                f"{side}_layer_range {r} exceeds the {count // n} layers of the {side} cache"
+            )
         return np.arange(r.start * n, r.stop * n, dtype=np.int64)
 
     src_idx = window(src_layer_range, src_count, "src")
     dst_idx = window(dst_layer_range, dst_count, "dst")
-    raise_if_false(
-        len(src_idx) == len(dst_idx),
-        f"source selects {len(src_idx)} tensors but destination selects {len(dst_idx)}",
-    )
+    if len(src_idx) != len(dst_idx):
+        raise_param(f"source selects {len(src_idx)} tensors but destination selects {len(dst_idx)}")
     return src_idx, dst_idx
 
 
@@ -249,22 +252,36 @@ def _outer_lists(
     dst_offs: list[int],
     nbytes: list[int],
 ) -> Plan:
-    """:func:`_outer_small` on Python ints."""
-    s: list[int] = []
-    d: list[int] = []
-    n: list[int] = []
-    pieces = list(zip(src_offs, dst_offs, nbytes, strict=True))
-    for bs, bd in zip(src_bases, dst_bases, strict=True):
-        first = len(n)  # this tensor's descriptors start here: no merge across tensors
-        for os_, od, k in pieces:
-            a_s, a_d = (bs + os_) & _MASK, (bd + od) & _MASK
-            if len(n) > first and (s[-1] + n[-1]) & _MASK == a_s and (d[-1] + n[-1]) & _MASK == a_d:
-                n[-1] = (n[-1] + k) & _MASK
-            else:
-                s.append(a_s)
-                d.append(a_d)
-                n.append(k)
-    return Plan(np.array(s, dtype=_U64), np.array(d, dtype=_U64), np.array(n, dtype=_U64))
+    """:func:`_outer_small` on Python ints.
+
+    Raises:
+        ValueError: the two sides name different numbers of tensors or pieces.
+    """
+    k = len(nbytes)
+    if len(src_bases) != len(dst_bases) or not len(src_offs) == len(dst_offs) == k:
+        raise ValueError("the two sides of a plan differ in tensors or pieces")
+    # A piece merges into the one before it when it continues it on both sides. A tensor's
+    # base shifts both pieces alike, so where runs start is the same in every tensor (and
+    # no run crosses two tensors): found once, on the offsets.
+    starts = [
+        i
+        for i in range(k)
+        if not i
+        or (src_offs[i - 1] + nbytes[i - 1]) & _MASK != src_offs[i]
+        or (dst_offs[i - 1] + nbytes[i - 1]) & _MASK != dst_offs[i]
+    ]
+    if len(starts) < k:  # some pieces merge: each run once, its bytes summed
+        bounds = [*starts, k]
+        nbytes = [sum(nbytes[a:b]) & _MASK for a, b in itertools.pairwise(bounds)]
+        src_offs = [src_offs[i] for i in starts]
+        dst_offs = [dst_offs[i] for i in starts]
+    s = [(b + o) & _MASK for b in src_bases for o in src_offs]
+    d = [(b + o) & _MASK for b in dst_bases for o in dst_offs]
+    return Plan(
+        np.array(s, dtype=_U64),
+        np.array(d, dtype=_U64),
+        np.array(nbytes * len(src_bases), dtype=_U64),
+    )
 
 
 def plan_slots(
@@ -318,8 +335,10 @@ def _check_blocks(blocks: np.ndarray, count: int, side: str, code: LLMStatusCode
         lo, hi = min(values), max(values)
     else:
         lo, hi = int(blocks.min()), int(blocks.max())
-    raise_if_false(lo >= 0, f"{side} block index {lo} < 0", code)
-    raise_if_false(hi < count, f"{side} block index {hi} >= its {count} blocks", code)
+    if lo < 0:
+        raise LLMException(f"{side} block index {lo} < 0", status_code=code)
+    if hi >= count:
+        raise LLMException(f"{side} block index {hi} >= its {count} blocks", status_code=code)
 
 
 def plan_blocks(
@@ -342,24 +361,25 @@ def plan_blocks(
     """
     raise_if_false(src.is_blocks, "source must be a blocks cache")
     raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
-    raise_if_false(
-        len(src_blocks) == len(dst_blocks),
-        f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length",
-    )
+    if len(src_blocks) != len(dst_blocks):
+        raise_param(
+            f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length"
+        )
     piece = src.stride
     if dst_block_bytes is None:
         raise_if_false(dst.is_blocks, "destination must be a blocks cache")
-        raise_if_false(
-            dst.stride == piece,
-            f"block sizes differ (source {piece} bytes, destination {dst.stride} bytes)",
-        )
+        if dst.stride != piece:
+            raise_param(
+                f"block sizes differ (source {piece} bytes, destination {dst.stride} bytes)"
+            )
         dst_unit = dst.stride
     else:
         dst_unit = dst_block_bytes
-        raise_if_false(
-            piece <= dst_unit,
-            f"source block of {piece} bytes does not fit a destination block of {dst_unit} bytes",
-        )
+        if piece > dst_unit:
+            raise_param(
+                f"source block of {piece} bytes does not fit a destination block of "
+                f"{dst_unit} bytes"
+            )
     _check_blocks(src_blocks, src.count, "src", LLMStatusCode.LLM_PARAM_INVALID)
     _check_blocks(dst_blocks, dst.tensor_bytes // dst_unit, "dst", LLMStatusCode.LLM_PARAM_INVALID)
     if len(src_tensors) * len(src_blocks) <= _SMALL:

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from ._checks import check_uint32
 from ._enums import LLMStatusCode
@@ -155,7 +156,10 @@ class CacheTask:
         self._results: list[LLMStatusCode | None] = [None] * (max(self._slots, default=-1) + 1)
         self._started: set[int] = set()
         self._timeout_code = timeout_code
-        self._done = anyio.Event()
+        # Made by the first wait that finds the task running: a task done before anyone waits
+        # (a one-sided pull copied within the call) never makes one.
+        self._done: anyio.Event | None = None
+        self._finished = False
         self._token = CancelToken()
         self._scope: anyio.CancelScope | None = None
         self._canceller: Callable[[], None] | None = None
@@ -249,7 +253,7 @@ class CacheTask:
         self._finish(status, self._error, ctl)
 
     def _finish(self, status: LLMStatusCode, error: BaseException | None, ctl: TaskControl) -> None:
-        if self._done.is_set():
+        if self._finished:
             return
         if status == LLMStatusCode.LLM_TIMEOUT and self._timeout_code != status:
             # Legacy mode reports transfer timeouts with its own code.
@@ -277,7 +281,9 @@ class CacheTask:
             self._log.info("transfer.failed", **self._fields, status=str(status), error=str(error))
         if self._observers is not None:
             self._observers.transfer_ended(self.kind, status, self._bytes, self._seconds)
-        self._done.set()
+        self._finished = True
+        if self._done is not None:
+            self._done.set()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -293,12 +299,12 @@ class CacheTask:
 
     def done(self) -> bool:
         """True once the task finished (successfully or not) and is fenced."""
-        return self._done.is_set()
+        return self._finished
 
     def cancel(self) -> None:
         """Ask the task to stop. ``await task`` then waits for the fence and raises
         :class:`TransferCancelled`. Has no effect on a finished task."""
-        if self._done.is_set() or self._cancel_requested:
+        if self._finished or self._cancel_requested:
             return
         self._cancel_requested = True
         self._token.cancel()
@@ -314,14 +320,23 @@ class CacheTask:
         cancellation propagates.
         """
         try:
-            await self._done.wait()
+            await self._wait_done()
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 self.cancel()
-                await self._done.wait()
+                await self._wait_done()
             raise
         if self._error is not None:
             raise self._error
+
+    async def _wait_done(self) -> None:
+        """Until the task finished; a checkpoint (as every await) if it already has."""
+        if self._finished:
+            await anyio.lowlevel.checkpoint()
+            return
+        if self._done is None:
+            self._done = anyio.Event()
+        await self._done.wait()
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
@@ -329,11 +344,11 @@ class CacheTask:
     async def _wait_for(self, timeout_in_millis: int | None) -> bool:
         check_uint32("timeout_in_millis", timeout_in_millis, optional=True)
         if timeout_in_millis is None:
-            await self._done.wait()
+            await self._wait_done()
             return True
         with anyio.move_on_after(timeout_in_millis / 1000):
-            await self._done.wait()
-        return self._done.is_set()
+            await self._wait_done()
+        return self._finished
 
     async def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
         """Wait (forever when None) and return the first failing code, or SUCCESS.

@@ -112,12 +112,13 @@ def _wire_range(r: range | None) -> list[int] | None:
     return None if r is None else [r.start, r.stop]
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False)
 class Request(ArraysEqual):
     """XFER_REQ, initiator -> target: what to move, in source/destination terms.
 
     ``layout`` is the initiator's cache (``tensor_bytes, count, is_blocks``; its tensors at
     ``local_addrs``); ``raw``/``raw_addrs`` the target's memory when it is named by address.
+    Immutable by convention: a frozen one costs 6 us to build instead of 1.6 (each request).
     """
 
     req_id: int
@@ -362,7 +363,7 @@ class Request(ArraysEqual):
         return {c: True for c in CAPS_ORDER if c in caps} if caps else {}
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False)
 class Grant(ArraysEqual):
     """GRANT, target -> initiator: the status and, on success, the resolved plan: ``local``
     (the initiator's ranges), ``nbytes``, and in local mode ``remote`` (the target's).

@@ -4,6 +4,7 @@ reader (:class:`Exchange`): see :mod:`.initiator` for the transfer as a whole.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -132,7 +133,9 @@ class Exchange:
         self._direct = any(caps.values())
         self._t_start = time.monotonic()
         deadline = req.deadline
-        timeout_ms = max(1, int((deadline - time.monotonic()) * 1000)) if deadline else 0
+        # Rounded up: the target must not give up before we do (its ABORT would then end the
+        # request with its words instead of our deadline's).
+        timeout_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000)) if deadline else 0
         plan = None
         if spec.op == Op.PUSH and self.feed is None and not self._direct:
             plan = eager_plan(engine, link, spec)

@@ -16,7 +16,7 @@ import numpy as np
 
 from .._checks import check_same_dtype
 from .._enums import LLMStatusCode
-from .._errors import ProtocolError, raise_if_false
+from .._errors import LLMException, ProtocolError, raise_if_false, raise_param
 from .._messages import Address, By, Cap, Mode, Op, Request, Shape, caps_of
 from .._planner import (
     MAX_PIECES,
@@ -78,7 +78,11 @@ class TransferRequest:
     raw_is_blocks: bool = False
 
     def __post_init__(self) -> None:
-        self.op, self.shape = Op(self.op), Shape(self.shape)
+        # (calling an enum costs a microsecond: most callers pass members already)
+        if type(self.op) is not Op:
+            self.op = Op(self.op)
+        if type(self.shape) is not Shape:
+            self.shape = Shape(self.shape)
 
     def to_wire(
         self, req_id: int, caps: dict[str, bool], timeout_ms: int, eager: tuple[int, int] | None
@@ -200,14 +204,13 @@ def plan_selection(
     if shape == Shape.BLOCKS and src_blocks is not None:
         # Every descriptor of a blocks plan is one source block: its size is known now.
         pieces = len(src_idx) * len(src_blocks)
-        raise_if_false(
-            pieces <= MAX_PIECES, f"the request selects {pieces} ranges, more than {MAX_PIECES}"
-        )
-        raise_if_false(
-            max_bytes is None or pieces * src.stride <= max_bytes,
-            f"the request would move {pieces * src.stride} bytes, more than the {max_bytes} "
-            "bytes of the caches it touches",
-        )
+        if pieces > MAX_PIECES:
+            raise_param(f"the request selects {pieces} ranges, more than {MAX_PIECES}")
+        if max_bytes is not None and pieces * src.stride > max_bytes:
+            raise_param(
+                f"the request would move {pieces * src.stride} bytes, more than the "
+                f"{max_bytes} bytes of the caches it touches"
+            )
     if shape == Shape.SLOT:
         raise_if_false(
             not src.is_blocks and not dst.is_blocks, "slot transfers need contiguous caches"
@@ -273,7 +276,8 @@ def _count(arr: np.ndarray | None, limit: int, what: str) -> int:
         LLMException: LLM_PARAM_INVALID for more than ``limit``.
     """
     n = 0 if arr is None else len(arr)
-    raise_if_false(n <= limit, f"the request names {n} {what}, more than {limit}")
+    if n > limit:  # (on every request: the message is formatted only when it fails)
+        raise_param(f"the request names {n} {what}, more than {limit}")
     return n
 
 
@@ -312,7 +316,7 @@ def resolve(engine: LinkHost, req: Request) -> Resolved:
             entry.remote_accessible,
             f"cache {entry.cache_id} of cluster {engine.cluster_id} is not remote accessible",
         )
-    if entry is not None:
+    if entry is not None and req.dtype != entry.dtype:  # (the message costs microseconds)
         ours = f"cache {entry.cache_id} of cluster {engine.cluster_id}"
         if req.op is Op.PULL:
             check_same_dtype(entry.dtype, req.dtype, f"pull from {ours} into the peer's cache")
@@ -336,9 +340,8 @@ def resolve(engine: LinkHost, req: Request) -> Resolved:
         held = 1 << 64  # checked once planned, against the caches the addresses fall in
     # Both sides select as many tensors, at most either side's count.
     pieces = min(n_local, n_target) * units
-    raise_if_false(
-        pieces <= MAX_PIECES, f"the request selects up to {pieces} ranges, more than {MAX_PIECES}"
-    )
+    if pieces > MAX_PIECES:
+        raise_param(f"the request selects up to {pieces} ranges, more than {MAX_PIECES}")
     tb, count, is_blocks = req.layout
     init_layout = Layout(req.local_addrs, tb, count, is_blocks)
     if entry is not None:
@@ -368,10 +371,10 @@ def plan_checked(req: Request, res: Resolved) -> Planned:
     ids = None
     if res.entry is not None:
         starts, ends = res.entry.regions
-        raise_if_false(
-            check_within(target_side, plan.nbytes, starts, ends),
-            f"the request leaves cache {res.entry.cache_id} of cluster {res.cluster_id}",
-        )
+        if not check_within(target_side, plan.nbytes, starts, ends):
+            raise_param(
+                f"the request leaves cache {res.entry.cache_id} of cluster {res.cluster_id}"
+            )
     else:
         assert res.regions is not None
         starts, ends, all_ids = res.regions
@@ -382,11 +385,12 @@ def plan_checked(req: Request, res: Resolved) -> Planned:
         j = np.searchsorted(starts, target_side, side="right").astype(np.int64) - 1
         ids = np.unique(all_ids[j])
     # Repeated block indices must not turn a small request into unbounded work.
-    raise_if_false(
-        plan.total_bytes <= res.held,
-        f"the request would move {plan.total_bytes} bytes, more than the {res.held} bytes of "
-        "the caches it touches",
-    )
+    total = plan.total_bytes
+    if total > res.held:
+        raise_param(
+            f"the request would move {total} bytes, more than the {res.held} bytes of the "
+            "caches it touches"
+        )
     return plan, src_slot, src_idx, ids
 
 
@@ -408,11 +412,11 @@ def finish(
     op, by, entry = res.op, res.by, res.entry
     target_side = plan.src if op == Op.PULL else plan.dst
     if entry is not None:
-        raise_if_false(
-            not entry.freed and not (by is By.CACHE_ID and entry.id_released),
-            f"cache {entry.cache_id} was released",
-            LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-        )
+        if entry.freed or (by is By.CACHE_ID and entry.id_released):
+            raise LLMException(
+                f"cache {entry.cache_id} was released",
+                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+            )
         # A key may have been removed, consumed or bound elsewhere while the request was
         # planned: it must still name the very cache and slot that were planned.
         target = req.target

@@ -9,6 +9,7 @@ import ctypes.util
 import functools
 import os
 import select
+import struct
 from typing import Any
 
 import numpy as np
@@ -20,10 +21,6 @@ __all__ = ["VM_FEW", "pidfd_exited", "pvr_probe", "vm_copy"]
 
 _IOV_MAX = 1024
 _BATCH_BYTES = 64 << 20
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
 @functools.cache
@@ -46,6 +43,13 @@ def _vm_call(name: str) -> Any:
 #: plans of at most this many ranges go to the kernel from Python lists (numpy costs
 #: microseconds per call on arrays this small)
 VM_FEW = 16
+#: ``struct iovec`` arrays of n entries (base, length: two native 64-bit words each)
+_IOVECS = {n: struct.Struct(f"={2 * n}Q") for n in range(1, VM_FEW + 1)}
+
+
+def _iovecs(addrs: list[int], lens: list[int]) -> bytes:
+    """A few iovecs, packed (a ctypes Structure per entry costs microseconds each)."""
+    return _IOVECS[len(lens)].pack(*[x for pair in zip(addrs, lens, strict=True) for x in pair])
 
 
 def pidfd_exited(pidfd: int | None) -> bool:
@@ -85,8 +89,8 @@ def vm_copy(
             # call is most of a small copy's time).
             j = n
             lens = nbytes.tolist()
-            liov = (_Iovec * n)(*[_Iovec(a, k) for a, k in zip(local.tolist(), lens, strict=True)])
-            riov = (_Iovec * n)(*[_Iovec(a, k) for a, k in zip(remote.tolist(), lens, strict=True)])
+            liov = _iovecs(local.tolist(), lens)
+            riov = _iovecs(remote.tolist(), lens)
             want = sum(lens)
         else:
             # Batches bounded in count and bytes, so cancellation is checked regularly.

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import functools
 import hmac
+import itertools
 import socket
 from typing import Any
 
@@ -56,8 +57,9 @@ _IOV_MAX = 1024
 #: where 32 MiB calls stay near 2 GB/s (frames stay big; only the syscalls are cut)
 _SYSCALL_BYTES = 4 << 20
 _SCRATCH = 4 << 20
-#: plans of up to this many ranges are kept as Python ints
-_FEW = 16
+#: plans of up to this many ranges are kept as Python ints (numpy's fixed cost per call is
+#: more than a Python loop over as many)
+_FEW = 64
 #: plans of up to this many ranges also keep Python lists (built on first use): a frame of a
 #: few of their ranges (one layer of a layer-wise stream) is found by bisect, not numpy
 _LISTED = 4096
@@ -124,21 +126,20 @@ class StreamPlan:
 
     def _init_few(self, addrs: list[int], nbytes: list[int]) -> None:
         # A few ranges (most requests): Python ints, as numpy costs microseconds per call.
-        a_out: list[int] = []
-        n_out: list[int] = []
-        for a, n in zip(addrs, nbytes, strict=True):
-            if a_out and a_out[-1] + n_out[-1] == a:
-                n_out[-1] += n
-            else:
-                a_out.append(a)
-                n_out.append(n)
-        ends: list[int] = []
-        total = 0
-        for n in n_out:
-            total += n
-            ends.append(total)
-        self._few = (a_out, n_out, ends)
-        self.total = total
+        if len(addrs) != len(nbytes):
+            raise ValueError("addresses and lengths differ in number")
+        if any(addrs[i - 1] + nbytes[i - 1] == addrs[i] for i in range(1, len(addrs))):
+            a_out, n_out = addrs[:1], nbytes[:1]
+            for a, n in zip(addrs[1:], nbytes[1:], strict=True):
+                if a_out[-1] + n_out[-1] == a:
+                    n_out[-1] += n
+                else:
+                    a_out.append(a)
+                    n_out.append(n)
+            addrs, nbytes = a_out, n_out
+        ends = list(itertools.accumulate(nbytes))
+        self._few = (addrs, nbytes, ends)
+        self.total = ends[-1] if ends else 0
 
     @functools.cached_property
     def _listed(self) -> tuple[list[int], list[int], list[int]] | None:
@@ -149,10 +150,16 @@ class StreamPlan:
 
     @functools.cached_property
     def _span(self) -> tuple[int, memoryview]:
-        # One view over the whole span; descriptors become cheap slices of it. Gaps in the
-        # span are never touched: every range was validated against registered memory.
-        lo = int(self.addrs.min())
-        hi = int((self.addrs + self.nbytes).max())
+        # One view over the whole span; descriptors become cheap slices of it (a view of its
+        # own costs a microsecond). Gaps in the span are never touched: every range was
+        # validated against registered memory.
+        if self._few is not None:
+            addrs, nbytes, _ = self._few
+            lo = min(addrs)
+            hi = max(a + n for a, n in zip(addrs, nbytes, strict=True))
+        else:
+            lo = int(self.addrs.min())
+            hi = int((self.addrs + self.nbytes).max())
         return lo, memoryview((ctypes.c_ubyte * (hi - lo)).from_address(lo)).cast("B")
 
     def ranges(self, offset: int, n: int) -> tuple[list[int], list[int]]:
@@ -188,14 +195,15 @@ class StreamPlan:
 
     def views(self, offset: int, n: int) -> list[memoryview]:
         """Memory views covering stream bytes ``[offset, offset + n)`` in order."""
-        addrs, lens = self.ranges(offset, n)
+        few = self._few
+        if few is not None and offset == 0 and n >= self.total:  # the whole plan: most frames
+            addrs, lens = few[0], few[1]
+        else:
+            addrs, lens = self.ranges(offset, n)
         if not addrs:
             return []
-        if self._few is not None:
-            return [
-                memoryview((ctypes.c_ubyte * ln).from_address(a)).cast("B")
-                for a, ln in zip(addrs, lens, strict=True)
-            ]
+        if len(addrs) == 1:
+            return [memoryview((ctypes.c_ubyte * lens[0]).from_address(addrs[0])).cast("B")]
         base, span = self._span
         return [span[a - base : a - base + ln] for a, ln in zip(addrs, lens, strict=True)]
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from llmdd_async._memory import CancelToken
 from llmdd_async._transports.tcp import (
+    _FEW,
     TRIPPED_GRACE_S,
     Fence,
     StreamPlan,
@@ -25,11 +26,12 @@ from llmdd_async._transports.tcp import (
 
 @settings(max_examples=150, deadline=None)
 @given(
-    pieces=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 50)), min_size=1, max_size=12),
+    pieces=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 50)), min_size=1, max_size=80),
     cuts=st.lists(st.integers(0, 400), max_size=5),
 )
 def test_stream_plan_views_follow_the_ranges_in_order(pieces, cuts) -> None:
-    memory = np.random.default_rng(0).integers(0, 256, 2000, dtype=np.uint8)
+    # (up to 80 ranges: plans of a few kept in Python ints, and larger ones in numpy)
+    memory = np.random.default_rng(0).integers(0, 256, 80 * 53, dtype=np.uint8)
     base = memory.ctypes.data
     addrs, lens, pos = [], [], 0
     for gap, n in pieces:
@@ -55,7 +57,9 @@ def test_stream_plan_views_follow_the_ranges_in_order(pieces, cuts) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    pieces=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 9)), min_size=17, max_size=200),
+    pieces=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 9)), min_size=_FEW + 1, max_size=200
+    ),
     cuts=st.lists(st.integers(0, 2000), max_size=12),
 )
 def test_a_plan_of_many_ranges_cuts_frames_alike_in_python_and_numpy(pieces, cuts) -> None:
