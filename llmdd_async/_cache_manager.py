@@ -27,7 +27,7 @@ from ._cache_memory import Views, allocate_memory, register_memory
 from ._checks import check_int64, check_isinstance
 from ._engine import Engine
 from ._enums import LLMStatusCode
-from ._errors import LLMException, raise_if_false
+from ._errors import LLMException, raise_if_false, raise_param
 from ._local_copy import plan_copy_blocks, plan_copy_cache, plan_swap_blocks
 from ._messages import Op, Shape
 from ._movements import (
@@ -81,7 +81,8 @@ class CacheManager:
 
     def _entry(self, cache: Cache, name: str) -> CacheEntry:
         check_isinstance(name, cache, Cache)
-        raise_if_false(cache.valid, f"{name} ({cache}) is no longer valid")
+        if not cache.valid:  # (on every request: the message is formatted only when it fails)
+            raise_param(f"{name} ({cache}) is no longer valid")
         entry = self.engine.registry.entries.get(cache.cache_id)
         if entry is None or entry.id_released or not cache.issued_by(self):
             raise LLMException(

@@ -15,7 +15,7 @@ from typing import Any
 
 from ._api_checks import TransferShape, check_config
 from ._engine import Engine
-from ._errors import raise_if_false
+from ._errors import raise_if_false, raise_param
 from ._messages import Op, Shape
 from ._net.addressing import layer_spec_factory, target_of
 from ._net.grants import TransferRequest
@@ -83,10 +83,8 @@ def peer_link(engine: Engine, cluster_id: int) -> Link:
         LLMException: LLM_PARAM_INVALID for the own cluster id (cache-manager mode);
             LLM_NOT_YET_LINK without a link.
     """
-    raise_if_false(
-        cluster_id != engine.cluster_id or not engine.options.cache_manager,
-        f"cannot transfer with own cluster id {cluster_id}",
-    )
+    if cluster_id == engine.cluster_id and engine.options.cache_manager:
+        raise_param(f"cannot transfer with own cluster id {cluster_id}")
     return engine.links.get(cluster_id)
 
 
@@ -103,11 +101,10 @@ def check_reachable(engine: Engine, entry: CacheEntry) -> None:
     Raises:
         LLMException: LLM_PARAM_INVALID for a cache that is not.
     """
-    if engine.options.remote_accessible:
-        raise_if_false(
-            entry.remote_accessible,
+    if engine.options.remote_accessible and not entry.remote_accessible:
+        raise_param(
             f"cache {entry.cache_id} is not remote accessible (register it with "
-            "remote_accessible=True)",
+            "remote_accessible=True)"
         )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._enums import LLMStatusCode
-from .._errors import LLMException, raise_if_false
+from .._errors import LLMException, raise_param
 from .._messages import Address, By, Op, Shape
 from .._registry import CacheEntry
 from .._types import (
@@ -66,9 +66,8 @@ def resolve_in_table(table: Mapping[str, Any], target: Address, peer: int) -> Ad
             "first transfer of a link: register before that, or re-link)",
             status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
         )
-    raise_if_false(
-        entry.remote_accessible, f"cache {cid} of cluster {peer} is not remote accessible"
-    )
+    if not entry.remote_accessible:
+        raise_param(f"cache {cid} of cluster {peer} is not remote accessible")
     return Address(By.CACHE_ID, cache_id=cid, index=index)
 
 

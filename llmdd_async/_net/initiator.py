@@ -27,7 +27,7 @@ import numpy as np
 
 from .._checks import check_same_dtype
 from .._enums import LLMStatusCode
-from .._errors import CopyCancelled, raise_if_false
+from .._errors import CopyCancelled, LLMException
 from .._memory import INLINE_RANGES, CancelToken
 from .._messages import By, Op
 from .._planner import Plan, check_within
@@ -160,11 +160,11 @@ def _direct_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | 
     if tgt is None:  # not published as reachable, or malformed: the peer answers for it
         return None
     slot = target.index
-    raise_if_false(
-        0 <= slot < (1 if tgt.is_blocks else tgt.count),
-        f"batch index {slot} is outside cache {target.cache_id}",
-        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-    )
+    if not 0 <= slot < (1 if tgt.is_blocks else tgt.count):
+        raise LLMException(
+            f"batch index {slot} is outside cache {target.cache_id}",
+            status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+        )
     theirs = link.view.dtype(target.cache_id)
     if theirs != spec.local.dtype:  # (the message costs microseconds)
         check_same_dtype(
