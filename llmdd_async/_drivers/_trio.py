@@ -14,38 +14,43 @@ __all__ = ["DRIVER", "TrioDriver", "threadsafe_caller"]
 
 
 class TrioDriver(Driver):
-    """The task that runs :meth:`run` is the link's reader: it waits for the socket (bounded
-    by the deadline), calls ``on_readable``, and parks on an event while paused."""
+    """The task that runs :meth:`run` is the link's reader: it waits for the socket, calls
+    ``on_readable``, and parks on an event while paused; one cancel scope bounds a stretch
+    of such waits by the deadline (a trio cancel scope costs about 9 us: not one per wait)."""
 
     _again = True  # bytes may be buffered before the first wait (the handshake's read-ahead)
     _stopped = False
     _deadline = math.inf
     _wake: trio.Event | None = None
     _scope: trio.CancelScope | None = None
-    #: the scope of the wait in progress (its deadline follows set_deadline)
+    #: the scope of the stretch of waits in progress (its deadline follows set_deadline)
     _waiting: trio.CancelScope | None = None
 
     async def run(self) -> None:
         with trio.CancelScope() as self._scope:
             while not self._stopped:
-                if self.paused:
-                    self._wake = trio.Event()
-                    with trio.move_on_at(self._deadline) as self._waiting:
-                        await self._wake.wait()
-                    self._wake = self._waiting = None
-                    self._check_deadline()
-                    continue
-                if self._again:
-                    self._again = False
-                    await trio.lowlevel.checkpoint()
-                else:
-                    with trio.move_on_at(self._deadline) as self._waiting:
-                        await trio.lowlevel.wait_readable(self.sock)
-                    self._waiting = None
-                    if self._check_deadline() or self.paused or self._stopped:
-                        continue
-                if not self.paused and not self._stopped:
-                    self._again = self.on_readable()
+                with trio.CancelScope(deadline=self._deadline) as self._waiting:
+                    await self._drive()
+                self._waiting = None
+                self._check_deadline()
+
+    async def _drive(self) -> None:
+        """Waits and ``on_readable`` calls, until stopped (or the stretch's scope ends)."""
+        while not self._stopped:
+            if self.paused:
+                self._wake = trio.Event()
+                try:
+                    await self._wake.wait()
+                finally:
+                    self._wake = None
+                continue
+            if self._again:
+                self._again = False
+                await trio.lowlevel.checkpoint()
+            else:
+                await trio.lowlevel.wait_readable(self.sock)
+            if not self.paused and not self._stopped:
+                self._again = self.on_readable()
 
     def _check_deadline(self) -> bool:
         if trio.current_time() < self._deadline:
@@ -64,13 +69,13 @@ class TrioDriver(Driver):
     def resume(self) -> None:
         self.paused = False
         self._again = True
-        if self._waiting is not None:  # resumed from another task while the reader waits
-            self._waiting.cancel()
+        if self._wake is None and self._waiting is not None:
+            self._waiting.cancel()  # (not parked on the event: a new stretch reads at once)
         self._poke()
 
     def set_deadline(self, when: float | None) -> None:
         self._deadline = math.inf if when is None else when
-        if self._waiting is not None:  # set from another task while the reader waits
+        if self._waiting is not None:  # (from on_readable, or another task while it waits)
             self._waiting.deadline = self._deadline
 
     def stop(self) -> None:
