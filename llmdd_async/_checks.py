@@ -7,7 +7,7 @@ checks raise ``LLMException(LLM_PARAM_INVALID)`` (via :func:`raise_if_false`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -88,7 +88,6 @@ def check_index_list(name: str, value: Any, *, optional: bool = False) -> np.nda
         return None
     if not isinstance(value, list | tuple):
         raise TypeError(f"{name} must be list or tuple, got {type(value).__name__}")
-    value = cast(Sequence[Any], value)
     if len(value) == 0:
         return np.zeros(0, dtype=np.int64)
     if len(value) <= _FEW and all(type(v) is int for v in value):
