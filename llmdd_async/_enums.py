@@ -182,5 +182,8 @@ class LLMStatusCode(_QualifiedStrIntEnum):
     def from_wire(cls, value: int) -> LLMStatusCode:
         """Map a code received from a peer; unknown values become ``LLM_FAILED`` as upstream."""
         # A dict lookup: calling the enum costs a microsecond, on every frame with a status.
-        member = cls._value2member_map_.get(value) if type(value) is int else None
+        try:
+            member = cls._value2member_map_.get(value)
+        except TypeError:  # unhashable
+            member = None
         return cls.LLM_FAILED if member is None else member  # type: ignore[return-value]

@@ -32,7 +32,8 @@ class TrioDriver(Driver):
                 with trio.CancelScope(deadline=self._deadline) as self._waiting:
                     await self._drive()
                 self._waiting = None
-                self._check_deadline()
+                if not self._stopped:  # (nothing is called once stopped)
+                    self._check_deadline()
 
     async def _drive(self) -> None:
         """Waits and ``on_readable`` calls, until stopped (or the stretch's scope ends)."""
@@ -45,8 +46,10 @@ class TrioDriver(Driver):
                     self._wake = None
                 continue
             if self._again:
+                # Lets other tasks run, and is no cancel point: a deadline that passed is
+                # seen at the next wait, once the buffered frames were read.
+                await trio.lowlevel.cancel_shielded_checkpoint()
                 self._again = False
-                await trio.lowlevel.checkpoint()
             else:
                 await trio.lowlevel.wait_readable(self.sock)
             if not self.paused and not self._stopped:

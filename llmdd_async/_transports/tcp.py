@@ -128,6 +128,9 @@ class StreamPlan:
         # A few ranges (most requests): Python ints, as numpy costs microseconds per call.
         if len(addrs) != len(nbytes):
             raise ValueError("addresses and lengths differ in number")
+        if 0 in nbytes:  # (no empty view: a send of one never advances)
+            addrs = [a for a, n in zip(addrs, nbytes, strict=True) if n]
+            nbytes = [n for n in nbytes if n]
         if any(addrs[i - 1] + nbytes[i - 1] == addrs[i] for i in range(1, len(addrs))):
             a_out, n_out = addrs[:1], nbytes[:1]
             for a, n in zip(addrs[1:], nbytes[1:], strict=True):

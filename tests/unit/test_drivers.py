@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 
 import anyio
@@ -155,6 +156,46 @@ async def test_stopped_nothing_more_is_called_and_run_returns() -> None:
     assert rec.calls == 1 and rec.deadlines == 0
     b.close()  # the driver let go of the socket first
     a.close()
+
+
+async def test_asked_again_as_its_deadline_passes_it_still_reads_before_new_bytes(
+    pair: tuple,
+) -> None:
+    """A read that asks to be called again (frames still buffered) while the deadline passes
+    is called again without new bytes, and the deadline fires too (a trio reader once lost
+    the call: its deadline cancelled the checkpoint before it)."""
+    a, _, rec, driver = pair
+
+    def slow_first_read() -> None:
+        rec.hook = None
+        driver.set_deadline(anyio.current_time() + 0.01)
+        time.sleep(0.03)  # the deadline passes while the read still runs
+
+    rec.hook = slow_first_read
+    rec.again = 1
+    a.send(b"x")
+    await _wait(lambda: rec.calls >= 2 and rec.deadlines == 1)
+    await anyio.sleep(0.05)
+    assert rec.calls == 2 and rec.deadlines == 1 and rec.data == b"x"
+
+
+async def test_stopped_from_its_read_past_the_deadline_nothing_more_is_called(
+    pair: tuple,
+) -> None:
+    a, _, rec, driver = pair
+
+    def stop_late() -> None:
+        rec.hook = None
+        driver.set_deadline(anyio.current_time() + 0.005)
+        time.sleep(0.02)  # the deadline passes, then the read stops the driver
+        driver.stop()
+
+    rec.hook = stop_late
+    a.send(b"x")
+    await _wait(lambda: rec.calls == 1)
+    a.send(b"y")
+    await anyio.sleep(0.1)
+    assert rec.calls == 1 and rec.deadlines == 0
 
 
 async def test_a_driver_of_the_running_loop_reads_without_a_task_switch_per_frame(

@@ -326,3 +326,16 @@ async def test_the_seam_holds_across_awaits_and_passes_cancellation() -> None:
             await anyio.sleep(1)
     assert scope.cancelled_caught
     assert len(link.failures) == 1  # a cancellation is no link failure
+
+
+def test_a_peers_status_code_maps_to_ours_and_anything_else_to_failed() -> None:
+    """``LLMStatusCode.from_wire`` (every GRANT, DONE, RESULT and ABORT a peer sends): a
+    known code is ours, whatever int type carries it; anything else is LLM_FAILED."""
+    import numpy as np
+
+    for code in S:
+        assert S.from_wire(int(code)) is code
+        assert S.from_wire(np.int64(int(code))) is code
+    assert S.from_wire(S.LLM_TIMEOUT) is S.LLM_TIMEOUT
+    for bad in (123456789, -2, 2**70, "0", None, [0], 1.5):
+        assert S.from_wire(bad) is S.LLM_FAILED  # type: ignore[arg-type]

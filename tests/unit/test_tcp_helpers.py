@@ -9,6 +9,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -80,6 +81,24 @@ def test_a_plan_of_many_ranges_cuts_frames_alike_in_python_and_numpy(pieces, cut
     bounds = sorted({0, listed.total, *(c % (listed.total + 1) for c in cuts)})
     for lo, hi in [*itertools.pairwise(bounds), (0, listed.total), (3, 1), (listed.total, 5)]:
         assert listed.ranges(lo, hi - lo) == plain.ranges(lo, hi - lo)
+
+
+@pytest.mark.parametrize("ranges", [3, _FEW + 5])
+def test_a_plan_with_empty_ranges_has_no_empty_view(ranges: int) -> None:
+    """A peer's grant may name ranges of 0 bytes: no view of the plan is empty (a send of an
+    empty last view never advances, and the loop would spin on it)."""
+    memory = np.arange(4 * ranges, dtype=np.uint8)
+    base = memory.ctypes.data
+    a = np.array([base + 4 * i for i in range(ranges)], np.uint64)
+    n = np.array([0 if i % 2 else 2 for i in range(ranges)], np.uint64)
+    n[-1] = 0  # the last view, where a send stops short
+    plan = StreamPlan(a, n)
+    views = plan.views(0, plan.total)
+    assert views and all(v.nbytes for v in views)
+    assert b"".join(v.tobytes() for v in views) == b"".join(
+        memory[4 * i : 4 * i + 2].tobytes() for i in range(0, ranges, 2) if n[i]
+    )
+    assert StreamPlan(a[1::2], n[1::2]).views(0, 0) == []
 
 
 def pair() -> tuple[socket.socket, socket.socket]:
