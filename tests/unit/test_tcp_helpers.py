@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 
+import anyio
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -21,7 +22,9 @@ from llmdd_async._transports.tcp import (
     StreamPlan,
     configure_socket,
     recv_views,
+    send_nowait,
     send_views,
+    send_views_inline,
 )
 
 
@@ -99,6 +102,34 @@ def test_a_plan_with_empty_ranges_has_no_empty_view(ranges: int) -> None:
         memory[4 * i : 4 * i + 2].tobytes() for i in range(0, ranges, 2) if n[i]
     )
     assert StreamPlan(a[1::2], n[1::2]).views(0, 0) == []
+
+
+def test_a_grant_with_an_empty_last_range_is_sent_and_ends() -> None:
+    """What a push does with a hostile target's GRANT whose last range is 0 bytes long: its
+    frame goes out whole over a real socket (header, then the plan's views) and the send
+    ends. An empty last view once made the send from the loop spin for ever (a send of
+    nothing never advances)."""
+    memory = np.arange(8192, dtype=np.uint8)
+    base = memory.ctypes.data
+    plan = StreamPlan(np.array([base, base + 4096], np.uint64), np.array([100, 0], np.uint64))
+    a, b = pair()
+    bufs = [memoryview(b"H" * 16), *plan.views(0, plan.total)]
+    idx = send_nowait(a, bufs)
+    ended = threading.Event()
+
+    def finish() -> None:
+        anyio.run(send_views_inline, a, bufs, idx, CancelToken())
+        ended.set()
+
+    worker = threading.Thread(target=finish, daemon=True)
+    worker.start()
+    assert ended.wait(5), "the send of the frame never ended"
+    got = b""
+    while len(got) < 116:
+        got += b.recv(4096)
+    assert got == b"H" * 16 + memory[:100].tobytes()
+    a.close()
+    b.close()
 
 
 def pair() -> tuple[socket.socket, socket.socket]:
