@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 import itertools
 from collections.abc import Mapping, Sequence
 
@@ -58,10 +57,15 @@ class Layout:
     def stride(self) -> int:
         return self.tensor_bytes // self.count
 
-    @functools.cached_property
+    @property
     def addr_list(self) -> list[int]:
-        """The tensor addresses as Python ints (small plans are built from them)."""
-        return [int(a) for a in self.addrs.tolist()]
+        """The tensor addresses as Python ints (small plans are built from them), made once
+        per layout (not a ``functools.cached_property``: in Python 3.11 it takes a lock, and
+        a peer's layout is new on every request)."""
+        cached: list[int] | None = self.__dict__.get("_addr_list")
+        if cached is None:
+            cached = self.__dict__["_addr_list"] = self.addrs.tolist()
+        return cached
 
     @classmethod
     def of(
@@ -326,13 +330,14 @@ def plan_slots(
     )
 
 
-def _check_blocks(blocks: np.ndarray, count: int, side: str, code: LLMStatusCode) -> None:
+def _check_blocks(
+    blocks: np.ndarray | list[int], count: int, side: str, code: LLMStatusCode
+) -> None:
     if not len(blocks):
         return
     # numpy's reductions cost microseconds each on a handful of indices; Python's do not.
-    if len(blocks) <= 64:
-        values = blocks.tolist()
-        lo, hi = min(values), max(values)
+    if isinstance(blocks, list):
+        lo, hi = min(blocks), max(blocks)
     else:
         lo, hi = int(blocks.min()), int(blocks.max())
     if lo < 0:
@@ -359,15 +364,18 @@ def plan_blocks(
         LLMException: LLM_PARAM_INVALID for unequal or empty lists, indices out of range, or
             block sizes that do not fit.
     """
-    raise_if_false(src.is_blocks, "source must be a blocks cache")
-    raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
+    if not src.is_blocks:
+        raise_param("source must be a blocks cache")
+    if not len(dst_blocks):
+        raise_param("dst_blocks must not be empty")
     if len(src_blocks) != len(dst_blocks):
         raise_param(
             f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length"
         )
     piece = src.stride
     if dst_block_bytes is None:
-        raise_if_false(dst.is_blocks, "destination must be a blocks cache")
+        if not dst.is_blocks:
+            raise_param("destination must be a blocks cache")
         if dst.stride != piece:
             raise_param(
                 f"block sizes differ (source {piece} bytes, destination {dst.stride} bytes)"
@@ -380,17 +388,25 @@ def plan_blocks(
                 f"source block of {piece} bytes does not fit a destination block of "
                 f"{dst_unit} bytes"
             )
-    _check_blocks(src_blocks, src.count, "src", LLMStatusCode.LLM_PARAM_INVALID)
-    _check_blocks(dst_blocks, dst.tensor_bytes // dst_unit, "dst", LLMStatusCode.LLM_PARAM_INVALID)
+    code = LLMStatusCode.LLM_PARAM_INVALID
     if len(src_tensors) * len(src_blocks) <= _SMALL:
         # A few descriptors: Python ints throughout (numpy costs microseconds per call).
+        # (Indices of any integer type: one of 2**63 and more, from the wire, is out of range
+        # as an int, where int64 makes it negative: refused either way.)
+        sb, db = src_blocks.tolist(), dst_blocks.tolist()
+        _check_blocks(sb, src.count, "src", code)
+        _check_blocks(db, dst.tensor_bytes // dst_unit, "dst", code)
+        sa, da = src.addr_list, dst.addr_list
         return _outer_lists(
-            [src.addr_list[t] for t in src_tensors.tolist()],
-            [dst.addr_list[t] for t in dst_tensors.tolist()],
-            [b * piece for b in src_blocks.tolist()],
-            [b * dst_unit for b in dst_blocks.tolist()],
-            [piece] * len(src_blocks),
+            [sa[t] for t in src_tensors.tolist()],
+            [da[t] for t in dst_tensors.tolist()],
+            [b * piece for b in sb],
+            [b * dst_unit for b in db],
+            [piece] * len(sb),
         )
+    src_blocks, dst_blocks = src_blocks.astype(np.int64), dst_blocks.astype(np.int64)
+    _check_blocks(src_blocks, src.count, "src", code)
+    _check_blocks(dst_blocks, dst.tensor_bytes // dst_unit, "dst", code)
     return _outer(
         src.addrs[src_tensors],
         dst.addrs[dst_tensors],

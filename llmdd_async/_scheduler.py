@@ -42,6 +42,7 @@ from ._task import CacheTask, LayerTiming, TaskControl
 
 if TYPE_CHECKING:
     from ._engine import Engine
+    from ._timers import Timer
 
 __all__ = [
     "Destination",
@@ -132,67 +133,98 @@ def start_request_now(
     budget = timeout_s * steps
     ctl = task.begin(None)
     ctl.set_deadline(budget)  # the link is ours: the deadline runs from now
-    expired = False
-    current: list[Exchange] = []
+    run = _RunNow(engine, task, link, spec, ctl, on_end)
+    run.timer = engine.timers.call_at(anyio.current_time() + budget, run.expire)
+    task.on_cancel(run.stop)
+    try:
+        run.launch(True)
+    except Exception as exc:  # a bug: the task reports it, nothing stays held
+        if run.exchange is not None and not run.exchange.ended:
+            run.exchange.stop(exc)
+        else:
+            run.finish(None, exc)
+    return True
 
-    def launch(key_reads: bool) -> None:
+
+class _RunNow:
+    """A pull or push :func:`start_request_now` started: its :class:`Exchange` (a retry
+    over the stream after a failed copy of what a key grants), its deadline, its end.
+
+    A class, not closures: closures that name each other form a cycle that only the garbage
+    collector frees, and :meth:`finish` drops every reference that points back here.
+    """
+
+    __slots__ = ("ctl", "engine", "exchange", "expired", "link", "on_end", "spec", "task", "timer")
+
+    def __init__(
+        self,
+        engine: Engine,
+        task: CacheTask,
+        link: Link,
+        spec: TransferRequest,
+        ctl: TaskControl,
+        on_end: Callable[[], None],
+    ) -> None:
+        self.engine = engine
+        self.task = task
+        self.link = link
+        self.spec = spec
+        self.ctl = ctl
+        self.on_end = on_end
+        self.expired = False
+        self.exchange: Exchange | None = None
+        self.timer: Timer | None = None
+
+    def launch(self, key_reads: bool) -> None:
+        link, ctl = self.link, self.ctl
         try:
             req = link.open_pending(ctl.deadline)
         except LLMException as exc:  # the link went down: a retry ends here
-            finish(None, exc)
+            self.finish(None, exc)
             return
         # A first try that may copy what a key grants has a token of its own: stopping it
         # after a failed copy does not stop the retry over the stream.
         req.token = ctl.token.child() if key_reads else ctl.token
-        exchange = Exchange(engine, link, spec, req, key_reads, ended)
-        current[:] = [exchange]
-        exchange.start()
+        self.exchange = Exchange(self.engine, link, self.spec, req, key_reads, self.ended)
+        self.exchange.start()
 
-    def ended(exchange: Exchange) -> None:
+    def ended(self, exchange: Exchange) -> None:
+        ctl = self.ctl
         if (
             exchange.read_failed
-            and not task.cancel_requested
-            and not expired
-            and link.alive
+            and not self.task.cancel_requested
+            and not self.expired
+            and self.link.alive
             and ctl.deadline is not None
             and time.monotonic() < ctl.deadline
         ):
             # A copy of what a key grants failed (memory the kernel cannot pin): the request
             # was aborted there, unconsumed; stream it.
             reason = f"reading the peer failed: {exchange.error}"
-            engine.log.info("transfer.fallback", reason=reason)
-            launch(False)
+            self.engine.log.info("transfer.fallback", reason=reason)
+            self.launch(False)
             return
-        finish(exchange.result, exchange.error)
+        self.finish(exchange.result, exchange.error)
 
-    def finish(result: tuple[int, int] | None, error: BaseException | None) -> None:
-        link.transfer_lock.give(False)
-        engine.timers.cancel(timer)
+    def finish(self, result: tuple[int, int] | None, error: BaseException | None) -> None:
+        self.link.transfer_lock.give(False)
+        if self.timer is not None:
+            self.engine.timers.cancel(self.timer)
+        self.timer = self.exchange = None
+        task, ctl = self.task, self.ctl
         task.on_cancel(None)
         if result is not None:
             ctl.add(*result)
-        on_end()
-        task.conclude(ctl, error, expired)
+        self.on_end()
+        task.conclude(ctl, error, self.expired)
 
-    def stop() -> None:
-        if current:
-            current[0].stop(CopyCancelled())
+    def stop(self) -> None:
+        if self.exchange is not None:
+            self.exchange.stop(CopyCancelled())
 
-    def expire() -> None:
-        nonlocal expired
-        expired = True
-        stop()
-
-    timer = engine.timers.call_at(anyio.current_time() + budget, expire)
-    task.on_cancel(stop)
-    try:
-        launch(True)
-    except Exception as exc:  # a bug: the task reports it, nothing stays held
-        if current and not current[0].ended:
-            current[0].stop(exc)
-        else:
-            finish(None, exc)
-    return True
+    def expire(self) -> None:
+        self.expired = True
+        self.stop()
 
 
 def _pull_direct_now(

@@ -430,6 +430,7 @@ class Exchange:
         self.error = error
         req = self.req
         req.grant_event.callback = req.data_event.callback = req.result_event.callback = None
+        req.on_grant = None  # (a cycle through us: freed at once, not by the collector)
         self.link.close_pending(req)
         if req.stream is not None:
             req.stream.close()

@@ -226,8 +226,8 @@ def plan_selection(
             dst,
             src_idx,
             dst_idx,
-            src_blocks.astype(np.int64),
-            dst_blocks.astype(np.int64),
+            src_blocks,  # (any integer type: see plan_blocks)
+            dst_blocks,
             dst_block_bytes,
         )
     elif shape == Shape.SLOT_TO_BLOCKS:

@@ -197,11 +197,6 @@ class FrameRouter:
             code = exc.status_code if is_caller_facing(exc) else LLMStatusCode.LLM_PARAM_INVALID
             self._owe_reply(Grant.refusal(msg.req_id, code, str(exc)).encode())
             return
-        # The peer's deadline, but never more than this side would give itself: one
-        # stalled peer must not hold our workers for longer (upstream: 1800 s).
-        deadline_s = link.host.serve_budget_s(1024)
-        if request.timeout_ms > 0:
-            deadline_s = min(deadline_s, request.timeout_ms / 1000)
         try:
             served = link.server.serve_now(link, request)
         except BaseException:
@@ -212,6 +207,11 @@ class FrameRouter:
             if charged and budget is not None:
                 budget.release(charged)
             return
+        # The peer's deadline, but never more than this side would give itself: one
+        # stalled peer must not hold our workers for longer (upstream: 1800 s).
+        deadline_s = link.host.serve_budget_s(1024)
+        if request.timeout_ms > 0:
+            deadline_s = min(deadline_s, request.timeout_ms / 1000)
         req = Serving(msg.req_id, time.monotonic() + deadline_s)
         req.meta_bytes = meta_bytes
         req.charged = charged
