@@ -141,6 +141,8 @@ def start_request_now(
     except Exception as exc:  # a bug: the task reports it, nothing stays held
         if run.exchange is not None and not run.exchange.ended:
             run.exchange.stop(exc)
+        elif run.finished:  # after the task ended: only the log can say
+            engine.log.exception("transfer.crashed")
         else:
             run.finish(None, exc)
     return True
@@ -154,7 +156,18 @@ class _RunNow:
     collector frees, and :meth:`finish` drops every reference that points back here.
     """
 
-    __slots__ = ("ctl", "engine", "exchange", "expired", "link", "on_end", "spec", "task", "timer")
+    __slots__ = (
+        "ctl",
+        "engine",
+        "exchange",
+        "expired",
+        "finished",
+        "link",
+        "on_end",
+        "spec",
+        "task",
+        "timer",
+    )
 
     def __init__(
         self,
@@ -171,7 +184,7 @@ class _RunNow:
         self.spec = spec
         self.ctl = ctl
         self.on_end = on_end
-        self.expired = False
+        self.expired = self.finished = False
         self.exchange: Exchange | None = None
         self.timer: Timer | None = None
 
@@ -207,6 +220,9 @@ class _RunNow:
         self.finish(exchange.result, exchange.error)
 
     def finish(self, result: tuple[int, int] | None, error: BaseException | None) -> None:
+        if self.finished:
+            return
+        self.finished = True
         self.link.transfer_lock.give(False)
         if self.timer is not None:
             self.engine.timers.cancel(self.timer)

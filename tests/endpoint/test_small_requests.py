@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import socket
+import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -175,6 +176,23 @@ async def test_a_small_pull_or_push_runs_without_a_task_on_the_initiator(
         assert cache_entries(decoder)[0].pins == 0
 
 
+def _our_garbage() -> int:
+    """How many objects of ours (instances of our classes, our functions) the collector finds
+    in reference cycles now. Only ours: what other threads of the test process leave (a
+    library's, an earlier test's) is not this test's business."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+    finally:
+        gc.set_debug(0)
+    garbage, gc.garbage[:] = list(gc.garbage), []
+    ours = 0
+    for o in garbage:
+        module = o.__module__ if isinstance(o, types.FunctionType) else type(o).__module__
+        ours += str(module).startswith("llmdd_async")
+    return ours
+
+
 @pytest.mark.parametrize(
     ("mode", "op"),
     [("remote-accessible", "pull"), ("remote-accessible", "push"), ("default", "pull")],
@@ -201,11 +219,12 @@ async def test_small_requests_leave_no_garbage_for_the_collector(mode: str, op: 
             try:
                 for i in range(requests):
                     await move(key, cache, [i % 4], [(i + 1) % 4])
-                found.append(gc.collect())
+                found.append(_our_garbage())
             finally:
                 gc.enable()
-        # (a closure cycle per request left about 36 objects each for the collector)
-        assert min(found) < requests, f"objects in reference cycles after {requests}: {found}"
+        # (a closure cycle per request left about 20 of our objects each for the collector:
+        # its task, request, exchange and the closures' functions)
+        assert min(found) < requests // 10, f"of ours in reference cycles: {found}"
         last = requests - 1  # (its bytes moved)
         if op == "pull":
             assert np.array_equal(dst[(last + 1) % 4], src[last % 4])
