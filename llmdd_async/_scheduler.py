@@ -156,19 +156,6 @@ class _RunNow:
     collector frees, and :meth:`finish` drops every reference that points back here.
     """
 
-    __slots__ = (
-        "ctl",
-        "engine",
-        "exchange",
-        "expired",
-        "finished",
-        "link",
-        "on_end",
-        "spec",
-        "task",
-        "timer",
-    )
-
     def __init__(
         self,
         engine: Engine,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
@@ -19,6 +20,9 @@ from typing import Any, TypeVar
 __all__ = ["LoopThread"]
 
 T = TypeVar("T")
+
+#: how long :meth:`LoopThread.stop` lets the tasks it cancels unwind before the loop closes
+_CLOSE_WAIT_S = 2.0
 
 
 def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
@@ -61,7 +65,26 @@ class LoopThread:
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._ready.set)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Close the stopped loop on its own thread: what still runs there is cancelled (and
+        given ``_CLOSE_WAIT_S`` to unwind), then the loop is closed. A stopped loop that is
+        not closed keeps its descriptors, and an unclosed uvloop loop is never freed (the
+        garbage collector finds it again at every pass)."""
+        loop = self.loop
+        try:
+            tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.wait(tasks, timeout=_CLOSE_WAIT_S))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
 
     def _check_caller(self) -> None:
         if threading.current_thread() is self.thread:
@@ -102,10 +125,13 @@ class LoopThread:
 
     def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
         """``fn(*args)`` on the loop thread, soon, in a fresh context (as :meth:`submit`);
-        never blocks."""
-        self.loop.call_soon_threadsafe(fn, *args, context=contextvars.Context())
+        never blocks. Nothing happens once the loop was stopped."""
+        with contextlib.suppress(RuntimeError):  # (closed: stopped)
+            self.loop.call_soon_threadsafe(fn, *args, context=contextvars.Context())
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the loop and wait up to ``timeout`` seconds for its thread to end."""
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """Stop the loop, cancel what still runs on it and close it; wait up to ``timeout``
+        seconds for its thread to end. Stopping it again does nothing."""
+        with contextlib.suppress(RuntimeError):  # (closed: stopped already)
+            self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout)
