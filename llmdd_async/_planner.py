@@ -338,6 +338,9 @@ def _check_blocks(
     # numpy's reductions cost microseconds each on a handful of indices; Python's do not.
     if isinstance(blocks, list):
         lo, hi = min(blocks), max(blocks)
+    elif len(blocks) <= 64:
+        values = blocks.tolist()
+        lo, hi = min(values), max(values)
     else:
         lo, hi = int(blocks.min()), int(blocks.max())
     if lo < 0:

@@ -149,12 +149,9 @@ def start_request_now(
 
 
 class _RunNow:
-    """A pull or push :func:`start_request_now` started: its :class:`Exchange` (a retry
-    over the stream after a failed copy of what a key grants), its deadline, its end.
-
-    A class, not closures: closures that name each other form a cycle that only the garbage
-    collector frees, and :meth:`finish` drops every reference that points back here.
-    """
+    """A pull or push :func:`start_request_now` started: its :class:`Exchange` (retried over
+    the stream after a failed copy of what a key grants), deadline and end. Not closures: they
+    would name each other, a cycle only the garbage collector frees (finish drops ours)."""
 
     def __init__(
         self,
@@ -210,16 +207,21 @@ class _RunNow:
         if self.finished:
             return
         self.finished = True
-        self.link.transfer_lock.give(False)
-        if self.timer is not None:
-            self.engine.timers.cancel(self.timer)
-        self.timer = self.exchange = None
         task, ctl = self.task, self.ctl
-        task.on_cancel(None)
-        if result is not None:
-            ctl.add(*result)
-        self.on_end()
-        task.conclude(ctl, error, self.expired)
+        try:
+            self.link.transfer_lock.give(False)
+            if self.timer is not None:
+                self.engine.timers.cancel(self.timer)
+            self.timer = self.exchange = None
+            task.on_cancel(None)
+            if result is not None:
+                ctl.add(*result)
+            self.on_end()
+        except BaseException as exc:  # a bug: the task still ends, failing with it
+            error = error or exc
+            raise
+        finally:
+            task.conclude(ctl, error, self.expired)
 
     def stop(self) -> None:
         if self.exchange is not None:

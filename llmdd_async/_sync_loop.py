@@ -51,6 +51,8 @@ class LoopThread:
         returns once it runs."""
         self.loop = _new_loop(use_uvloop)
         self._ready = threading.Event()
+        self._stopping = False
+        self._stop_lock = threading.Lock()
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()
         self._ready.wait()
@@ -82,7 +84,10 @@ class LoopThread:
                 t.cancel()
             if tasks:
                 loop.run_until_complete(asyncio.wait(tasks, timeout=_CLOSE_WAIT_S))
-            loop.run_until_complete(loop.shutdown_asyncgens())
+            # (bounded too: a generator's finally may await for ever)
+            loop.run_until_complete(
+                asyncio.wait([loop.create_task(loop.shutdown_asyncgens())], timeout=_CLOSE_WAIT_S)
+            )
         finally:
             loop.close()
 
@@ -132,6 +137,9 @@ class LoopThread:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the loop, cancel what still runs on it and close it; wait up to ``timeout``
         seconds for its thread to end. Stopping it again does nothing."""
-        with contextlib.suppress(RuntimeError):  # (closed: stopped already)
+        with self._stop_lock:
+            # Once: a second loop.stop would cut the close's unwinding short.
+            stopping, self._stopping = self._stopping, True
+        if not stopping:
             self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout)

@@ -11,6 +11,7 @@ Without vLLM these tests skip, except under ``CI=true``, where a missing vLLM is
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -312,6 +313,8 @@ class SilentListener:
             self.conns.append(c)
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):  # wakes the thread blocked in accept() (close won't)
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         for c in self.conns:
             c.close()

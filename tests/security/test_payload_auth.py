@@ -101,6 +101,8 @@ class Relay:
 
     def close(self) -> None:
         self._closed = True
+        with contextlib.suppress(OSError):  # wakes the thread blocked in accept() (close won't)
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         with self._lock:
             for s in self._socks:

@@ -419,6 +419,7 @@ class ServerThread:
         self.run(self.server.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()  # (an unclosed uvloop loop is never freed)
 
 
 @pytest.fixture
