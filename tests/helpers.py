@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -301,3 +302,15 @@ def library_logs_enabled(monkeypatch: Any) -> None:
             monkeypatch.setattr(logger, "level", logging.NOTSET)
     monkeypatch.setattr(manager, "disable", logging.NOTSET)
     manager._clear_cache()
+
+
+def cyclic_garbage() -> list[Any]:
+    """What the garbage collector finds in reference cycles now (unreachable objects only it
+    frees), taken out of ``gc.garbage``: a test then counts what is its own."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+    finally:
+        gc.set_debug(0)
+    garbage, gc.garbage[:] = list(gc.garbage), []
+    return garbage

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from helpers import endpoint_options, raw_link
+from helpers import cyclic_garbage, endpoint_options, raw_link
 
 import llmdd_async as dd
 from llmdd_async._messages import Data, Grant, Mode, Ping
@@ -180,14 +180,8 @@ def _our_garbage() -> int:
     """How many objects of ours (instances of our classes, our functions) the collector finds
     in reference cycles now. Only ours: what other threads of the test process leave (a
     library's, an earlier test's) is not this test's business."""
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        gc.collect()
-    finally:
-        gc.set_debug(0)
-    garbage, gc.garbage[:] = list(gc.garbage), []
     ours = 0
-    for o in garbage:
+    for o in cyclic_garbage():
         module = o.__module__ if isinstance(o, types.FunctionType) else type(o).__module__
         ours += str(module).startswith("llmdd_async")
     return ours

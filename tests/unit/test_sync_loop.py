@@ -9,6 +9,7 @@ import os
 import threading
 
 import pytest
+from helpers import cyclic_garbage
 
 from llmdd_async._sync_loop import LoopThread
 
@@ -17,12 +18,7 @@ def _stray_loops(ids: set[int]) -> int:
     """Of the event loops ``ids`` names, those the garbage collector finds unreachable now
     (and cannot free). Only those: an earlier test's are not this test's business."""
     gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        gc.collect()
-    finally:
-        gc.set_debug(0)
-    garbage, gc.garbage[:] = list(gc.garbage), []
+    garbage = cyclic_garbage()
     return sum(isinstance(o, asyncio.AbstractEventLoop) and id(o) in ids for o in garbage)
 
 
