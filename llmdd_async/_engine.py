@@ -18,7 +18,7 @@ import numpy as np
 from anyio.abc import TaskGroup
 
 from ._devices import DeviceAdapter, DevicePool, load_adapter
-from ._drivers import threadsafe_caller
+from ._drivers import LoopEvent, event_factory, loop_clock, threadsafe_caller
 from ._enums import LLMRole, LLMStatusCode, Placement
 from ._log import get_logger
 from ._memory import EpochPage, MemoryPool, populate
@@ -78,8 +78,12 @@ class Engine:
         self.transport_endpoint: TransportEndpoint | None = None
         #: bumped whenever a cache id is released; same-host peers map it (one-sided pulls)
         self.epoch: EpochPage | None = None
-        #: deadlines of transfers that run without a task of their own
+        #: deadlines of transfers that run without a task of their own; ``timers.now()`` is
+        #: the loop's clock
         self.timers = Timers()
+        #: makes the running backend's own event (set on the loop thread): cheaper than an
+        #: ``anyio.Event`` where one is made per layer
+        self.new_event: Callable[[], LoopEvent] = anyio.Event
 
     @property
     def listen_host(self) -> str | None:
@@ -115,6 +119,8 @@ class Engine:
                 self._tg = tg
                 self._portal = portal
                 self._threadsafe = threadsafe_caller()
+                self.new_event = event_factory()
+                self.timers.now = loop_clock()
                 tg.start_soon(self.timers.run)
                 try:
                     await self.start_services()
@@ -132,6 +138,8 @@ class Engine:
             self._tg = None
             self._portal = None
             self._threadsafe = None
+            self.new_event = anyio.Event
+            self.timers.now = anyio.current_time
             self.closed = True
             self.registry.close()
             if self.transport_endpoint is not None:
@@ -273,9 +281,9 @@ class Engine:
             self.make_stream, addrs, nbytes, limiter, limiter=limiter
         )
 
-    def threadsafe_event(self) -> tuple[anyio.Event, Callable[[], None]]:
+    def threadsafe_event(self) -> tuple[LoopEvent, Callable[[], None]]:
         """An event and a setter that may be called from any thread, without blocking it."""
-        event = anyio.Event()
+        event = self.new_event()
         call = self._threadsafe
         loop_thread = self._thread
 

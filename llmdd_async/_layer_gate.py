@@ -16,6 +16,7 @@ from ._synchronizer import AsyncLayerSynchronizer, LayerEvents
 
 if TYPE_CHECKING:
     from ._engine import Engine
+    from ._timers import Timer
 
 __all__ = ["LAYER_WAIT_WARN_S", "wait_for_layer"]
 
@@ -68,16 +69,24 @@ async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int 
                 wake()
 
             if not sync.add_waker(layer, woke):
-                now, timers = anyio.current_time(), engine.timers
-                bound = timers.call_at(now + bound_ms / 1000, event.set)
-                warn = timers.call_at(
-                    now + LAYER_WAIT_WARN_S, lambda: _warn_waiting(engine, layer, t0, bound_ms)
-                )
+                timers = engine.timers
+                end = timers.now() + bound_ms / 1000
+                # One timer at a time: the warning's, which then sets the bound's (a wait
+                # seldom lasts that long, and each timer is a heap push and a cancel).
+                timer: list[Timer] = []
+
+                def warn() -> None:
+                    _warn_waiting(engine, layer, t0, bound_ms)
+                    timer[0] = timers.call_at(end, event.set)
+
+                if bound_ms > LAYER_WAIT_WARN_S * 1000:
+                    timer.append(timers.call_later(LAYER_WAIT_WARN_S, warn))
+                else:
+                    timer.append(timers.call_at(end, event.set))
                 try:
                     await event.wait()
                 finally:
-                    timers.cancel(bound)
-                    timers.cancel(warn)
+                    timers.cancel(timer[0])
                 if not woken:
                     raise TimeoutError
             ok = sync.result(layer)

@@ -41,6 +41,7 @@ from ._synchronizer import LayerEvents
 from ._task import CacheTask, LayerTiming, TaskControl
 
 if TYPE_CHECKING:
+    from ._drivers import LoopEvent
     from ._engine import Engine
     from ._timers import Timer
 
@@ -134,7 +135,7 @@ def start_request_now(
     ctl = task.begin(None)
     ctl.set_deadline(budget)  # the link is ours: the deadline runs from now
     run = _RunNow(engine, task, link, spec, ctl, on_end)
-    run.timer = engine.timers.call_at(anyio.current_time() + budget, run.expire)
+    run.timer = engine.timers.call_later(budget, run.expire)
     task.on_cancel(run.stop)
     try:
         run.launch(True)
@@ -391,7 +392,7 @@ async def run_layerwise(
                 channel.finish()
 
     async with anyio.create_task_group() as tg:
-        channels = {d.index: _Handed(window) for d in dests}
+        channels = {d.index: _Handed(window, engine.new_event) for d in dests}
         for d in dests:
             tg.start_soon(_first_failure, consume, (d, channels[d.index]), failure, tg)
         tg.start_soon(_first_failure, produce, (channels,), failure, tg)
@@ -443,16 +444,16 @@ class _Handed:
     A deque and two events: anyio's memory streams take a loop turn per item received (and
     let one layer more through, straight to a waiting consumer)."""
 
-    def __init__(self, window: int) -> None:
-        self._window = window
+    def __init__(self, window: int, new_event: Callable[[], LoopEvent]) -> None:
+        self._window, self._new_event = window, new_event
         #: handed over, not yet seen by the consumer (what the window bounds)
         self._unseen: collections.deque[int] = collections.deque()
         #: seen, not yet taken
         self._layers: collections.deque[int] = collections.deque()
         self._finished = False  # the producer hands over no more
         self._left = False  # the consumer takes no more
-        self._arrived: anyio.Event | None = None
-        self._room: anyio.Event | None = None
+        self._arrived: LoopEvent | None = None
+        self._room: LoopEvent | None = None
 
     # ---------------------------------------------------------------- the producer's side
     def hand_nowait(self, layer: int) -> bool:
@@ -469,7 +470,7 @@ class _Handed:
     async def hand(self, layer: int) -> None:
         """Hand ``layer`` over once the window has room."""
         while not self.hand_nowait(layer):
-            self._room = anyio.Event()
+            self._room = self._new_event()
             await self._room.wait()
 
     def finish(self) -> None:
@@ -498,7 +499,7 @@ class _Handed:
             elif self._finished:
                 return False
             else:
-                self._arrived = anyio.Event()
+                self._arrived = self._new_event()
                 try:
                     await self._arrived.wait()
                 finally:

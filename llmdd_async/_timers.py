@@ -4,7 +4,8 @@ A transfer that runs without a task of its own (a small pull or push the link's 
 finishes) still has a deadline: :meth:`Timers.call_at` schedules its expiry at the cost of a
 heap push, and :meth:`Timer.cancel` (it finished first) of an attribute write. One task sleeps
 until the earliest live timer; a timer earlier than that moves its cancel scope's deadline.
-Backend-neutral (anyio), so asyncio, uvloop and trio share it.
+Backend-neutral (anyio), so asyncio, uvloop and trio share it; :attr:`Timers.now` is the
+loop's clock as a plain function.
 """
 
 from __future__ import annotations
@@ -48,11 +49,18 @@ class Timers:
     once :meth:`run` runs (an exception of ``fn`` is logged)."""
 
     def __init__(self) -> None:
+        #: the loop's clock (``anyio.current_time``'s); the endpoint sets the running
+        #: backend's own (``_drivers.loop_clock``), a tenth of the cost
+        self.now: Callable[[], float] = anyio.current_time
         self._heap: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._scope: anyio.CancelScope | None = None
         self._sleeping_until = math.inf
         self._dead = 0
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
+        """``call_at(now + delay, fn)``."""
+        return self.call_at(self.now() + delay, fn)
 
     def call_at(self, when: float, fn: Callable[[], None]) -> Timer:
         timer = Timer(when, fn)
@@ -81,7 +89,7 @@ class Timers:
         """Run timers as they come due, until cancelled."""
         heap = self._heap
         while True:
-            now = anyio.current_time()
+            now = self.now()
             while self._heap and self._heap[0][0] <= now:
                 _, _, timer = heapq.heappop(self._heap)
                 fn = timer.fn

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from . import Driver, sniffio
 
-__all__ = ["DRIVER", "AsyncioDriver", "threadsafe_caller"]
+__all__ = ["DRIVER", "EVENT", "AsyncioDriver", "loop_clock", "threadsafe_caller"]
 
 
 #: a loop callback runs in no task, so anyio (through sniffio) could not tell which library
@@ -128,6 +128,12 @@ class AsyncioDriver(Driver):
 
 
 DRIVER = AsyncioDriver
+EVENT = asyncio.Event
+
+
+def loop_clock() -> Callable[[], float]:
+    """``loop.time`` of the running loop (see the package's)."""
+    return asyncio.get_running_loop().time
 
 
 def threadsafe_caller() -> Callable[[Callable[[], None]], None]:

@@ -10,7 +10,7 @@ import trio
 
 from . import Driver
 
-__all__ = ["DRIVER", "TrioDriver", "threadsafe_caller"]
+__all__ = ["DRIVER", "EVENT", "TrioDriver", "loop_clock", "threadsafe_caller"]
 
 
 class TrioDriver(Driver):
@@ -89,6 +89,12 @@ class TrioDriver(Driver):
 
 
 DRIVER = TrioDriver
+EVENT = trio.Event
+
+
+def loop_clock() -> Callable[[], float]:
+    """``trio.current_time`` (see the package's)."""
+    return trio.current_time
 
 
 def threadsafe_caller() -> Callable[[Callable[[], None]], None]:

@@ -148,7 +148,7 @@ class Exchange:
             self._end(link.down_error())
             return
         if self.feed is not None:
-            when = anyio.current_time() + self.feed.grant_timeout_s
+            when = engine.timers.now() + self.feed.grant_timeout_s
             self._grant_timer = engine.timers.call_at(when, self._grant_late)
 
     def _send_eager(self, plan: Plan, caps: dict[str, bool], timeout_ms: int) -> bool:
@@ -567,34 +567,34 @@ class Exchange:
         assert self._grant is not None
         assert self._grant.nbytes is not None
         per = u64_sum(self._grant.nbytes) // (len(spans) - 1)  # layers are alike (layer_spans)
-        mode = "" if self._grant.mode is None else self._grant.mode.value
-        due = 0
-        while due < len(spans) - 1:
-            run = await feed.next()
-            if run is None:
-                raise CopyCancelled()
-            if run.start != due or not 0 < len(run) <= len(spans) - 1 - due:
-                raise RuntimeError(f"layers {run} handed over where layer {due} was due")
-            moved: int | None = None
-            t_start = time.monotonic()
-            try:
-                # Layers that are ready together leave together (their bytes are adjacent
-                # in the stream): a frame and a syscall for many when the link lags.
-                # (a scope of our own, not fail_after's: a layer's send is most often a
-                # sendmsg, and fail_after costs as much again)
-                bound = anyio.CancelScope(deadline=anyio.current_time() + feed.timeout_s * len(run))
-                with bound:
+        op, mode = self.spec.op.value, "" if self._grant.mode is None else self._grant.mode.value
+        clock = self.engine.timers.now
+        # One scope bounds each layer's send in turn, its deadline lifted while the next layer
+        # is awaited: a scope per layer costs as much again as a layer's sendmsg.
+        with anyio.CancelScope() as bound:
+            due = 0
+            while due < len(spans) - 1:
+                run = await feed.next()
+                if run is None:
+                    raise CopyCancelled()
+                if run.start != due or not 0 < len(run) <= len(spans) - 1 - due:
+                    raise RuntimeError(f"layers {run} handed over where layer {due} was due")
+                moved: int | None = None
+                t_start = time.monotonic()
+                bound.deadline = clock() + feed.timeout_s * len(run)
+                try:
+                    # Layers that are ready together leave together (their bytes are adjacent
+                    # in the stream): a frame and a syscall for many when the link lags.
                     await send(spans[run.start], spans[run.stop])
-                if bound.cancelled_caught:
-                    raise TimeoutError
-                moved = per
-                # The link's record of each run: its bytes hold the link alone (a pull may go
-                # between two runs of the request).
-                self.link.history.append(
-                    TransferRecord(
-                        self.spec.op.value, t_start, time.monotonic(), per * len(run), mode
+                    moved = per
+                    # The link's record of each run: its bytes hold the link alone (a pull
+                    # may go between two runs of the request).
+                    self.link.history.append(
+                        TransferRecord(op, t_start, time.monotonic(), per * len(run), mode)
                     )
-                )
-            finally:
-                feed.sent(run, moved)
-            due = run.stop
+                finally:
+                    bound.deadline = math.inf
+                    feed.sent(run, moved)
+                due = run.stop
+        if bound.cancelled_caught:
+            raise TimeoutError

@@ -330,7 +330,7 @@ class LinkReader:
     def _arm_stall(self) -> None:
         if self._stall_mark < 0 and self._driver is not None:
             self._stall_mark = self._moved
-            self._driver.set_deadline(anyio.current_time() + self.link.host.stall_timeout_s)
+            self._driver.set_deadline(self.link.host.timers.now() + self.link.host.stall_timeout_s)
 
     def _stalled(self) -> None:
         """The driver's deadline: the peer stopped mid-frame, unless bytes came meanwhile."""

@@ -355,7 +355,7 @@ def _grant_now(
         if link.serving.get(req.req_id) is not req:
             return  # (the link went down meanwhile: it ended)
         # The initiator copies straight from/into our memory: pinned until it says it stopped.
-        timer[0] = timers.call_at(anyio.current_time() + engine.stall_timeout_s, stuck)
+        timer[0] = timers.call_later(engine.stall_timeout_s, stuck)
 
     def stuck() -> None:
         link.fail(TimeoutError("the peer did not stop a timed-out direct copy"))
@@ -369,7 +369,7 @@ def _grant_now(
         req.data_event.callback = landed
         req.eager = eager
     link.serving[req.req_id] = req
-    timer.append(timers.call_at(anyio.current_time() + budget_s, expired))
+    timer.append(timers.call_later(budget_s, expired))
     if req.eager:
         return True
     local_side, target_side = (plan.dst, plan.src) if pull else (plan.src, plan.dst)

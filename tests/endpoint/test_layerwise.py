@@ -372,6 +372,29 @@ async def test_a_long_layer_wait_is_logged_then_the_transfer_goes_on(
         assert gate.timeouts == ([None] if kind == "blocking" else [])
 
 
+async def test_a_layer_wait_that_was_logged_still_ends_at_its_bound(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The warning comes first, and the bound (``llm.LayerSyncTimeout``) still ends the wait
+    after it, with LLM_TIMEOUT."""
+    import logging
+
+    from llmdd_async import _layer_gate
+
+    library_logs_enabled(monkeypatch)
+    monkeypatch.setattr(_layer_gate, "LAYER_WAIT_WARN_S", 0.1)
+    async with decoders("tcp", **{"llm.LayerSyncTimeout": "500"}) as ([dec], prompt):
+        cm, src, cfg = await _one_layer_to(dec, prompt)
+        with caplog.at_level(logging.WARNING, logger="llmdd_async.engine"):
+            task = cm.transfer_cache_async(src, dd.LayerEvents(), [cfg], [0], [0])  # never
+            with anyio.fail_after(10), pytest.raises(dd.LLMException) as err:
+                await task
+        assert err.value.status_code == S.LLM_TIMEOUT
+        assert "within 500 ms (llm.LayerSyncTimeout)" in str(err.value)
+        waits = [r for r in caplog.records if r.getMessage().startswith("transfer.layer_wait")]
+        assert len(waits) == 1
+
+
 async def test_an_unsignalled_layer_fails_at_the_default_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -12,9 +12,17 @@ from collections.abc import AsyncIterator, Callable
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 
-from llmdd_async._drivers import BACKENDS, Driver, driver_for
+from llmdd_async._drivers import (
+    BACKENDS,
+    Driver,
+    driver_for,
+    event_factory,
+    loop_clock,
+    threadsafe_caller,
+)
 from llmdd_async._timers import Timers
 
 pytestmark = pytest.mark.anyio
@@ -257,3 +265,49 @@ async def test_many_cancelled_timers_do_not_pile_up() -> None:
             timers.cancel(timers.call_at(far, lambda: None))
         assert len(timers) < 10_000
         tg.cancel_scope.cancel()
+
+
+async def test_the_loop_clock_is_anyios_clock() -> None:
+    clock = loop_clock()
+    before = anyio.current_time()
+    now = clock()
+    assert before <= now <= anyio.current_time()
+    await anyio.sleep(0.02)
+    assert clock() - now >= 0.015  # the same clock, not a copy of its time
+
+
+async def test_timers_on_the_loop_clock_run_when_due() -> None:
+    timers = Timers()
+    timers.now = loop_clock()
+    ran: list[float] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timers.run)
+        await anyio.lowlevel.checkpoint()
+        t0 = anyio.current_time()
+        timers.call_later(0.03, lambda: ran.append(anyio.current_time()))
+        await _wait(lambda: bool(ran))
+        tg.cancel_scope.cancel()
+    assert ran[0] - t0 >= 0.025
+
+
+async def test_a_backend_event_set_from_another_thread_wakes_its_waiter() -> None:
+    event = event_factory()()
+    call = threadsafe_caller()
+    assert not event.is_set()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, lambda: (time.sleep(0.02), call(event.set)))
+            await event.wait()
+    assert event.is_set()
+
+
+async def test_a_task_waiting_on_a_backend_event_is_cancelled_like_on_anyios() -> None:
+    event = event_factory()()
+    with anyio.move_on_after(0.05) as scope:
+        await event.wait()
+    assert scope.cancelled_caught
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(event.wait)
+        await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert not event.is_set()
