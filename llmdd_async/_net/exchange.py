@@ -5,6 +5,7 @@ reader (:class:`Exchange`): see :mod:`.initiator` for the transfer as a whole.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -24,7 +25,7 @@ from .._protocol import Message
 from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
 from .eager import eager_plan, stream_digest
-from .feed import LayerFeed
+from .feed import LayerFeed, send_layers
 from .grant_checks import grant_within_selection, layer_spans
 from .grants import TransferRequest
 from .host import LinkHost
@@ -33,6 +34,10 @@ from .requests import Pending, TransferRecord
 from .streams import VIEWS_INLINE
 
 __all__ = ["KEYS", "Exchange"]
+
+#: taken to hand a request's stream over to whoever closes it (the loop, or the worker that
+#: checks a big grant): it is closed exactly once
+_STREAM_HANDOVER = threading.Lock()
 
 #: how a pull names a cache by the key that grants it
 KEYS = (By.REQ_KEY, By.PREFIX_KEY, By.BLOCKS_KEY)
@@ -205,6 +210,8 @@ class Exchange:
                 self.req.stream = self.engine.make_stream(
                     grant.local, grant.nbytes, self.link.threads
                 )
+                if self.ended:  # stopped while a worker checked it: _end saw no stream
+                    self._close_stream()
         # Only a checked grant is ever acted on; a peer that granted twice: the last one, as
         # the stream's.
         self._grant = grant
@@ -432,9 +439,14 @@ class Exchange:
         req.grant_event.callback = req.data_event.callback = req.result_event.callback = None
         req.on_grant = None  # (a cycle through us: freed at once, not by the collector)
         self.link.close_pending(req)
-        if req.stream is not None:
-            req.stream.close()
+        self._close_stream()
         self._on_end(self)
+
+    def _close_stream(self) -> None:
+        with _STREAM_HANDOVER:
+            stream, self.req.stream = self.req.stream, None
+        if stream is not None:
+            stream.close()
 
     # ------------------------------------------------------------------ in a task
     async def _fence_and_end(self) -> None:
@@ -554,47 +566,23 @@ class Exchange:
         _raise_unless_ok(Result.decode(req.result), "peer failed")
 
     async def _send_layers(self, send: Callable[[int, int], Awaitable[None]]) -> None:
-        """Send each layer's ranges (``send(first, stop)``, range indices of the grant) when
-        the feed hands the layer over, each within the feed's timeout.
+        """:func:`.feed.send_layers` of this request's grant, each run recorded on the link
+        (its bytes hold the link alone: a pull may go between two runs of the request).
 
         Raises:
-            CopyCancelled: the feed ended early (the request is aborted). TimeoutError: a
-                layer took longer. What ``send`` raises.
+            As :func:`.feed.send_layers`.
         """
-        feed, spans = self.feed, self._spans
-        assert feed is not None
+        grant, spans = self._grant, self._spans
+        assert self.feed is not None
         assert spans is not None  # set with the grant
-        assert self._grant is not None
-        assert self._grant.nbytes is not None
-        per = u64_sum(self._grant.nbytes) // (len(spans) - 1)  # layers are alike (layer_spans)
-        op, mode = self.spec.op.value, "" if self._grant.mode is None else self._grant.mode.value
-        clock = self.engine.timers.now
-        # One scope bounds each layer's send in turn, its deadline lifted while the next layer
-        # is awaited: a scope per layer costs as much again as a layer's sendmsg.
-        with anyio.CancelScope() as bound:
-            due = 0
-            while due < len(spans) - 1:
-                run = await feed.next()
-                if run is None:
-                    raise CopyCancelled()
-                if run.start != due or not 0 < len(run) <= len(spans) - 1 - due:
-                    raise RuntimeError(f"layers {run} handed over where layer {due} was due")
-                moved: int | None = None
-                t_start = time.monotonic()
-                bound.deadline = clock() + feed.timeout_s * len(run)
-                try:
-                    # Layers that are ready together leave together (their bytes are adjacent
-                    # in the stream): a frame and a syscall for many when the link lags.
-                    await send(spans[run.start], spans[run.stop])
-                    moved = per
-                    # The link's record of each run: its bytes hold the link alone (a pull
-                    # may go between two runs of the request).
-                    self.link.history.append(
-                        TransferRecord(op, t_start, time.monotonic(), per * len(run), mode)
-                    )
-                finally:
-                    bound.deadline = math.inf
-                    feed.sent(run, moved)
-                due = run.stop
-        if bound.cancelled_caught:
-            raise TimeoutError
+        assert grant is not None
+        assert grant.nbytes is not None
+        per = u64_sum(grant.nbytes) // (len(spans) - 1)  # layers are alike (layer_spans)
+        op, mode = self.spec.op.value, "" if grant.mode is None else grant.mode.value
+
+        def record(started: float, layers: int) -> None:
+            self.link.history.append(
+                TransferRecord(op, started, time.monotonic(), per * layers, mode)
+            )
+
+        await send_layers(self.feed, spans, per, self.engine.timers.now, send, record)

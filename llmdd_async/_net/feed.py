@@ -1,11 +1,19 @@
 """What a layer-wise push's request takes its layers from (:class:`LayerFeed`): the
-scheduler's side of the transfer (``_scheduler``) feeds the :class:`~.exchange.Exchange`."""
+scheduler's side of the transfer (``_scheduler``) feeds the :class:`~.exchange.Exchange`,
+which sends each layer as it comes (:func:`send_layers`)."""
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-__all__ = ["LayerFeed"]
+import anyio
+
+from .._errors import CopyCancelled
+
+__all__ = ["LayerFeed", "send_layers"]
 
 
 class LayerFeed(Protocol):
@@ -29,3 +37,48 @@ class LayerFeed(Protocol):
         """``layers`` left (``nbytes`` each), or failed to (None): the link is free for others
         again."""
         ...
+
+
+async def send_layers(
+    feed: LayerFeed,
+    spans: list[int],
+    per: int,
+    clock: Callable[[], float],
+    send: Callable[[int, int], Awaitable[None]],
+    record: Callable[[float, int], None],
+) -> None:
+    """Send each run of layers the feed hands over, ``send(spans[first], spans[stop])``
+    (range indices of the grant: layer ``i`` is ``spans[i]:spans[i + 1]``), each layer within
+    the feed's timeout from when it may be sent (``clock``: the loop's); ``per`` bytes a
+    layer; ``record(started, layers)`` once a run left (``time.monotonic()``).
+
+    Raises:
+        CopyCancelled: the feed ended early (the request is aborted). TimeoutError: a
+            layer took longer. RuntimeError: the feed handed over layers out of order. What
+            ``send`` raises.
+    """
+    # One scope bounds each run's send in turn, its deadline lifted while the next layer is
+    # awaited: a scope per layer costs as much again as a layer's sendmsg.
+    with anyio.CancelScope() as bound:
+        due = 0
+        while due < len(spans) - 1:
+            run = await feed.next()
+            if run is None:
+                raise CopyCancelled()
+            if run.start != due or not 0 < len(run) <= len(spans) - 1 - due:
+                raise RuntimeError(f"layers {run} handed over where layer {due} was due")
+            moved: int | None = None
+            started = time.monotonic()
+            bound.deadline = clock() + feed.timeout_s * len(run)
+            try:
+                # Layers that are ready together leave together (their bytes are adjacent in
+                # the stream): a frame and a syscall for many when the link lags.
+                await send(spans[run.start], spans[run.stop])
+                moved = per
+                record(started, len(run))
+            finally:
+                bound.deadline = math.inf
+                feed.sent(run, moved)
+            due = run.stop
+    if bound.cancelled_caught:
+        raise TimeoutError

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +25,15 @@ from helpers import (
 )
 
 import llmdd_async as dd
-from llmdd_async.testing import DEFAULT_OPTIONS, PeerProcess, encode_key, link_of, linked_pair
+from llmdd_async.testing import (
+    DEFAULT_OPTIONS,
+    PeerProcess,
+    encode_key,
+    engine_of,
+    link_of,
+    linked_pair,
+    wait_until,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -427,6 +436,60 @@ async def test_cancelling_a_pull_fences_it_and_keeps_the_link(transport) -> None
         # The link still works, and a fresh pull gets every byte.
         await cm.pull_blocks(dd.BlocksCacheKey(PROMPT, 0), dst, list(range(32)), list(range(32)))
         assert np.array_equal(dst.tensors[0], expected_tensor(6, 0, big))
+
+
+async def test_a_pull_stopped_while_its_big_grant_is_checked_closes_its_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GRANT of many descriptors is checked in a worker thread, which also makes the stream
+    the bytes land through (a pinned staging buffer, for device memory). A pull cancelled
+    meanwhile still closes that stream once the check returns."""
+    blocks, block = 20_000, 16  # 20 000 descriptors: the grant is checked off the loop
+    async with pair("tcp") as (p, d):
+        await p.request(
+            "alloc",
+            kind="blocks",
+            num_tensors=1,
+            shape=[blocks, block],
+            blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
+            seed=3,
+        )
+        cm = d.cache_manager
+        dst = cm.allocate_blocks_cache(dd.CacheDesc(1, [blocks, block], dd.DataType.DT_UINT8))
+        engine = engine_of(d)
+        real = engine.make_stream
+        entered, release = threading.Event(), threading.Event()
+        made: list[Any] = []
+        closed: list[Any] = []
+
+        def make_stream(addrs: Any, nbytes: Any, limiter: Any = None) -> Any:
+            stream = real(addrs, nbytes, limiter)
+            real_close = stream.close
+
+            def close() -> None:
+                closed.append(stream)
+                real_close()
+
+            stream.close = close  # type: ignore[method-assign]
+            made.append(stream)
+            entered.set()
+            release.wait(10)  # the pull is cancelled meanwhile
+            return stream
+
+        monkeypatch.setattr(engine, "make_stream", make_stream)
+        shuffled = np.random.default_rng(0).permutation(blocks).tolist()
+        try:
+            task = cm.pull_blocks(dd.BlocksCacheKey(PROMPT, 0), dst, shuffled, list(range(blocks)))
+            await wait_until(entered.is_set, 10)
+            task.cancel()
+            with anyio.fail_after(10), pytest.raises(dd.TransferCancelled):
+                await task
+        finally:
+            release.set()
+        await wait_until(lambda: bool(closed), 5)
+        await anyio.sleep(0.1)
+        assert len(made) == 1
+        assert closed == made  # once
 
 
 async def test_concurrent_pulls_on_one_link_all_land(transport) -> None:

@@ -1,19 +1,17 @@
-"""How a layer-wise request's layers leave (``Exchange._send_layers``), on each event loop:
+"""How a layer-wise request's layers leave (``_net.feed.send_layers``), on each event loop:
 each layer's send is bounded by the feed's per-layer timeout (``llm.SyncKvCacheWaitTime``),
-the wait for the model's next layer is not, and each layer is reported sent (or not) once.
-The exchange around it is stood in for by the few attributes the method reads."""
+the wait for the model's next layer is not, and each layer is reported sent (or not) once."""
 
 from __future__ import annotations
 
-import types
+from collections.abc import Awaitable, Callable
 
 import anyio
-import numpy as np
+import anyio.lowlevel
 import pytest
 
 from llmdd_async._errors import CopyCancelled
-from llmdd_async._net.exchange import Exchange
-from llmdd_async._timers import Timers
+from llmdd_async._net.feed import send_layers
 
 pytestmark = pytest.mark.anyio
 
@@ -41,17 +39,20 @@ class Feed:
         self.reported.append((run, nbytes))
 
 
-def exchange(feed: Feed) -> types.SimpleNamespace:
-    layers = len(feed.delays)
-    grant = types.SimpleNamespace(nbytes=np.full(layers, LAYER_BYTES, np.uint64), mode=None)
-    return types.SimpleNamespace(
-        feed=feed,
-        _spans=list(range(layers + 1)),
-        _grant=grant,
-        spec=types.SimpleNamespace(op=types.SimpleNamespace(value="push")),
-        engine=types.SimpleNamespace(timers=Timers()),
-        link=types.SimpleNamespace(history=[]),
-    )
+class Request:
+    """What the exchange around ``send_layers`` keeps: the runs that left."""
+
+    def __init__(self, feed: Feed, send: Callable[[int, int], Awaitable[None]]) -> None:
+        self.feed, self.send = feed, send
+        self.spans = list(range(len(feed.delays) + 1))
+        self.records: list[int] = []
+
+    async def run(self) -> None:
+        def record(started: float, layers: int) -> None:
+            self.records.append(layers * LAYER_BYTES)
+
+        clock = anyio.current_time
+        await send_layers(self.feed, self.spans, LAYER_BYTES, clock, self.send, record)
 
 
 async def test_a_pause_of_the_model_between_layers_is_not_a_send_timeout() -> None:
@@ -59,15 +60,15 @@ async def test_a_pause_of_the_model_between_layers_is_not_a_send_timeout() -> No
     sends: list[tuple[int, int]] = []
 
     async def send(a: int, b: int) -> None:
-        await anyio.sleep(0)  # a send that yields, as one the socket holds up would
+        await anyio.lowlevel.checkpoint()  # a send that yields, as a held-up socket's would
         sends.append((a, b))
 
-    ex = exchange(feed)
+    req = Request(feed, send)
     with anyio.fail_after(5):
-        await Exchange._send_layers(ex, send)  # type: ignore[arg-type]
+        await req.run()
     assert sends == [(0, 1), (1, 2), (2, 3)]
     assert feed.reported == [(range(i, i + 1), LAYER_BYTES) for i in range(3)]
-    assert [r.nbytes for r in ex.link.history] == [LAYER_BYTES] * 3
+    assert req.records == [LAYER_BYTES] * 3
 
 
 async def test_a_layer_whose_send_outlasts_the_timeout_fails_it() -> None:
@@ -79,14 +80,14 @@ async def test_a_layer_whose_send_outlasts_the_timeout_fails_it() -> None:
             await anyio.sleep(3 * TIMEOUT_S)  # the socket holds this layer up
         sends.append(a)
 
-    ex = exchange(feed)
+    req = Request(feed, send)
     t0 = anyio.current_time()
     with anyio.fail_after(5), pytest.raises(TimeoutError):
-        await Exchange._send_layers(ex, send)  # type: ignore[arg-type]
+        await req.run()
     assert anyio.current_time() - t0 < 2 * TIMEOUT_S + 0.1
     assert sends == [0]
     assert feed.reported == [(range(0, 1), LAYER_BYTES), (range(1, 2), None)]
-    assert len(ex.link.history) == 1
+    assert req.records == [LAYER_BYTES]
 
 
 async def test_each_layer_has_its_own_timeout() -> None:
@@ -96,22 +97,34 @@ async def test_each_layer_has_its_own_timeout() -> None:
     async def send(a: int, b: int) -> None:
         await anyio.sleep(0.6 * TIMEOUT_S)
 
-    ex = exchange(feed)
     with anyio.fail_after(5):
-        await Exchange._send_layers(ex, send)  # type: ignore[arg-type]
+        await Request(feed, send).run()
     assert feed.reported == [(range(i, i + 1), LAYER_BYTES) for i in range(4)]
 
 
 async def test_a_feed_that_ends_early_aborts_the_request() -> None:
-    feed = Feed([0, 0])
-    feed.delays = feed.delays[:1]  # the producer stops after the first layer
-    ex = exchange(feed)
-    ex._spans = [0, 1, 2]
-    ex._grant.nbytes = np.full(2, LAYER_BYTES, np.uint64)
-
     async def send(a: int, b: int) -> None:
         pass
 
+    feed = Feed([0, 0])
+    req = Request(feed, send)
+    feed.delays = feed.delays[:1]  # the producer stops after the first of two layers
     with pytest.raises(CopyCancelled):
-        await Exchange._send_layers(ex, send)  # type: ignore[arg-type]
+        await req.run()
     assert feed.reported == [(range(0, 1), LAYER_BYTES)]
+
+
+async def test_layers_handed_over_out_of_order_are_a_bug_not_a_send() -> None:
+    class Skipping(Feed):
+        async def next(self) -> range | None:
+            self.due += 1
+            return range(1, 2)  # layer 0 was due
+
+    sends: list[int] = []
+
+    async def send(a: int, b: int) -> None:
+        sends.append(a)
+
+    with pytest.raises(RuntimeError, match="where layer 0 was due"):
+        await Request(Skipping([0, 0]), send).run()
+    assert sends == []
