@@ -69,6 +69,11 @@ class CacheEntry:
         return sorted(range(len(addrs)), key=addrs.__getitem__)
 
     @functools.cached_property
+    def tensor_order(self) -> np.ndarray:
+        """The tensor indices in the order of :attr:`regions` (a stable sort)."""
+        return np.argsort(self.addrs.astype(np.uint64), kind="stable")
+
+    @functools.cached_property
     def regions(self) -> tuple[np.ndarray, np.ndarray]:
         """Sorted ``(starts, ends)`` of the cache's tensors."""
         starts = np.sort(self.addrs.astype(np.uint64))

@@ -38,7 +38,7 @@ from ._net.initiator import initiate, may_pull_directly, pull_direct_now
 from ._net.link import Link
 from ._options import DEFAULT_LAYER_WINDOW
 from ._synchronizer import LayerEvents
-from ._task import CacheTask, LayerTiming, TaskControl
+from ._task import CacheTask, TaskControl
 
 if TYPE_CHECKING:
     from ._drivers import LoopEvent
@@ -298,7 +298,8 @@ async def run_layerwise(
     ready_at: dict[int, float] = {}
     started_at: dict[int, float] = {}
     nbytes_at: dict[int, int] = {}
-    remaining = {layer: sum(layer in d.layers for d in dests) for layer in all_layers}
+    members = {d.index: set(d.layers) for d in dests}
+    remaining = {layer: sum(layer in members[d.index] for d in dests) for layer in all_layers}
     failure: list[BaseException] = []
     #: when the layers that had to be waited for became ready (the model's pace)
     waited: list[float] = []
@@ -357,19 +358,15 @@ async def run_layerwise(
         nbytes_at[layer] = nbytes_at.get(layer, 0) + nbytes
         remaining[layer] -= 1
         if remaining[layer] == 0:  # the layer left for everywhere
-            timing = LayerTiming(
-                layer, ready_at[layer], started_at[layer], ctl.now(), nbytes_at[layer]
-            )
-            ctl.layer_done(timing)
-
-    members = {d.index: set(d.layers) for d in dests}
+            ctl.layer_done(layer, ready_at[layer], started_at[layer], ctl.now(), nbytes_at[layer])
 
     async def produce(channels: dict[int, _Handed]) -> None:
         try:
             for layer in all_layers:
                 t_wait = ctl.now()
                 try:
-                    await wait_for_layer(engine, sync, layer, sync_timeout_ms)
+                    if not known_ready(layer):
+                        await wait_for_layer(engine, sync, layer, sync_timeout_ms)
                 except SynchronizerAborted as exc:
                     # Like upstream's sequential loop: layers that were already ready still
                     # go out (the channels drain), nothing after this one does.

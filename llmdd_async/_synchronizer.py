@@ -133,8 +133,9 @@ class LayerEvents(LayerSynchronizer):
 
     def is_layer_ready(self, layer_index: int) -> bool:
         """Non-blocking check (lets the scheduler skip a worker thread)."""
-        with self._cond:
-            return layer_index in self._ready and not self._aborted
+        # Without the lock (the scheduler asks once or twice a layer): a ready layer stays
+        # ready until reset, and an abort made meanwhile is seen by the next wait.
+        return layer_index in self._ready and not self._aborted
 
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
         """Block until the layer is ready (True) or aborted (False).

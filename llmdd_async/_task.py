@@ -110,8 +110,13 @@ class TaskControl:
         self._task._bytes += nbytes
         self._task._descriptors += descriptors
 
-    def layer_done(self, timing: LayerTiming) -> None:
-        self._task._layers.append(timing)
+    def layer_done(
+        self, layer: int, ready: float, started: float, finished: float, nbytes: int
+    ) -> None:
+        """A layer landed (the task's clock): a :class:`LayerTiming` of
+        :meth:`CacheTask.statistics` (made only then: a frozen dataclass costs microseconds,
+        once per layer)."""
+        self._task._layers.append((layer, ready, started, finished, nbytes))
 
     def start_slot(self, slot: int) -> None:
         """A result slot (destination) started moving data."""
@@ -168,7 +173,7 @@ class CacheTask:
         self._error: BaseException | None = None
         self._bytes = 0
         self._descriptors = 0
-        self._layers: list[LayerTiming] = []
+        self._layers: list[tuple[int, float, float, float, int]] = []
         self._seconds = 0.0
         self._t0 = 0.0
         self._log = log if log is not None else _log
@@ -388,7 +393,7 @@ class CacheTask:
 
     def statistics(self) -> TaskStatistics:
         """Bytes, descriptors, wall and busy time, per-layer timings (final once ``done()``)."""
-        layers = tuple(self._layers)
+        layers = tuple(LayerTiming(*timing) for timing in self._layers)
         if layers:
             busy = busy_time([(lt.started, lt.finished) for lt in layers])
             if self._seconds > 0:

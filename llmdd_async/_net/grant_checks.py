@@ -47,16 +47,20 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
         return False
     if len(local) <= 32:
         return _within_units_small(e, unit, set(units.tolist()), local, nbytes)
-    if not check_within(local, nbytes, *e.regions):
+    # check_within, sharing its tensor lookup: each range inside one tensor
+    tstarts, tends = e.regions
+    a = np.asarray(local, dtype=_U64)
+    n = np.asarray(nbytes, dtype=_U64)
+    t = np.searchsorted(tstarts, a, side="right").astype(np.int64) - 1
+    if int(t.min()) < 0:
+        return False
+    end = a + n
+    if not np.all((end >= a) & (end <= tends[t])):
         return False
     # Runs of consecutive selected units, inclusive: descriptors may span several blocks.
     brk = np.flatnonzero(np.diff(units) != 1)
     run_lo = units[np.concatenate(([0], brk + 1))]
     run_hi = units[np.concatenate((brk, [len(units) - 1]))]
-    tstarts = np.sort(e.addrs.astype(_U64))
-    a = np.asarray(local, dtype=_U64)
-    n = np.asarray(nbytes, dtype=_U64)
-    t = np.searchsorted(tstarts, a, side="right").astype(np.int64) - 1
     off = (a - tstarts[t]).astype(np.int64)
     last = off + n.astype(np.int64) - 1  # inside tensor t: checked above
     b0, b1 = off // unit, last // unit
@@ -116,8 +120,7 @@ def _layer_spans_numpy(
     if rest or per <= 0:
         return None
     a = np.asarray(local, dtype=_U64)
-    order = np.argsort(e.addrs.astype(_U64), kind="stable")
-    starts = e.addrs.astype(_U64)[order]
+    order, starts = e.tensor_order, e.regions[0]
     t = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
     if np.any(t < 0):
         return None
