@@ -299,7 +299,10 @@ async def run_layerwise(
     started_at: dict[int, float] = {}
     nbytes_at: dict[int, int] = {}
     members = {d.index: set(d.layers) for d in dests}
-    remaining = {layer: sum(layer in members[d.index] for d in dests) for layer in all_layers}
+    remaining = dict.fromkeys(all_layers, 0)  # destinations each layer still goes to
+    for d in dests:
+        for layer in d.layers:
+            remaining[layer] += 1
     failure: list[BaseException] = []
     #: when the layers that had to be waited for became ready (the model's pace)
     waited: list[float] = []

@@ -55,17 +55,17 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
     if int(t.min()) < 0:
         return False
     end = a + n
-    if not np.all((end >= a) & (end <= tends[t])):
+    if not ((end >= a) & (end <= tends[t])).all():
         return False
     # Runs of consecutive selected units, inclusive: descriptors may span several blocks.
-    brk = np.flatnonzero(np.diff(units) != 1)
+    brk = np.flatnonzero(units[1:] - units[:-1] != 1)
     run_lo = units[np.concatenate(([0], brk + 1))]
     run_hi = units[np.concatenate((brk, [len(units) - 1]))]
     off = (a - tstarts[t]).astype(np.int64)
     last = off + n.astype(np.int64) - 1  # inside tensor t: checked above
     b0, b1 = off // unit, last // unit
     run = np.searchsorted(run_lo, b0, side="right") - 1
-    return bool(np.all((run >= 0) & (b1 <= run_hi[np.maximum(run, 0)])))
+    return bool(((run >= 0) & (b1 <= run_hi[np.maximum(run, 0)])).all())
 
 
 def layer_spans(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) -> list[int] | None:
@@ -113,7 +113,7 @@ def _layer_spans_numpy(
 ) -> list[int] | None:
     n = np.asarray(nbytes, dtype=np.int64)
     # (a range longer than a tensor is refused before the sum, which could then wrap)
-    if np.any(n <= 0) or np.any(n > e.tensor_bytes):
+    if ((n <= 0) | (n > e.tensor_bytes)).any():
         return None
     total = int(n.sum())
     per, rest = divmod(total, len(layers))
@@ -122,20 +122,20 @@ def _layer_spans_numpy(
     a = np.asarray(local, dtype=_U64)
     order, starts = e.tensor_order, e.regions[0]
     t = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
-    if np.any(t < 0):
+    if int(t.min()) < 0:
         return None
-    t = np.maximum(t, 0)
     # In uint64: an address far past its tensor (2**63 and more) must not wrap to a small
     # offset; where off >= size, size - off wraps, but the first test already refuses.
     off, size = a - starts[t], _U64(e.tensor_bytes)
-    if np.any((off >= size) | (n.astype(_U64) > size - off)):
+    if ((off >= size) | (n.astype(_U64) > size - off)).any():
         return None
-    layer = order[t].astype(np.int64) // tnpl  # the layer of each range's tensor
+    layer = order[t] // tnpl  # the layer of each range's tensor
     begin = np.cumsum(n) - n  # where each range starts in the stream
     j = begin // per
-    if np.any((begin + n - 1) // per != j) or np.any(layer != layers.start + j):
+    if (((begin + n - 1) // per != j) | (layer != layers.start + j)).any():
         return None
-    return [int(i) for i in np.searchsorted(begin, np.arange(len(layers) + 1) * per)]
+    spans: list[int] = np.searchsorted(begin, np.arange(len(layers) + 1) * per).tolist()
+    return spans
 
 
 def _within_units_small(
