@@ -15,7 +15,6 @@ layers ahead of the slowest destination. Different destinations (links) move in 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from ._errors import (
     SynchronizerAborted,
     is_caller_facing,
 )
+from ._layer_channel import LayerChannel
 from ._layer_gate import wait_for_layer
 from ._net.addressing import resolve_in_table, with_table
 from ._net.exchange import Exchange
@@ -41,7 +41,6 @@ from ._synchronizer import LayerEvents
 from ._task import CacheTask, TaskControl
 
 if TYPE_CHECKING:
-    from ._drivers import LoopEvent
     from ._engine import Engine
     from ._timers import Timer
 
@@ -310,7 +309,7 @@ async def run_layerwise(
     def known_ready(layer: int) -> bool:
         return isinstance(sync, LayerEvents) and sync.is_layer_ready(layer)
 
-    async def consume(d: Destination, handed: _Handed) -> None:
+    async def consume(d: Destination, handed: LayerChannel) -> None:
         try:
             pos = 0  # the index in d.layers of the next layer to send
             while pos < len(d.layers):
@@ -354,22 +353,25 @@ async def run_layerwise(
             feed.close()
         ctl.add(0, descs)  # (the bytes were counted as each layer left)
 
-    def sent(d: Destination, layer: int, nbytes: int) -> None:
+    def sent(layers: range, nbytes: int) -> None:
         # The layers of one cache are alike (the same tensors per layer and blocks), so each
         # moves an equal share.
-        ctl.add(nbytes, 0)
-        nbytes_at[layer] = nbytes_at.get(layer, 0) + nbytes
-        remaining[layer] -= 1
-        if remaining[layer] == 0:  # the layer left for everywhere
-            ctl.layer_done(layer, ready_at[layer], started_at[layer], ctl.now(), nbytes_at[layer])
+        ctl.add(nbytes * len(layers), 0)
+        now = ctl.now()
+        for layer in layers:
+            nbytes_at[layer] = nbytes_at.get(layer, 0) + nbytes
+            remaining[layer] -= 1
+            if remaining[layer] == 0:  # the layer left for everywhere
+                ctl.layer_done(layer, ready_at[layer], started_at[layer], now, nbytes_at[layer])
 
-    async def produce(channels: dict[int, _Handed]) -> None:
+    async def produce(channels: dict[int, LayerChannel]) -> None:
         try:
             for layer in all_layers:
-                t_wait = ctl.now()
+                ready_at[layer] = t_wait = ctl.now()
                 try:
                     if not known_ready(layer):
                         await wait_for_layer(engine, sync, layer, sync_timeout_ms)
+                        ready_at[layer] = ctl.now()
                 except SynchronizerAborted as exc:
                     # Like upstream's sequential loop: layers that were already ready still
                     # go out (the channels drain), nothing after this one does.
@@ -379,7 +381,6 @@ async def run_layerwise(
                     if not failure:
                         failure.append(exc)
                     return
-                ready_at[layer] = ctl.now()
                 if ready_at[layer] - t_wait > _WAITED_S:
                     waited.append(ready_at[layer])  # the model's pace, not a layer ready early
                 for d in dests:
@@ -392,7 +393,7 @@ async def run_layerwise(
                 channel.finish()
 
     async with anyio.create_task_group() as tg:
-        channels = {d.index: _Handed(window, engine.new_event) for d in dests}
+        channels = {d.index: LayerChannel(window, engine.new_event) for d in dests}
         for d in dests:
             tg.start_soon(_first_failure, consume, (d, channels[d.index]), failure, tg)
         tg.start_soon(_first_failure, produce, (channels,), failure, tg)
@@ -438,94 +439,6 @@ def _request_size(
     return n + more
 
 
-class _Handed:
-    """The layers the producer hands one destination over, in order, as they come. At most
-    ``window`` wait unseen by the consumer (:meth:`ready` sees them); the producer then waits.
-    A deque and two events: anyio's memory streams take a loop turn per item received (and
-    let one layer more through, straight to a waiting consumer)."""
-
-    def __init__(self, window: int, new_event: Callable[[], LoopEvent]) -> None:
-        self._window, self._new_event = window, new_event
-        #: handed over, not yet seen by the consumer (what the window bounds)
-        self._unseen: collections.deque[int] = collections.deque()
-        #: seen, not yet taken
-        self._layers: collections.deque[int] = collections.deque()
-        self._finished = False  # the producer hands over no more
-        self._left = False  # the consumer takes no more
-        self._arrived: LoopEvent | None = None
-        self._room: LoopEvent | None = None
-
-    # ---------------------------------------------------------------- the producer's side
-    def hand_nowait(self, layer: int) -> bool:
-        """Hand ``layer`` over unless the window is full (False); dropped once the consumer
-        left (it failed: the task group is being cancelled)."""
-        if len(self._unseen) >= self._window and not self._left:
-            return False
-        if not self._left:
-            self._unseen.append(layer)
-            if self._arrived is not None:
-                self._arrived.set()
-        return True
-
-    async def hand(self, layer: int) -> None:
-        """Hand ``layer`` over once the window has room."""
-        while not self.hand_nowait(layer):
-            self._room = self._new_event()
-            await self._room.wait()
-
-    def finish(self) -> None:
-        """No more layers will come."""
-        self._finished = True
-        if self._arrived is not None:
-            self._arrived.set()
-
-    # ---------------------------------------------------------------- the consumer's side
-    def leave(self) -> None:
-        """The consumer takes no more: a producer waiting for room goes on."""
-        self._left = True
-        self._see()
-
-    def _see(self) -> None:
-        self._layers.extend(self._unseen)
-        self._unseen.clear()
-        if self._room is not None:
-            self._room.set()
-
-    async def wait(self) -> bool:
-        """Wait for the next layer; False when none will come."""
-        while not self._layers:
-            if self._unseen:
-                self._see()
-            elif self._finished:
-                return False
-            else:
-                self._arrived = self._new_event()
-                try:
-                    await self._arrived.wait()
-                finally:
-                    self._arrived = None
-        return True
-
-    def ready(self) -> int:
-        """How many layers are handed over and not taken yet."""
-        self._see()
-        return len(self._layers)
-
-    async def take(self) -> int | None:
-        """The next layer, once handed over; None when none will come."""
-        if not await self.wait():
-            return None
-        return self._layers.popleft()
-
-    def take_through(self, last: int) -> int | None:
-        """Take the layers handed over already up to ``last``; the last one taken, or None."""
-        self._see()
-        taken = None
-        while self._layers and self._layers[0] <= last:
-            taken = self._layers.popleft()
-        return taken
-
-
 class _Feed:
     """The layers ``run`` of one request of a destination, as its :class:`LayerFeed`: the
     layers handed over once the link's phase lock is ours for them (FIFO with pulls and
@@ -534,12 +447,12 @@ class _Feed:
     def __init__(
         self,
         d: Destination,
-        handed: _Handed,
+        handed: LayerChannel,
         run: range,
         timeout_s: float,
         ctl: TaskControl,
         started_at: dict[int, float],
-        sent: Callable[[Destination, int, int], None],
+        sent: Callable[[range, int], None],
     ) -> None:
         self.timeout_s = timeout_s
         # As when a request's budget covered its GRANT: sync_kv_timeout per layer it carries.
@@ -584,8 +497,8 @@ class _Feed:
     def sent(self, layers: range, nbytes: int | None) -> None:
         self.close()
         if nbytes is not None:
-            for index in layers:
-                self._sent(self._d, self.run.start + index, nbytes)
+            base = self.run.start
+            self._sent(range(base + layers.start, base + layers.stop), nbytes)
 
 
 async def _first_failure(

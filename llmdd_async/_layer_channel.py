@@ -1,0 +1,102 @@
+"""The layers a layer-wise transfer's producer hands each destination over
+(:class:`LayerChannel`): the producer awaits each layer's signal (``_layer_gate``), the
+destination's consumer sends what it was handed (``_scheduler``)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._drivers import LoopEvent
+
+__all__ = ["LayerChannel"]
+
+
+class LayerChannel:
+    """The layers the producer hands one destination over, in order, as they come. At most
+    ``window`` wait unseen by the consumer (:meth:`ready` sees them); the producer then waits.
+    A deque and two events: anyio's memory streams take a loop turn per item received (and
+    let one layer more through, straight to a waiting consumer)."""
+
+    def __init__(self, window: int, new_event: Callable[[], LoopEvent]) -> None:
+        self._window, self._new_event = window, new_event
+        #: handed over, not yet seen by the consumer (what the window bounds)
+        self._unseen: collections.deque[int] = collections.deque()
+        #: seen, not yet taken
+        self._layers: collections.deque[int] = collections.deque()
+        self._finished = False  # the producer hands over no more
+        self._left = False  # the consumer takes no more
+        self._arrived: LoopEvent | None = None
+        self._room: LoopEvent | None = None
+
+    # ---------------------------------------------------------------- the producer's side
+    def hand_nowait(self, layer: int) -> bool:
+        """Hand ``layer`` over unless the window is full (False); dropped once the consumer
+        left (it failed: the task group is being cancelled)."""
+        if len(self._unseen) >= self._window and not self._left:
+            return False
+        if not self._left:
+            self._unseen.append(layer)
+            if self._arrived is not None:
+                self._arrived.set()
+        return True
+
+    async def hand(self, layer: int) -> None:
+        """Hand ``layer`` over once the window has room."""
+        while not self.hand_nowait(layer):
+            self._room = self._new_event()
+            await self._room.wait()
+
+    def finish(self) -> None:
+        """No more layers will come."""
+        self._finished = True
+        if self._arrived is not None:
+            self._arrived.set()
+
+    # ---------------------------------------------------------------- the consumer's side
+    def leave(self) -> None:
+        """The consumer takes no more: a producer waiting for room goes on."""
+        self._left = True
+        self._see()
+
+    def _see(self) -> None:
+        self._layers.extend(self._unseen)
+        self._unseen.clear()
+        if self._room is not None:
+            self._room.set()
+
+    async def wait(self) -> bool:
+        """Wait for the next layer; False when none will come."""
+        while not self._layers:
+            if self._unseen:
+                self._see()
+            elif self._finished:
+                return False
+            else:
+                self._arrived = self._new_event()
+                try:
+                    await self._arrived.wait()
+                finally:
+                    self._arrived = None
+        return True
+
+    def ready(self) -> int:
+        """How many layers are handed over and not taken yet."""
+        self._see()
+        return len(self._layers)
+
+    async def take(self) -> int | None:
+        """The next layer, once handed over; None when none will come."""
+        if not await self.wait():
+            return None
+        return self._layers.popleft()
+
+    def take_through(self, last: int) -> int | None:
+        """Take the layers handed over already up to ``last``; the last one taken, or None."""
+        self._see()
+        taken = None
+        while self._layers and self._layers[0] <= last:
+            taken = self._layers.popleft()
+        return taken
