@@ -76,10 +76,10 @@ async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int 
                 timer: list[Timer] = []
 
                 def warn() -> None:
+                    timer[0] = timers.call_at(end, event.set)  # (first: logging may raise)
                     _warn_waiting(engine, layer, t0, bound_ms)
-                    timer[0] = timers.call_at(end, event.set)
 
-                if bound_ms > LAYER_WAIT_WARN_S * 1000:
+                if bound_ms >= LAYER_WAIT_WARN_S * 1000:
                     timer.append(timers.call_later(LAYER_WAIT_WARN_S, warn))
                 else:
                     timer.append(timers.call_at(end, event.set))

@@ -135,7 +135,7 @@ class LayerEvents(LayerSynchronizer):
         """Non-blocking check (lets the scheduler skip a worker thread)."""
         # Without the lock (the scheduler asks once or twice a layer): a ready layer stays
         # ready until reset, and an abort made meanwhile is seen by the next wait.
-        return layer_index in self._ready and not self._aborted
+        return not self._aborted and layer_index in self._ready
 
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
         """Block until the layer is ready (True) or aborted (False).

@@ -207,11 +207,16 @@ class Exchange:
             if grant.mode is Mode.STREAM and self.spec.op == Op.PULL:
                 # The reader cannot await here; a staging buffer comes from the adapter's cache
                 # after the first transfers.
-                self.req.stream = self.engine.make_stream(
+                stream: StreamPlan | None = self.engine.make_stream(
                     grant.local, grant.nbytes, self.link.threads
                 )
-                if self.ended:  # stopped while a worker checked it: _end saw no stream
-                    self._close_stream()
+                # Checked in a worker for a big grant: the request may have ended meanwhile
+                # (then _end closed what it found, and this one is closed here).
+                with _STREAM_HANDOVER:
+                    if not self.ended:
+                        self.req.stream, stream = stream, None
+                if stream is not None:
+                    stream.close()
         # Only a checked grant is ever acted on; a peer that granted twice: the last one, as
         # the stream's.
         self._grant = grant

@@ -58,27 +58,31 @@ async def send_layers(
             ``send`` raises.
     """
     # One scope bounds each run's send in turn, its deadline lifted while the next layer is
-    # awaited: a scope per layer costs as much again as a layer's sendmsg.
-    with anyio.CancelScope() as bound:
-        due = 0
-        while due < len(spans) - 1:
-            run = await feed.next()
-            if run is None:
-                raise CopyCancelled()
-            if run.start != due or not 0 < len(run) <= len(spans) - 1 - due:
-                raise RuntimeError(f"layers {run} handed over where layer {due} was due")
-            moved: int | None = None
-            started = time.monotonic()
-            bound.deadline = clock() + feed.timeout_s * len(run)
-            try:
-                # Layers that are ready together leave together (their bytes are adjacent in
-                # the stream): a frame and a syscall for many when the link lags.
-                await send(spans[run.start], spans[run.stop])
-                moved = per
-                record(started, len(run))
-            finally:
-                bound.deadline = math.inf
-                feed.sent(run, moved)
-            due = run.stop
-    if bound.cancelled_caught:
-        raise TimeoutError
+    # awaited: a scope per layer costs as much again as a layer's sendmsg. A deadline that
+    # passed while a send was shielded (a frame once started is finished) leaves the scope
+    # cancelled for good: that run did leave, so the rest goes on under a fresh scope.
+    due = 0
+    while due < len(spans) - 1:
+        with anyio.CancelScope() as bound:
+            while due < len(spans) - 1 and not bound.cancel_called:
+                run = await feed.next()
+                if run is None:
+                    raise CopyCancelled()
+                if run.start != due or not 0 < len(run) <= len(spans) - 1 - due:
+                    raise RuntimeError(f"layers {run} handed over where layer {due} was due")
+                moved: int | None = None
+                started = time.monotonic()
+                bound.deadline = clock() + feed.timeout_s * len(run)
+                try:
+                    # Layers that are ready together leave together (their bytes are
+                    # adjacent in the stream): a frame and a syscall for many when the link
+                    # lags.
+                    await send(spans[run.start], spans[run.stop])
+                    moved = per
+                    record(started, len(run))
+                finally:
+                    bound.deadline = math.inf
+                    feed.sent(run, moved)
+                due = run.stop
+        if bound.cancelled_caught:
+            raise TimeoutError

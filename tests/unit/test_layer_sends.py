@@ -128,3 +128,21 @@ async def test_layers_handed_over_out_of_order_are_a_bug_not_a_send() -> None:
     with pytest.raises(RuntimeError, match="where layer 0 was due"):
         await Request(Skipping([0, 0]), send).run()
     assert sends == []
+
+
+async def test_a_shielded_send_past_its_timeout_counts_and_the_next_wait_is_unbounded() -> None:
+    """A frame once started is finished (its send is shielded): if the layer's deadline
+    passes meanwhile the layer still left, and the wait for the model's next layer, longer
+    than the timeout, is not cut short by that deadline."""
+    feed = Feed([0, 3 * TIMEOUT_S, 3 * TIMEOUT_S])
+
+    async def send(a: int, b: int) -> None:
+        if a == 0:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(2 * TIMEOUT_S)
+
+    req = Request(feed, send)
+    with anyio.fail_after(5):
+        await req.run()
+    assert feed.reported == [(range(i, i + 1), LAYER_BYTES) for i in range(3)]
+    assert req.records == [LAYER_BYTES] * 3
