@@ -31,6 +31,7 @@ __all__ = [
     "plan_blocks",
     "plan_slot_to_blocks",
     "plan_slots",
+    "region_of",
     "tensor_windows",
 ]
 
@@ -533,11 +534,21 @@ def check_within(
         return True
     a = np.asarray(addrs, dtype=_U64)
     n = np.asarray(nbytes, dtype=_U64)
-    j = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
+    return region_of(a, n, starts, ends) is not None
+
+
+def region_of(
+    addrs: np.ndarray, nbytes: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> np.ndarray | None:
+    """:func:`check_within` over uint64 arrays (at least one range), vectorised: the index of
+    the region holding each range, or None unless every range lies inside one."""
+    j = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
     if int(j.min()) < 0:
-        return False
-    end = a + n
-    return bool(np.all((end >= a) & (end <= ends[j])))
+        return None
+    end = addrs + nbytes
+    if not ((end >= addrs) & (end <= ends[j])).all():
+        return None
+    return j
 
 
 def split_plan(plan: Plan, parts: int) -> list[Plan]:

@@ -15,6 +15,7 @@ layers ahead of the slowest destination. Different destinations (links) move in 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable
@@ -298,10 +299,8 @@ async def run_layerwise(
     started_at: dict[int, float] = {}
     nbytes_at: dict[int, int] = {}
     members = {d.index: set(d.layers) for d in dests}
-    remaining = dict.fromkeys(all_layers, 0)  # destinations each layer still goes to
-    for d in dests:
-        for layer in d.layers:
-            remaining[layer] += 1
+    #: how many destinations each layer still goes to
+    remaining = collections.Counter(layer for d in dests for layer in d.layers)
     failure: list[BaseException] = []
     #: when the layers that had to be waited for became ready (the model's pace)
     waited: list[float] = []

@@ -13,7 +13,7 @@ import bisect
 import numpy as np
 
 from .._messages import Op, Shape
-from .._planner import check_within
+from .._planner import check_within, region_of
 from .._registry import CacheEntry
 from .grants import TransferRequest
 
@@ -47,15 +47,11 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
         return False
     if len(local) <= 32:
         return _within_units_small(e, unit, set(units.tolist()), local, nbytes)
-    # check_within, sharing its tensor lookup: each range inside one tensor
     tstarts, tends = e.regions
     a = np.asarray(local, dtype=_U64)
     n = np.asarray(nbytes, dtype=_U64)
-    t = np.searchsorted(tstarts, a, side="right").astype(np.int64) - 1
-    if int(t.min()) < 0:
-        return False
-    end = a + n
-    if not ((end >= a) & (end <= tends[t])).all():
+    t = region_of(a, n, tstarts, tends)  # the tensor of each range (all inside one)
+    if t is None:
         return False
     # Runs of consecutive selected units, inclusive: descriptors may span several blocks.
     brk = np.flatnonzero(units[1:] - units[:-1] != 1)
