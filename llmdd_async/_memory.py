@@ -37,19 +37,47 @@ __all__ = [
     "check_memory_dtype",
     "copy_ranges",
     "host_view",
+    "memory_view",
     "resolve_host_memory",
     "run_parts",
 ]
+
+
+# A view of raw memory straight from the interpreter: ``(c_ubyte * n).from_address`` makes a
+# new ctypes type for every new ``n`` (16 us, then the collector's work), and the spans of
+# shuffled blocks are new sizes on nearly every request.
+_from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+_from_memory.restype = ctypes.py_object
+_from_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_WRITE = 0x200
+
+
+def memory_view(addr: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` at ``addr`` in this process (no copy), at the same
+    cost whatever its size.
+
+    The caller guarantees that the memory stays mapped while the view is used.
+
+    Raises:
+        ValueError: a negative ``nbytes``.
+    """
+    if nbytes < 0:
+        raise ValueError(f"a view of {nbytes} bytes")
+    view: memoryview = _from_memory(addr, nbytes, _PYBUF_WRITE)
+    return view
 
 
 def host_view(addr: int, nbytes: int) -> np.ndarray:
     """A writable uint8 numpy view of ``nbytes`` at ``addr`` in this process (no copy).
 
     The caller guarantees that the memory stays mapped while the view is used.
+
+    Raises:
+        ValueError: a negative ``nbytes``.
     """
     if nbytes == 0:
         return np.zeros(0, dtype=np.uint8)
-    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(addr))
+    return np.frombuffer(memory_view(addr, nbytes), dtype=np.uint8)
 
 
 def _numpy_typed(obj: Any) -> Any:

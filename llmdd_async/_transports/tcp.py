@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import ctypes
 import functools
 import hmac
 import itertools
@@ -25,7 +24,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from .._memory import CancelToken
+from .._memory import CancelToken, memory_view
 from ._fence import TRIPPED_GRACE_S, Fence, FrameClock, grace_s
 
 __all__ = [
@@ -163,7 +162,7 @@ class StreamPlan:
         else:
             lo = int(self.addrs.min())
             hi = int((self.addrs + self.nbytes).max())
-        return lo, memoryview((ctypes.c_ubyte * (hi - lo)).from_address(lo)).cast("B")
+        return lo, memory_view(lo, hi - lo)
 
     def ranges(self, offset: int, n: int) -> tuple[list[int], list[int]]:
         """Local ``(addresses, lengths)`` holding stream bytes ``[offset, offset + n)``."""
@@ -206,7 +205,7 @@ class StreamPlan:
         if not addrs:
             return []
         if len(addrs) == 1:
-            return [memoryview((ctypes.c_ubyte * lens[0]).from_address(addrs[0])).cast("B")]
+            return [memory_view(addrs[0], lens[0])]
         base, span = self._span
         return [span[a - base : a - base + ln] for a, ln in zip(addrs, lens, strict=True)]
 

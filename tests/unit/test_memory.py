@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import mmap
 import os
 import subprocess
@@ -21,8 +23,10 @@ from llmdd_async._memory import (
     PoolConfig,
     copy_ranges,
     host_view,
+    memory_view,
     resolve_host_memory,
 )
+from llmdd_async._transports.tcp import StreamPlan
 
 
 @settings(max_examples=60, deadline=None)
@@ -166,3 +170,41 @@ async def test_a_copy_cut_across_threads_fails_with_one_exception() -> None:
         await run_parts([fault, cancelled, ok], None)
     with pytest.raises(OSError, match="Bad address"):
         await run_parts([ok, fault, fault], None)
+
+
+_ARRAY_TYPE = type(ctypes.c_ubyte * 1)
+
+
+def _ctypes_array_types() -> int:
+    return sum(isinstance(o, _ARRAY_TYPE) for o in gc.get_objects())
+
+
+def test_views_of_raw_memory_read_and_write_its_bytes_and_make_no_type_per_size() -> None:
+    # A ctypes array type per size cost 16 us on each side of a request of shuffled blocks
+    # (every span a new size), and left the types for the collector.
+    buf = np.zeros(1 << 18, np.uint8)
+    base = buf.ctypes.data
+    gc.collect()
+    gc.disable()
+    try:
+        before = _ctypes_array_types()
+        for n in range(1, 200):
+            view = memory_view(base + n, n)
+            assert view.nbytes == n and not view.readonly and view.format == "B"
+            view[-1] = n
+            assert buf[2 * n - 1] == n
+            host_view(base, 300 + n)[0] = n
+            plan = StreamPlan(
+                np.array([base + 1000 * n, base + 7, base + 600 + n], np.uint64),
+                np.array([8, 16, n], np.uint64),
+            )
+            views = plan.views(0, plan.total)
+            assert [v.nbytes for v in views] == [8, 16, n]
+            views[0][:] = b"\x01" * 8
+        assert _ctypes_array_types() == before
+    finally:
+        gc.enable()
+    assert buf[0] == 199 and bytes(buf[199000 : 199008]) == b"\x01" * 8
+    assert memory_view(base, 0).nbytes == 0
+    with pytest.raises(ValueError, match="-1 bytes"):
+        memory_view(base, -1)
