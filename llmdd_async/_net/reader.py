@@ -15,8 +15,10 @@ frame holds memory, and part of ``llm.MetaBudget``): the driver's deadline.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hmac
+import itertools
 import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,7 @@ from .._messages import FLAG_EAGER, FLAG_TO_INITIATOR, Abort, Data
 from .._protocol import MT, NEED_DATA, PAYLOAD_TAG, Message
 from .._transports.tcp import (
     CHUNK_BYTES,
+    FEW_VIEWS,
     INLINE_BYTES,
     Fence,
     PayloadMac,
@@ -480,6 +483,10 @@ def _copy_into(views: list[memoryview], pos: int, data: memoryview) -> None:
 
 
 def _slice_views(views: list[memoryview], pos: int, n: int) -> list[memoryview]:
+    """The parts of ``views`` (1-D byte views) that hold bytes ``[pos, pos + n)`` of their
+    concatenation (most views whole: no new view)."""
+    if len(views) > FEW_VIEWS:
+        return _slice_many(views, pos, n)
     out: list[memoryview] = []
     for v in views:
         if n <= 0:
@@ -495,6 +502,27 @@ def _slice_views(views: list[memoryview], pos: int, n: int) -> list[memoryview]:
             out.append(v[pos : pos + take])
             n -= take
             pos = 0
+    return out
+
+
+def _slice_many(views: list[memoryview], pos: int, n: int) -> list[memoryview]:
+    """:func:`_slice_views` by bisecting the views' running sizes (a many-tensor plan)."""
+    ends = list(itertools.accumulate(map(len, views)))
+    first = bisect.bisect_right(ends, pos)
+    if n <= 0 or first == len(views):
+        return []
+    last = min(bisect.bisect_left(ends, pos + n), len(views) - 1)
+    out = views[first : last + 1]
+    lo = pos - (ends[first] - len(views[first]))  # skipped of the first view
+    hi = max(ends[last] - (pos + n), 0)  # left off the end of the last
+    if first == last:
+        if lo or hi:
+            out[0] = out[0][lo : len(out[0]) - hi]
+        return out
+    if lo:
+        out[0] = out[0][lo:]
+    if hi:
+        out[-1] = out[-1][: len(out[-1]) - hi]
     return out
 
 

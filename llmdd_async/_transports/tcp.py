@@ -259,22 +259,41 @@ class StagedStream(StreamPlan):
 
 def batch(bufs: list[memoryview], idx: int) -> list[memoryview]:
     """The buffers for one syscall: from ``idx``, at most IOV_MAX of them and about
-    ``_SYSCALL_BYTES`` (a larger first buffer is cut)."""
-    out: list[memoryview] = []
+    ``_SYSCALL_BYTES`` (a larger first buffer is cut). ``bufs`` are 1-D byte views, so
+    ``len`` is their size (C speed over the many views of a many-tensor plan)."""
+    out = bufs[idx : idx + _IOV_MAX]
+    if sum(map(len, out)) <= _SYSCALL_BYTES:  # (most calls: no buffer is cut)
+        return out
     total = 0
-    for b in bufs[idx : idx + _IOV_MAX]:
+    for i, b in enumerate(out):
         room = _SYSCALL_BYTES - total
         if room <= 0:
-            break
+            return out[:i]
         if b.nbytes > room:
-            out.append(b[:room])
-            break
-        out.append(b)
+            out[i] = b[:room]
+            return out[: i + 1]
         total += b.nbytes
     return out
 
 
+#: past this many buffers, :func:`advance` finds where ``n`` bytes end by bisecting their
+#: running sizes (C speed); below it a Python loop costs less
+FEW_VIEWS = 16
+
+
 def advance(bufs: list[memoryview], idx: int, n: int) -> int:
+    """Past ``n`` bytes moved from ``bufs[idx:]`` (1-D byte views): the index of the first
+    buffer not fully moved, that buffer trimmed in place to what is left of it."""
+    if len(bufs) - idx > FEW_VIEWS and n > 0:
+        ends = list(itertools.accumulate(map(len, bufs[idx : idx + _IOV_MAX])))
+        k = bisect.bisect_right(ends, n)
+        if k == len(ends):  # (a call moves at most a batch: IOV_MAX buffers)
+            return idx + k if n == ends[-1] else advance(bufs, idx + k, n - ends[-1])
+        rest = n - ends[k - 1] if k else n
+        idx += k
+        if rest:
+            bufs[idx] = bufs[idx][rest:]
+        return idx
     while n > 0:
         first = bufs[idx]
         if n >= first.nbytes:

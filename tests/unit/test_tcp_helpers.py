@@ -15,11 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmdd_async._memory import CancelToken
+from llmdd_async._net.reader import _slice_views
 from llmdd_async._transports.tcp import (
     _FEW,
+    _SYSCALL_BYTES,
+    FEW_VIEWS,
     TRIPPED_GRACE_S,
     Fence,
     StreamPlan,
+    advance,
+    batch,
     configure_socket,
     recv_views,
     send_nowait,
@@ -84,6 +89,52 @@ def test_a_plan_of_many_ranges_cuts_frames_alike_in_python_and_numpy(pieces, cut
     bounds = sorted({0, listed.total, *(c % (listed.total + 1) for c in cuts)})
     for lo, hi in [*itertools.pairwise(bounds), (0, listed.total), (3, 1), (listed.total, 5)]:
         assert listed.ranges(lo, hi - lo) == plain.ranges(lo, hi - lo)
+
+
+def _bytes_of(views: list[memoryview]) -> bytes:
+    return b"".join(v.tobytes() for v in views)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    count=st.sampled_from([1, 3, FEW_VIEWS, FEW_VIEWS + 1, 3 * FEW_VIEWS]),
+    seed=st.integers(0, 2**32 - 1),
+    largest=st.sampled_from([1, 8, 300, 5000]),
+)
+def test_syscall_batches_and_what_they_moved_walk_the_buffers_in_order(
+    count, seed, largest
+) -> None:
+    # Few buffers are walked in a Python loop, many by bisecting their running sizes: both
+    # must hand the kernel the same bytes and resume exactly where it stopped.
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, largest + 1, count).tolist()
+    memory = bytes(rng.integers(0, 256, sum(sizes), dtype=np.uint8))
+    bufs, pos = [], 0
+    for n in sizes:
+        bufs.append(memoryview(memory)[pos : pos + n])
+        pos += n
+    idx = int(rng.integers(0, 3)) if count > 3 else 0
+    done = sum(sizes[:idx])
+    while idx < len(bufs):
+        assert _bytes_of(batch(bufs, idx)) == memory[done:]  # (all of it: under a syscall's cap)
+        n = min(int(rng.integers(1, 3 * largest + 1)), len(memory) - done)
+        idx = advance(bufs, idx, n)
+        done += n
+        assert _bytes_of(bufs[idx:]) == memory[done:]
+        assert idx == len(bufs) or bufs[idx].nbytes > 0
+        lo = int(rng.integers(0, len(memory) - done + 2))
+        n = int(rng.integers(0, len(memory) - done + 2))
+        got = _bytes_of(_slice_views(bufs[idx:], lo, n))
+        assert got == memory[done + lo : done + lo + n]
+
+
+def test_a_syscall_batch_is_cut_at_its_byte_cap() -> None:
+    big = memoryview(bytearray(_SYSCALL_BYTES))
+    bufs = [big[:100], big, big[:7]]
+    out = batch(bufs, 0)
+    assert [v.nbytes for v in out] == [100, _SYSCALL_BYTES - 100]
+    assert batch(bufs, 1)[0].nbytes == _SYSCALL_BYTES and len(batch(bufs, 1)) == 1
+    assert [v.nbytes for v in batch([big, big], 0)] == [_SYSCALL_BYTES]
 
 
 @pytest.mark.parametrize("ranges", [3, _FEW + 5])
