@@ -35,6 +35,7 @@ __all__ = [
     "PageAllocator",
     "PoolAllocation",
     "check_memory_dtype",
+    "copy_lists",
     "copy_ranges",
     "host_view",
     "memory_view",
@@ -439,9 +440,20 @@ def copy_ranges(
     Raises:
         CopyCancelled: ``token`` was cancelled; descriptors after the current one are untouched.
     """
+    return copy_lists(src.tolist(), dst.tolist(), nbytes.tolist(), token)
+
+
+def copy_lists(
+    src: list[int], dst: list[int], nbytes: list[int], token: CancelToken | None = None
+) -> int:
+    """:func:`copy_ranges` over Python ints (a few ranges, where the caller has them).
+
+    Raises:
+        CopyCancelled: ``token`` was cancelled; descriptors after the current one are untouched.
+    """
     memmove = ctypes.memmove
     done = 0
-    for i, (s, d, n) in enumerate(zip(src.tolist(), dst.tolist(), nbytes.tolist(), strict=True)):
+    for i, (s, d, n) in enumerate(zip(src, dst, nbytes, strict=True)):
         if token is not None and (n > _MAX_PIECE or i % _CHECK_EVERY == 0) and token.cancelled:
             raise CopyCancelled
         while n > _MAX_PIECE:

@@ -125,6 +125,24 @@ def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, row: int | No
     return Plan(src[starts], dst[starts], np.add.reduceat(nbytes, starts).astype(_U64))
 
 
+#: ``_every_tensor(n)`` for the first tensor counts seen (one per cache layout, a few per
+#: process); bounded, as a peer names its own count
+_EVERY: dict[int, np.ndarray] = {}
+_EVERY_KEPT = 64
+
+
+def _every_tensor(count: int) -> np.ndarray:
+    """``arange(count)``, read-only: most requests select every tensor, on both sides of
+    every request, and the first few counts are made once."""
+    every = _EVERY.get(count)
+    if every is None:
+        every = np.arange(count, dtype=np.int64)
+        every.flags.writeable = False
+        if count <= 4096 and len(_EVERY) < _EVERY_KEPT:
+            _EVERY[count] = every
+    return every
+
+
 def tensor_windows(
     src_count: int,
     dst_count: int,
@@ -154,7 +172,7 @@ def tensor_windows(
 
     def window(r: range | None, count: int, side: str) -> np.ndarray:
         if r is None:
-            return np.arange(count, dtype=np.int64)
+            return _every_tensor(count)
         if not (r.step == 1 and 0 <= r.start < r.stop):
             raise_param(f"bad {side}_layer_range {r}")
         if r.stop * n > count:
@@ -401,6 +419,14 @@ def plan_blocks(
         _check_blocks(sb, src.count, "src", code)
         _check_blocks(db, dst.tensor_bytes // dst_unit, "dst", code)
         sa, da = src.addr_list, dst.addr_list
+        if len(sb) == 1:  # one block (most small requests): a range per tensor, none merge
+            so, do = sb[0] * piece, db[0] * dst_unit
+            s = [(sa[t] + so) & _MASK for t in src_tensors.tolist()]
+            return Plan(
+                np.array(s, dtype=_U64),
+                np.array([(da[t] + do) & _MASK for t in dst_tensors.tolist()], dtype=_U64),
+                np.array([piece] * len(s), dtype=_U64),
+            )
         return _outer_lists(
             [sa[t] for t in src_tensors.tolist()],
             [da[t] for t in dst_tensors.tolist()],

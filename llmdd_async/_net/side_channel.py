@@ -204,23 +204,24 @@ class SideChannel:
         """Can the initiator that sent ``caps`` copy these ranges of ours directly? Only
         memory of remote-accessible caches is reached directly this way (a pull by key of
         another cache: see ``grants._reads_itself``)."""
-        if not isinstance(caps, dict):
+        # (a dict lookup by the wire's word: this runs for every request served; most claim
+        # nothing, and then no range is looked at)
+        if not isinstance(caps, dict) or not (
+            caps.get(Cap.INPROC) or caps.get(Cap.PVR) or caps.get(Cap.POOLS)
+        ):
             return False
         starts, ends = self.engine.registry.reachable_regions()
         if not check_within(ranges, nbytes, starts, ends):
             return False
-        # (a dict lookup by the wire's word: this runs for every local-mode grant)
         if caps.get(Cap.INPROC) or caps.get(Cap.PVR):
             return True
-        if caps.get(Cap.POOLS):
-            pools = [p for p in self.engine.pools.values() if hasattr(p, "fd")]
-            if not pools:
-                return False
-            order = sorted(pools, key=lambda p: p.base)
-            starts = np.array([p.base for p in order], dtype=np.uint64)
-            ends = starts + np.array([p.nbytes for p in order], dtype=np.uint64)
-            return check_within(ranges, nbytes, starts, ends)
-        return False
+        pools = [p for p in self.engine.pools.values() if hasattr(p, "fd")]
+        if not pools:
+            return False
+        order = sorted(pools, key=lambda p: p.base)
+        starts = np.array([p.base for p in order], dtype=np.uint64)
+        ends = starts + np.array([p.nbytes for p in order], dtype=np.uint64)
+        return check_within(ranges, nbytes, starts, ends)
 
     def require_direct(self, peer: Identity, access: PeerAccess | None) -> None:
         """Raises HandshakeFailed when ``llm.Transport=same-host`` (direct only) meets a peer

@@ -170,7 +170,7 @@ class LinkWriter:
             return False
         if self._corked:
             self._held.append((frames, views, done))
-            self._held_bytes += sum(v.nbytes for v in views)
+            self._held_bytes += sum(map(len, views))  # (1-D byte views)
             if self._held_bytes >= INLINE_BYTES:  # one flush carries at most about this
                 self._flush()
             return True
@@ -260,7 +260,7 @@ class LinkWriter:
                         while self._outbox and (not batch or size < INLINE_BYTES):
                             item = self._outbox.popleft()
                             batch.append(item)
-                            size += sum(v.nbytes for v in item[1])
+                            size += sum(map(len, item[1]))
                         bufs = self._bufs_of(batch)
                         idx = send_nowait(self.link.sock, bufs)
                         if idx < len(bufs):

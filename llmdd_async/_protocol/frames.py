@@ -63,6 +63,7 @@ PACKED_ARRAYS: dict[MT, tuple[str, ...]] = {
 }
 _NO_ARRAY = 0xFFFFFFFF
 _U32 = struct.Struct("<I")
+_SEQ = struct.Struct("<Q")
 _PACKED_NAMES = {t: frozenset(names) for t, names in PACKED_ARRAYS.items()}
 #: the array sizes of a packed message with n arrays
 _SIZES = {n: struct.Struct(f"<{n}I") for n in {len(names) for names in PACKED_ARRAYS.values()}}
@@ -95,13 +96,16 @@ class FrameAuth:
     so frames cannot be replayed or reordered."""
 
     def __init__(self, key: bytes) -> None:
-        self._key = key
+        # Keyed once: each frame's tag copies it (half the cost of keying an HMAC per frame).
+        self._keyed = hmac.new(key, digestmod=hashlib.sha256)
         # Its own key: a payload MAC can never pass for a frame tag or the other way round.
-        self._payload_key = hmac.new(key, b"payload", hashlib.sha256).digest()
+        payload_key = hmac.new(key, b"payload", hashlib.sha256).digest()
+        self._payload_keyed = hmac.new(payload_key, digestmod=hashlib.sha256)
         self.seq = 0
 
     def tag(self, header: bytes | memoryview, meta: bytes | memoryview) -> bytes:
-        mac = hmac.new(self._key, struct.pack("<Q", self.seq), hashlib.sha256)
+        mac = self._keyed.copy()
+        mac.update(_SEQ.pack(self.seq))
         mac.update(header)
         mac.update(meta)
         self.seq += 1
@@ -111,7 +115,9 @@ class FrameAuth:
         """The MAC (HMAC-SHA256, OpenSSL's: it releases the GIL on large updates) of the
         payload of the frame numbered ``seq`` in this direction (``seq - 1`` right after that
         frame was tagged); feed it the payload, then compare its digest with the trailer."""
-        return hmac.new(self._payload_key, struct.pack("<Q", seq), "sha256")
+        mac = self._payload_keyed.copy()
+        mac.update(_SEQ.pack(seq))
+        return mac
 
 
 class _NeedData:

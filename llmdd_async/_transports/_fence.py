@@ -8,7 +8,7 @@ import time
 
 from .._memory import CancelToken
 
-__all__ = ["GRACE_RATE", "TRIPPED_GRACE_S", "Fence", "FrameClock", "grace_s"]
+__all__ = ["GRACE_RATE", "TRIPPED_GRACE_S", "Fence", "FrameClock", "bytes_left", "grace_s"]
 
 
 class Fence:
@@ -58,8 +58,9 @@ def _token_deadline(token: CancelToken) -> float | None:
     return found
 
 
-def _left(bufs: list[memoryview], idx: int) -> int:
-    return sum(b.nbytes for b in bufs[idx:])
+def bytes_left(bufs: list[memoryview], idx: int) -> int:
+    """The bytes of ``bufs[idx:]`` (1-D byte views: ``len`` is their size)."""
+    return sum(map(len, bufs[idx:]))
 
 
 class FrameClock:
@@ -84,7 +85,7 @@ class FrameClock:
         """Start the grace once the request's own deadline (``give_up_at``) has passed."""
         if self.late_at is not None and time.monotonic() >= self.late_at:
             self.late_at = None
-            self.tripped(_left(bufs, idx))
+            self.tripped(bytes_left(bufs, idx))
 
     def check(self, moved: int) -> None:
         """After each syscall (``moved`` bytes; 0 when it would block).

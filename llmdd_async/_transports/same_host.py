@@ -29,7 +29,7 @@ import anyio.to_thread
 import numpy as np
 
 from .._errors import CopyCancelled
-from .._memory import INLINE_RANGES, CancelToken, copy_ranges, run_parts
+from .._memory import INLINE_RANGES, CancelToken, copy_lists, run_parts
 from .._messages import Proof
 from .._planner import Plan, split_plan, u64_sum
 from . import CopyRunner, PeerAccess
@@ -255,14 +255,15 @@ class SameHostAccess(PeerAccess):
                 return None
             if token.cancelled:
                 raise CopyCancelled
-            src, dst = (mapped, local) if read else (local, mapped)
-            return copy_ranges(src, dst, nbytes, token)
+            ours = local.tolist()
+            src, dst = (mapped, ours) if read else (ours, mapped)
+            return copy_lists(src, dst, nbytes.tolist(), token)
         if not self.pvr or total > _VM_INLINE_BYTES:
             return None
         name = "process_vm_readv" if read else "process_vm_writev"
         return vm_copy(name, self.pid, local, remote, nbytes, token, self.pidfd)
 
-    def _translate(self, remote: np.ndarray, nbytes: np.ndarray) -> np.ndarray | None:
+    def _translate(self, remote: np.ndarray, nbytes: np.ndarray) -> list[int] | None:
         """Our addresses of a few ranges of the peer's, each inside one mapped pool; None if
         any is not (Python ints: a few ranges)."""
         out: list[int] = []
@@ -271,7 +272,7 @@ class SameHostAccess(PeerAccess):
             if j < 0 or a + n > self._end_list[j]:
                 return None
             out.append(a + self._delta_list[j])
-        return np.array(out, dtype=np.uint64)
+        return out
 
     async def read(
         self, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, token: CancelToken

@@ -25,7 +25,7 @@ import anyio
 import numpy as np
 
 from .._memory import CancelToken, memory_view
-from ._fence import TRIPPED_GRACE_S, Fence, FrameClock, grace_s
+from ._fence import TRIPPED_GRACE_S, Fence, FrameClock, bytes_left, grace_s
 
 __all__ = [
     "INLINE_BYTES",
@@ -381,17 +381,13 @@ def scratch_views(n: int, scratch: memoryview) -> list[memoryview]:
 
 def _scratch_like(bufs: list[memoryview], idx: int, scratch: memoryview) -> list[memoryview]:
     """Replace the remaining buffers by scratch slices of the same total length."""
-    return scratch_views(sum(b.nbytes for b in bufs[idx:]), scratch)
+    return scratch_views(bytes_left(bufs, idx), scratch)
 
 
 @functools.cache
 def _zeros() -> memoryview:
     """Read-only zeros that pad a cancelled frame (shared by every sending thread)."""
     return memoryview(bytes(_SCRATCH))
-
-
-def _left(bufs: list[memoryview], idx: int) -> int:
-    return sum(b.nbytes for b in bufs[idx:])
 
 
 #: frames up to this size move from the event loop itself: a thread hop and its GIL hand-offs
@@ -485,7 +481,7 @@ def send_views(
                 bufs = bufs[:keep] + _scratch_like(bufs, keep, _zeros())
                 padded = True
                 fence.released.set()
-                clock.tripped(_left(bufs, idx))
+                clock.tripped(bytes_left(bufs, idx))
             clock.late(bufs, idx)
             try:
                 n = sock.sendmsg(batch(bufs, idx))
@@ -526,7 +522,7 @@ def recv_views(
                 bufs = bufs[:idx] + _scratch_like(bufs, idx, scratch)
                 diverted = True
                 fence.released.set()
-                clock.tripped(_left(bufs, idx))
+                clock.tripped(bytes_left(bufs, idx))
             clock.late(bufs, idx)
             try:
                 n = sock.recvmsg_into(batch(bufs, idx), 0, socket.MSG_WAITALL)[0]

@@ -266,6 +266,30 @@ def test_authenticated_frames_round_trip_and_reject_tampering_replay_and_reorder
         d.next_event()
 
 
+def test_a_frame_tag_and_a_payload_mac_are_the_documented_hmacs() -> None:
+    # The wire's contract (an endpoint of another release must agree): a frame's tag is
+    # HMAC-SHA256(key, seq as u64 LE || header || meta); a payload's MAC is keyed by
+    # HMAC-SHA256(key, "payload") over seq as u64 LE || payload.
+    import hashlib
+    import hmac
+    import struct
+
+    from llmdd_async._protocol import FrameAuth
+
+    key = bytes(range(32))
+    auth = FrameAuth(key)
+    for seq in range(3):
+        header, meta = bytes([seq]) * 32, b"meta" * (seq + 1)
+        want = hmac.new(key, struct.pack("<Q", seq) + header + meta, hashlib.sha256).digest()
+        assert auth.tag(header, memoryview(meta)) == want
+    mac = auth.payload_mac(9)
+    mac.update(b"payload bytes")
+    payload_key = hmac.new(key, b"payload", hashlib.sha256).digest()
+    want = hmac.new(payload_key, struct.pack("<Q", 9) + b"payload bytes", hashlib.sha256)
+    assert mac.digest() == want.digest()
+    assert auth.payload_mac(9).digest() != mac.digest()  # (each MAC starts afresh)
+
+
 def test_json_fields_are_capped() -> None:
     d = Decoder()
     d.receive_data(encode(Message(MT.XFER_REQ, 1, {"x": "a" * (2 << 20)})))
