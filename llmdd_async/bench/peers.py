@@ -322,31 +322,38 @@ class Nixl:
 
 
 # ------------------------------------------------------------------------------ the bench
+def wave_blocks(
+    rng: np.random.Generator, nblocks: int, per: int, conc: int
+) -> list[tuple[list[int], list[int]]]:
+    """``(source blocks, destination blocks)`` of each of ``conc`` requests in flight, as a
+    serving engine's allocators hand them out once they have churned: scattered over the
+    whole pool, the two sides independent, no block shared by two requests of a wave."""
+    src, dst = rng.permutation(nblocks), rng.permutation(nblocks)
+    return [
+        (src[i * per : (i + 1) * per].tolist(), dst[i * per : (i + 1) * per].tolist())
+        for i in range(conc)
+    ]
+
+
 def _point(
     drv: Any, op: str, per: int, conc: int, nreq: int, nblocks: int, rng: np.random.Generator
 ) -> dict[str, Any]:
     """One bench point through an engine's own API, as ``runner._point`` does through ours:
-    disjoint shuffled blocks per slot, waves of ``conc`` requests in flight. A request's time
-    includes turning its block list into the engine's descriptors or addresses."""
-
-    def blocks(slot: int) -> list[int]:
-        return rng.permutation(np.arange(slot * per, (slot + 1) * per)).tolist()
-
-    for slot in range(min(conc, nblocks // per)):  # warm-up, and the first touch of memory
-        b = blocks(slot)
-        drv.one(drv.prepare(b, b), op)
+    blocks of :func:`wave_blocks`, waves of ``conc`` requests in flight. A request's time
+    includes turning its block lists into the engine's descriptors or addresses."""
+    for s, d in wave_blocks(rng, nblocks, per, min(conc, nblocks // per)):  # warm-up
+        drv.one(drv.prepare(s, d), op)
     lat: list[float] = []
-    waves = max(1, nreq // conc)
+    waves = [wave_blocks(rng, nblocks, per, conc) for _ in range(max(1, nreq // conc))]
     t0 = time.perf_counter()
-    for _ in range(waves):
-        lists = [blocks(slot) for slot in range(conc)]
+    for lists in waves:
         if conc == 1:
             t = time.perf_counter()
-            drv.one(drv.prepare(lists[0], lists[0]), op)
+            drv.one(drv.prepare(*lists[0]), op)
             lat.append(time.perf_counter() - t)
             continue
         t = time.perf_counter()
-        done = drv.many([drv.prepare(b, b) for b in lists], op)
+        done = drv.many([drv.prepare(s, d) for s, d in lists], op)
         lat += [d - t for d in done]
     elapsed = time.perf_counter() - t0
     lat.sort()

@@ -14,8 +14,10 @@ its latency against a raw two-process request/response of the same size (the flo
 requests in flight or bulk ones their bandwidth against memcpy (same-host; NIXL when
 ``UCX_TLS`` allows a shared-memory transport such as cma) or a raw two-process loopback socket
 (tcp, mooncake-raw, NIXL with ``UCX_TLS=tcp``), named in the row's ``limit``. Memory is what a
-framework would register: user-allocated numpy arrays, blocks in shuffled order; a sweep that
-would take more than half the memory available is refused before it starts. The table goes to
+framework would register: user-allocated numpy arrays, each request's blocks scattered over
+the whole pool, source and destination independent, as a serving engine's allocators hand
+them out; a sweep that would take more than half the memory available is refused before it
+starts. The table goes to
 stdout, a progress bar with its ETA to stderr (on a terminal only); ``--json PATH`` writes
 every row with the run's version, host, loops, the peer engines' versions, the ``UCX_*``
 settings and time (``-``: to stdout, the table then to stderr); ``--plot PNG`` draws latency
@@ -201,28 +203,27 @@ async def _point(
     key = dd.BlocksCacheKey(1, 0)
     lat: list[float] = []
 
-    async def one(slot: int) -> None:
-        # Disjoint shuffled blocks per slot, so requests in flight never share a block.
-        pool = np.arange(slot * per, (slot + 1) * per)
-        blocks = rng.permutation(pool).tolist()
+    async def one(src: list[int], dst: list[int]) -> None:
         t0 = time.perf_counter()
         if op == "pull":
-            await cm.pull_blocks(key, cache, blocks, blocks)
+            await cm.pull_blocks(key, cache, src, dst)
         else:
-            await cm.push_blocks(key, cache, blocks, blocks)
+            await cm.push_blocks(key, cache, src, dst)
         lat.append(time.perf_counter() - t0)
 
-    for slot in range(min(conc, nblocks // per)):  # warm-up, and the first touch of memory
-        await one(slot)
+    # Blocks scattered over the whole pool, as an engine's allocator hands them out (a first
+    # touch of memory in the warm-up; a request's bytes are rarely in the cache).
+    for src, dst in peers.wave_blocks(rng, nblocks, per, min(conc, nblocks // per)):
+        await one(src, dst)
     lat.clear()
-    waves = max(1, nreq // conc)
+    waves = [peers.wave_blocks(rng, nblocks, per, conc) for _ in range(max(1, nreq // conc))]
     peer_cpu = await peer.request("cpu_seconds")
     cpu = time.process_time()
     t0 = time.perf_counter()
-    for _ in range(waves):
+    for wave in waves:
         async with anyio.create_task_group() as tg:
-            for slot in range(conc):
-                tg.start_soon(one, slot)
+            for src, dst in wave:
+                tg.start_soon(one, src, dst)
     elapsed = time.perf_counter() - t0
     cpu = time.process_time() - cpu
     peer_cpu = await peer.request("cpu_seconds") - peer_cpu
