@@ -125,20 +125,18 @@ def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, row: int | No
     return Plan(src[starts], dst[starts], np.add.reduceat(nbytes, starts).astype(_U64))
 
 
-#: ``_every_tensor(n)`` for the first tensor counts seen (one per cache layout, a few per
+#: ``_every_tensor(n)`` for the first 64 tensor counts seen (one per cache layout, a few per
 #: process); bounded, as a peer names its own count
 _EVERY: dict[int, np.ndarray] = {}
-_EVERY_KEPT = 64
 
 
 def _every_tensor(count: int) -> np.ndarray:
-    """``arange(count)``, read-only: most requests select every tensor, on both sides of
-    every request, and the first few counts are made once."""
+    """``arange(count)``, read-only: most requests select every tensor, on both sides."""
     every = _EVERY.get(count)
     if every is None:
         every = np.arange(count, dtype=np.int64)
         every.flags.writeable = False
-        if count <= 4096 and len(_EVERY) < _EVERY_KEPT:
+        if count <= 4096 and len(_EVERY) < 64:
             _EVERY[count] = every
     return every
 
@@ -420,13 +418,9 @@ def plan_blocks(
         _check_blocks(db, dst.tensor_bytes // dst_unit, "dst", code)
         sa, da = src.addr_list, dst.addr_list
         if len(sb) == 1:  # one block (most small requests): a range per tensor, none merge
-            so, do = sb[0] * piece, db[0] * dst_unit
-            s = [(sa[t] + so) & _MASK for t in src_tensors.tolist()]
-            return Plan(
-                np.array(s, dtype=_U64),
-                np.array([(da[t] + do) & _MASK for t in dst_tensors.tolist()], dtype=_U64),
-                np.array([piece] * len(s), dtype=_U64),
-            )
+            s = [(sa[t] + sb[0] * piece) & _MASK for t in src_tensors.tolist()]
+            d = [(da[t] + db[0] * dst_unit) & _MASK for t in dst_tensors.tolist()]
+            return Plan(np.array(s, _U64), np.array(d, _U64), np.array([piece] * len(s), _U64))
         return _outer_lists(
             [sa[t] for t in src_tensors.tolist()],
             [da[t] for t in dst_tensors.tolist()],

@@ -38,7 +38,7 @@ from .._errors import (
 )
 from .._memory import CancelToken
 from .._messages import FLAG_EAGER, FLAG_TO_INITIATOR, Abort, Data
-from .._protocol import MT, NEED_DATA, PAYLOAD_TAG, Message
+from .._protocol import MT, NEED_DATA, PAYLOAD_TAG, Decoder, Message
 from .._transports.tcp import (
     CHUNK_BYTES,
     FEW_VIEWS,
@@ -142,9 +142,27 @@ class _Inflow:
     """The rest of an inline payload, received into its views over as many readiness calls as
     it takes; a tripped token diverts what is left to scratch (the stream stays in step)."""
 
-    __slots__ = ("bufs", "diverted", "idx", "landing", "left", "rest", "scratch")
+    __slots__ = (
+        "after",
+        "bufs",
+        "diverted",
+        "drained",
+        "idx",
+        "landing",
+        "left",
+        "rest",
+        "scratch",
+        "tail",
+    )
 
-    def __init__(self, landing: _Landing, pos: int, rest: int, scratch: memoryview) -> None:
+    def __init__(
+        self,
+        landing: _Landing,
+        pos: int,
+        rest: int,
+        scratch: memoryview,
+        tail: memoryview | None = None,
+    ) -> None:
         self.landing = landing
         self.scratch = scratch
         views = landing.views
@@ -152,6 +170,11 @@ class _Inflow:
         self.diverted = not views
         self.idx = 0
         self.rest = self.left = rest
+        #: the last call also reads what follows the payload into ``tail`` (the reader's
+        #: read-ahead buffer): ``after`` bytes of it, and whether that left the socket empty
+        self.tail = tail
+        self.after = 0
+        self.drained = False
 
     def pump(self, sock: socket.socket) -> bool:
         """Receive what the socket has; True once every byte is in.
@@ -166,12 +189,21 @@ class _Inflow:
                 bufs = self.bufs = scratch_views(self.left, self.scratch)
                 self.idx = 0
                 self.diverted = True
+            chunk = batch(bufs, self.idx)
+            last = self.tail is not None and sum(map(len, chunk)) == self.left
+            if last:  # the payload's last call: what follows it lands in the tail
+                assert self.tail is not None
+                chunk.append(self.tail)
             try:
-                n = sock.recvmsg_into(batch(bufs, self.idx), 0, socket.MSG_DONTWAIT)[0]
+                n = sock.recvmsg_into(chunk, 0, socket.MSG_DONTWAIT)[0]
             except (BlockingIOError, InterruptedError):
                 return False
             if n == 0:
                 raise EOFError("peer closed the connection in the middle of a frame")
+            if last:
+                self.drained = n < self.left + len(chunk[-1])
+                if n > self.left:
+                    self.after, n = n - self.left, self.left
             if pmac is not None and not self.diverted:
                 pmac.passed(bufs, self.idx, n)
             self.idx = advance(bufs, self.idx, n)
@@ -254,6 +286,10 @@ class LinkReader:
         driver = self._driver
         assert driver is not None
         budget = _YIELD_BYTES
+        # The last read took less than it asked for: the socket had no more then, and the
+        # driver (level-triggered) calls again once it has (a read that would fail is a
+        # syscall per request on each side).
+        drained = False
         while link.alive and not driver.paused:
             inflow = self._inflow
             if inflow is not None:
@@ -266,24 +302,25 @@ class LinkReader:
                     return False
                 self._inflow = None
                 self._landed(inflow.landing, inflow.scratch, inflow.rest)
+                drained = inflow.drained
+                if inflow.after:  # (after the payload is consumed: they follow it)
+                    dec.receive_data(self._buf[: inflow.after])
+                    self._moved += inflow.after
+                    budget -= inflow.after
                 continue
             ev = dec.next_event()
             if ev is NEED_DATA:
                 if budget <= 0:
                     return True
                 try:
+                    if drained:
+                        return self._idle(dec, driver)
                     n = sock.recv_into(self._buf, _READ_AHEAD, socket.MSG_DONTWAIT)
                 except (BlockingIOError, InterruptedError):
-                    if dec.buffered:
-                        # A legit peer sends a frame's meta without pausing; one that stops
-                        # half-way must not keep its share of the budget for ever.
-                        self._arm_stall()
-                    elif self._stall_mark >= 0:
-                        self._stall_mark = -1
-                        driver.set_deadline(None)
-                    return False
+                    return self._idle(dec, driver)
                 if n == 0:
                     raise EOFError(f"cluster {link.peer_cluster_id} closed the connection")
+                drained = n < _READ_AHEAD
                 dec.receive_data(self._buf[:n])
                 self._moved += n
                 budget -= n
@@ -302,6 +339,18 @@ class LinkReader:
                 raise ProtocolError("unexpected payload bytes")
         return False
 
+    def _idle(self, dec: Decoder, driver: Driver) -> bool:
+        """Nothing more to read now: False (the driver waits for the socket), the stall
+        deadline armed while a frame is half in."""
+        if dec.buffered:
+            # A legit peer sends a frame's meta without pausing; one that stops half-way must
+            # not keep its share of the budget for ever.
+            self._arm_stall()
+        elif self._stall_mark >= 0:
+            self._stall_mark = -1
+            driver.set_deadline(None)
+        return False
+
     def _payload(self, msg: Message) -> bool:
         """Start receiving a DATA frame; False when the reader must stop (a task receives it,
         or it is not all here yet)."""
@@ -316,7 +365,7 @@ class LinkReader:
             return True
         # Scratch (to discard what nobody receives) is borrowed only for this frame: an idle
         # link holds no buffers.
-        self._inflow = _Inflow(landing, pos, rest, self.link.host.scratch.acquire())
+        self._inflow = _Inflow(landing, pos, rest, self.link.host.scratch.acquire(), self._buf)
         return True
 
     def _landed(self, landing: _Landing, scratch: memoryview | None, rest: int) -> None:

@@ -358,6 +358,42 @@ async def test_bytes_that_land_after_the_deadline_are_not_acknowledged(
     assert not (arr[2] == 0xEE).any()
 
 
+@pytest.mark.parametrize("split", [0, 3, 40], ids=["whole", "header-split", "meta-split"])
+async def test_frames_that_follow_a_payload_in_its_last_read_are_read_on(
+    hostile_target: tuple[dd.LLMDataDist, Any, Any, np.ndarray], split: int
+) -> None:
+    """The last read of a payload also takes what follows it (no read that would fail, a
+    syscall a request): a frame right behind the payload is answered at once, and one cut
+    part-way is finished by the bytes that come later."""
+    from llmdd_async._protocol import encode
+
+    d, peer, cache, arr = hostile_target
+    task = d.cache_manager.pull_blocks(dd.BlocksCacheKey(66, 0), cache, [1], [2])
+    req = await peer.recv(MT.XFER_REQ)
+    base = int(np.frombuffer(req.arrays["local_addrs"], "<u8")[0])
+    grant = Grant(
+        req.req_id,
+        mode=Mode.STREAM,
+        total=BLOCK,
+        done=False,
+        local=np.array([base + 2 * BLOCK], np.uint64),
+        nbytes=np.array([BLOCK], np.uint64),
+    )
+    payload = np.random.default_rng(3).integers(0, 255, BLOCK, dtype=np.uint8).tobytes()
+    ping = encode(Ping().encode())
+    head = encode(grant.encode()) + encode(Data(req.req_id, 0, BLOCK, to_initiator=True).encode())
+    cut = split or len(ping)
+    await peer.send_bytes(head + payload + ping[:cut])  # one write: one read takes them all
+    with anyio.fail_after(5):
+        await task
+        if split:
+            await anyio.sleep(0.05)  # the rest of the PING comes later
+            await peer.send_bytes(ping[cut:])
+        await peer.recv(MT.PONG)
+    assert arr[2].tobytes() == payload
+    assert (arr[[0, 1, 3]] == 0).all()
+
+
 async def test_a_local_grant_for_a_request_that_asked_for_the_stream_breaks_the_link(
     hostile_target: tuple[dd.LLMDataDist, Any, Any, np.ndarray],
 ) -> None:
