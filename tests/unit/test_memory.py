@@ -204,7 +204,7 @@ def test_views_of_raw_memory_read_and_write_its_bytes_and_make_no_type_per_size(
         assert _ctypes_array_types() == before
     finally:
         gc.enable()
-    assert buf[0] == 199 and bytes(buf[199000 : 199008]) == b"\x01" * 8
+    assert buf[0] == 199 and bytes(buf[199000:199008]) == b"\x01" * 8
     assert memory_view(base, 0).nbytes == 0
     with pytest.raises(ValueError, match="-1 bytes"):
         memory_view(base, -1)
