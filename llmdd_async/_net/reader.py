@@ -43,6 +43,7 @@ from .._transports.tcp import (
     CHUNK_BYTES,
     FEW_VIEWS,
     INLINE_BYTES,
+    IOV_MAX,
     Fence,
     PayloadMac,
     StreamPlan,
@@ -190,7 +191,9 @@ class _Inflow:
                 self.idx = 0
                 self.diverted = True
             chunk = batch(bufs, self.idx)
-            last = self.tail is not None and sum(map(len, chunk)) == self.left
+            last = (  # (the tail must not make it one buffer more than a call takes)
+                self.tail is not None and len(chunk) < IOV_MAX and sum(map(len, chunk)) == self.left
+            )
             if last:  # the payload's last call: what follows it lands in the tail
                 assert self.tail is not None
                 chunk.append(self.tail)

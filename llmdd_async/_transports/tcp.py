@@ -51,7 +51,7 @@ __all__ = [
 #: cancel or an abort takes effect quickly.
 CHUNK_BYTES = 32 << 20
 _SLICE_S = 0.05
-_IOV_MAX = 1024
+IOV_MAX = 1024
 #: bytes per sendmsg/recvmsg call: measured here, 4 MiB calls stream loopback at 3-4.5 GB/s
 #: where 32 MiB calls stay near 2 GB/s (frames stay big; only the syscalls are cut)
 _SYSCALL_BYTES = 4 << 20
@@ -266,7 +266,7 @@ def batch(bufs: list[memoryview], idx: int) -> list[memoryview]:
     """The buffers for one syscall: from ``idx``, at most IOV_MAX of them and about
     ``_SYSCALL_BYTES`` (a larger first buffer is cut). ``bufs`` are 1-D byte views, so
     ``len`` is their size (C speed over the many views of a many-tensor plan)."""
-    out = bufs[idx : idx + _IOV_MAX]
+    out = bufs[idx : idx + IOV_MAX]
     if sum(map(len, out)) <= _SYSCALL_BYTES:  # (most calls: no buffer is cut)
         return out
     total = 0
@@ -290,7 +290,7 @@ def advance(bufs: list[memoryview], idx: int, n: int) -> int:
     """Past ``n`` bytes moved from ``bufs[idx:]`` (1-D byte views): the index of the first
     buffer not fully moved, that buffer trimmed in place to what is left of it."""
     if len(bufs) - idx > FEW_VIEWS and n > 0:
-        ends = list(itertools.accumulate(map(len, bufs[idx : idx + _IOV_MAX])))
+        ends = list(itertools.accumulate(map(len, bufs[idx : idx + IOV_MAX])))
         k = bisect.bisect_right(ends, n)
         if k == len(ends):  # (a call moves at most a batch: IOV_MAX buffers)
             return idx + k if n == ends[-1] else advance(bufs, idx + k, n - ends[-1])

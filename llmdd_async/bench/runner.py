@@ -167,8 +167,9 @@ async def _measure(
                 if code != dd.LLMStatusCode.LLM_SUCCESS:
                     raise RuntimeError(f"could not link to the bench peer: {code!r}")
                 cm = d.cache_manager
-                # Memory the "framework" allocated itself: numpy arrays, registered.
-                arrays = [np.zeros(shape, np.uint8) for _ in range(2)]
+                # Memory the "framework" allocated itself: numpy arrays, registered; every page
+                # written once, as the peer engines' arrays are (requests scatter over them all).
+                arrays = [np.full(shape, 1, np.uint8) for _ in range(2)]
                 cache = cm.register_blocks_cache(
                     dd.CacheDesc(2, shape, dd.DataType.DT_UINT8), arrays
                 )

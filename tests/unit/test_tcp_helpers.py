@@ -128,6 +128,36 @@ def test_syscall_batches_and_what_they_moved_walk_the_buffers_in_order(
         assert got == memory[done + lo : done + lo + n]
 
 
+@pytest.mark.parametrize("views", [1, 3, 1023, 1024, 1025, 2048])
+def test_a_payloads_last_read_takes_what_follows_within_the_kernels_buffer_limit(views) -> None:
+    # The last read of a payload adds the read-ahead buffer as one more buffer: never past
+    # the IOV_MAX a call takes (the kernel refuses more, and the link would break).
+    import types
+
+    from llmdd_async._net.reader import _Inflow
+
+    a, b = socket.socketpair()
+    try:
+        memory = bytearray(views)
+        landing = types.SimpleNamespace(
+            views=[memoryview(memory)[i : i + 1] for i in range(views)],
+            pmac=None,
+            token=CancelToken(),
+        )
+        tail = memoryview(bytearray(64))
+        inflow = _Inflow(landing, 0, views, memoryview(bytearray(64)), tail)  # type: ignore[arg-type]
+        payload = bytes(i % 251 for i in range(views))
+        a.sendall(payload + b"NEXT!")
+        b.setblocking(False)
+        assert inflow.pump(b)
+        assert bytes(memory) == payload
+        rest = b.recv(64) if inflow.after < 5 else b""
+        assert bytes(tail[: inflow.after]) + rest == b"NEXT!"
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_syscall_batch_is_cut_at_its_byte_cap() -> None:
     big = memoryview(bytearray(_SYSCALL_BYTES))
     bufs = [big[:100], big, big[:7]]
