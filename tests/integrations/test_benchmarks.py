@@ -135,6 +135,25 @@ def test_smallest_peers_run(tmp_path: Path) -> None:
             assert row["bulk_gbps"] > 0 and row["p50_us"] > 0 and row["req_per_s"] > 0
 
 
+def test_smallest_small_requests_run(tmp_path: Path) -> None:
+    result = tmp_path / "small.json"
+    out = _bench(
+        str(BENCH / "small_requests.py"),
+        *("--cases", "tcp-16,same-host-1", "--loops", "asyncio", "--requests", "20"),
+        *("--pool", "32", "--json", str(result)),
+    )
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(result.read_text())["rows"]
+    assert [(r["case"], r["loop"], r["requests"]) for r in rows] == [
+        ("tcp-16", "asyncio", 20),
+        ("same-host-1", "asyncio", 20),
+    ]
+    for r in rows:
+        assert r["p99_us"] >= r["p50_us"] > 0 and r["cpu_us"] > 0 and r["floor_us"] > 0
+    assert rows[0]["peer_cpu_us"] > 0  # the target served the streamed pulls
+    assert _bench(str(BENCH / "small_requests.py"), "--cases", "tcp-2").returncode == 2
+
+
 #: Imports every benchmark (running its own ``sys.path`` setup), then prints each module it
 #: names anywhere in its source, functions included, that cannot be found. Optional extras a
 #: benchmark checks for itself are left out.
