@@ -11,12 +11,14 @@ floor: a raw blocking request/response of the same size between two processes, m
 the same run (``ratio`` = p50 over it).
 
 Run: ``python benchmarks/small_requests.py [--loops uvloop,asyncio,trio] [--cases ...]
-[--requests N] [--json PATH]`` (about 10 s per case and loop).
+[--requests N] [--repeat N] [--json PATH]`` (about 10 s per case, loop and round).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -112,27 +114,44 @@ async def _case(name: str, loop: str, requests: int, pool: int) -> dict[str, Any
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = parser(__doc__, "small_requests")
     loops = ("uvloop", "asyncio", "trio")
     p.add_argument("--loops", type=csv_of(*loops), default=list(loops), help="event loops")
     p.add_argument("--cases", type=csv_of(*CASES), default=list(CASES), help="cases")
     p.add_argument("--requests", type=positive_int, default=2000, help="requests per case")
     p.add_argument("--pool", type=positive_int, default=1024, help="blocks in each cache")
-    args = p.parse_args()
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="rounds (each case and loop once per round, in turn; medians reported)",
+    )
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    floors: dict[int, list[float]] = {}
+    for _ in range(args.repeat):
+        for name in args.cases:
+            _, _, per, _, kib, _ = CASES[name]
+            size = per * (kib << 10)
+            floors.setdefault(size, []).append(raw_rpc_us(size)[0])
+            for loop in args.loops:
+                row = run_on_loop(loop, _case, name, loop, args.requests, args.pool)
+                runs.setdefault((name, loop), []).append(row)
+                print(f"{name} {loop}: p50 {row['p50_us']:.0f} us", file=sys.stderr)
     rows = []
-    floors: dict[int, float] = {}
-    for name in args.cases:
+    for (name, _), got in runs.items():
+        row = dict(got[0])
+        for k in ("p50_us", "p99_us", "cpu_us", "peer_cpu_us"):
+            row[k] = statistics.median(r[k] for r in got)
         _, _, per, _, kib, _ = CASES[name]
-        size = per * (kib << 10)
-        if size not in floors:
-            floors[size] = raw_rpc_us(size)[0]
-        for loop in args.loops:
-            row = run_on_loop(loop, _case, name, loop, args.requests, args.pool)
-            row["floor_us"] = floors[size]
-            row["ratio"] = row["p50_us"] / floors[size]
-            rows.append(row)
-            print(f"{name} {loop}: p50 {row['p50_us']:.0f} us", file=sys.stderr)
+        row["floor_us"] = statistics.median(floors[per * (kib << 10)])
+        row["ratio"] = row["p50_us"] / row["floor_us"]
+        rows.append(row)
     cols = ["case", "loop", "p50_us", "p99_us", "cpu_us", "peer_cpu_us", "floor_us", "ratio"]
     print_table("One request at a time (µs; floor: raw request/response, same run)", rows, cols)
     print(f"wrote {write_json('small_requests', {'rows': rows}, args.json)}")

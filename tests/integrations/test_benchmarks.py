@@ -18,7 +18,7 @@ _DESCRIBE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 out = {}
-for name in ("plan", "throughput", "layerwise", "nixl_overhead"):
+for name in ("plan", "throughput", "layerwise", "nixl_overhead", "small_requests"):
     mod = __import__(name)
     p = mod.build_parser()
     out[name] = [
@@ -39,7 +39,7 @@ def test_every_benchmark_option_has_help_and_a_default() -> None:
     out = _bench("-c", _DESCRIBE, str(BENCH))
     assert out.returncode == 0, out.stderr
     described = json.loads(out.stdout)
-    assert set(described) == {"plan", "throughput", "layerwise", "nixl_overhead"}
+    assert set(described) == {"plan", "throughput", "layerwise", "nixl_overhead", "small_requests"}
     for name, options in described.items():
         assert {o[0] for o in options} >= {"json", "repeat"}, name
         for dest, help_text, default, formatter in options:
@@ -140,7 +140,7 @@ def test_smallest_small_requests_run(tmp_path: Path) -> None:
     out = _bench(
         str(BENCH / "small_requests.py"),
         *("--cases", "tcp-16,same-host-1", "--loops", "asyncio", "--requests", "20"),
-        *("--pool", "32", "--json", str(result)),
+        *("--pool", "32", "--repeat", "2", "--json", str(result)),
     )
     assert out.returncode == 0, out.stderr
     rows = json.loads(result.read_text())["rows"]
