@@ -200,11 +200,7 @@ async def run(
         async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(
             options(transport, False, pool)
         ) as prompt:
-            ci = dd.LLMClusterInfo()
-            ci.remote_cluster_id = 2
-            ci.append_local_ip_info("127.0.0.1", 0)
-            ci.append_remote_ip_info(*dec.listen)
-            code, _ = await prompt.link_clusters([ci])
+            code, _ = await prompt.link_clusters([dec.cluster_info()])
             assert code == dd.LLMStatusCode.LLM_SUCCESS
             used = prompt.link_statistics(2).transport
             cm = prompt.cache_manager

@@ -155,11 +155,7 @@ async def ours(transport: str, seed: int) -> dict[str, Any]:
         PeerProcess.start(dd.LLMRole.PROMPT, 1, _options(transport, True)) as peer,
         dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(_options(transport, False)) as d,
     ):
-        info = dd.LLMClusterInfo()
-        info.remote_cluster_id = 1
-        info.append_local_ip_info("127.0.0.1", 0)
-        info.append_remote_ip_info(*peer.listen)
-        code, _ = await d.link_clusters([info], 10000)
+        code, _ = await d.link_clusters([peer.cluster_info()], 10000)
         assert code == dd.LLMStatusCode.LLM_SUCCESS
         # Registered (anonymous) memory on both sides, as NIXL's own run uses: cma is slower on
         # the memfd pages of our pools (about 5.5 against 10 GB/s here).

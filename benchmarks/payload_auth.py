@@ -103,12 +103,7 @@ async def run(repeat: int, loop: str) -> list[dict[str, Any]]:
                 blocks_key=encode_key(KEY),
                 seed=3,
             )
-            ci = dd.LLMClusterInfo()
-            ci.remote_cluster_id = 1
-            ci.append_local_ip_info("127.0.0.1", 0)
-            assert peer.listen is not None
-            ci.append_remote_ip_info(*peer.listen)
-            code, _ = await d.link_clusters([ci])
+            code, _ = await d.link_clusters([peer.cluster_info()])
             assert code == dd.LLMStatusCode.LLM_SUCCESS, (name, code)
             assert d.link_statistics(1).transport == "tcp"
             arrays = [np.full(SHAPE, 1, np.uint8) for _ in range(TENSORS)]

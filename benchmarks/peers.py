@@ -215,12 +215,7 @@ async def run_ours(transport: str, loop: str, sz: Sizes, plan: Plan) -> dict[str
             seed=SEED,
         )
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(opts) as d:
-            info = dd.LLMClusterInfo()
-            info.remote_cluster_id = 1
-            info.append_local_ip_info("127.0.0.1", 0)
-            assert peer.listen is not None
-            info.append_remote_ip_info(*peer.listen)
-            code, _ = await d.link_clusters([info], 10000)
+            code, _ = await d.link_clusters([peer.cluster_info()], 10000)
             if code != dd.LLMStatusCode.LLM_SUCCESS:
                 raise RuntimeError(f"link failed: {code!r}")
             cm = d.cache_manager

@@ -69,12 +69,7 @@ async def _case(name: str, loop: str, requests: int, pool: int) -> dict[str, Any
             "alloc", kind="blocks", num_tensors=tensors, shape=shape, blocks_key=encode_key(key)
         )
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(opts) as d:
-            info = dd.LLMClusterInfo()
-            info.remote_cluster_id = 1
-            info.append_local_ip_info("127.0.0.1", 0)
-            assert peer.listen is not None
-            info.append_remote_ip_info(*peer.listen)
-            code, _ = await d.link_clusters([info], 10000)
+            code, _ = await d.link_clusters([peer.cluster_info()], 10000)
             if code != dd.LLMStatusCode.LLM_SUCCESS:
                 raise RuntimeError(f"could not link to the peer: {code!r}")
             cm = d.cache_manager

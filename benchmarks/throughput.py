@@ -111,11 +111,7 @@ async def run_case(
                 seed=2,
             )
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(options(transport, False)) as d:
-            ci = dd.LLMClusterInfo()
-            ci.remote_cluster_id = 1
-            ci.append_local_ip_info("127.0.0.1", 0)
-            ci.append_remote_ip_info(*peer.listen)
-            code, _ = await d.link_clusters([ci])
+            code, _ = await d.link_clusters([peer.cluster_info()])
             assert code == dd.LLMStatusCode.LLM_SUCCESS, code
             used = d.link_statistics(1).transport
             cm = d.cache_manager

@@ -158,12 +158,7 @@ async def _measure(
                 seed=1,
             )
             async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(opts) as d:
-                info = dd.LLMClusterInfo()
-                info.remote_cluster_id = 1
-                info.append_local_ip_info("127.0.0.1", 0)
-                assert peer.listen is not None  # it was started with llm.listenIpInfo
-                info.append_remote_ip_info(*peer.listen)
-                code, _ = await d.link_clusters([info], 10000)
+                code, _ = await d.link_clusters([peer.cluster_info()], 10000)
                 if code != dd.LLMStatusCode.LLM_SUCCESS:
                     raise RuntimeError(f"could not link to the bench peer: {code!r}")
                 cm = d.cache_manager

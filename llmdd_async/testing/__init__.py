@@ -168,6 +168,7 @@ class PeerProcess(ChildProcess):
     """A child process running one endpoint, driven by JSON commands."""
 
     listen: tuple[str, int] | None = None
+    cluster_id: int = 0
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -195,7 +196,22 @@ class PeerProcess(ChildProcess):
                 "start", role=int(role), cluster_id=cluster_id, options=options
             )
             peer.listen = None if listen is None else (listen[0], listen[1])
+            peer.cluster_id = cluster_id
             yield peer
+
+    def cluster_info(self, local_ip: str = "127.0.0.1") -> dd.LLMClusterInfo:
+        """What ``link_clusters`` takes to link an endpoint (at ``local_ip``) to this peer.
+
+        Raises:
+            PeerError: the peer does not listen (started without ``llm.listenIpInfo``).
+        """
+        if self.listen is None:
+            raise PeerError("the peer does not listen: start it with llm.listenIpInfo")
+        info = dd.LLMClusterInfo()
+        info.remote_cluster_id = self.cluster_id
+        info.append_local_ip_info(local_ip, 0)
+        info.append_remote_ip_info(*self.listen)
+        return info
 
     async def call(self, method: str, *args: Any, wait: bool = True, **kwargs: Any) -> Any:
         """Call a CacheManager method in the child. Pass caches as ``{"cache": id}``, keys

@@ -246,6 +246,13 @@ async def hostile_target() -> AsyncIterator[tuple[dd.LLMDataDist, Any, Any, np.n
             peer.close()
 
 
+def _grant_to_block_2(req: Any, **fields: Any) -> Grant:
+    """A GRANT of one block that lands in block 2 of the hostile target's cache."""
+    base = int(np.frombuffer(req.arrays["local_addrs"], "<u8")[0])
+    local, nbytes = np.array([base + 2 * BLOCK], np.uint64), np.array([BLOCK], np.uint64)
+    return Grant(req.req_id, total=BLOCK, local=local, nbytes=nbytes, **fields)
+
+
 async def test_a_request_the_peer_never_answers_ends_at_its_deadline(
     hostile_target: tuple[dd.LLMDataDist, Any, Any, np.ndarray],
     monkeypatch: pytest.MonkeyPatch,
@@ -338,16 +345,7 @@ async def test_bytes_that_land_after_the_deadline_are_not_acknowledged(
     task = d.cache_manager.pull_blocks(dd.BlocksCacheKey(66, 0), cache, [1], [2])
     req = await peer.recv(MT.XFER_REQ)
     await anyio.sleep(0.5)  # past its 300 ms deadline
-    base = int(np.frombuffer(req.arrays["local_addrs"], "<u8")[0])
-    grant = Grant(
-        req.req_id,
-        mode=Mode.STREAM,
-        total=BLOCK,
-        done=True,
-        local=np.array([base + 2 * BLOCK], np.uint64),
-        nbytes=np.array([BLOCK], np.uint64),
-    )
-    await peer.send(grant.encode())
+    await peer.send(_grant_to_block_2(req, mode=Mode.STREAM, done=True).encode())
     await peer.send(Data(req.req_id, 0, BLOCK, to_initiator=True).encode())
     await peer.send_bytes(b"\xee" * BLOCK)
     with anyio.fail_after(5), pytest.raises(dd.LLMException) as err:
@@ -370,15 +368,7 @@ async def test_frames_that_follow_a_payload_in_its_last_read_are_read_on(
     d, peer, cache, arr = hostile_target
     task = d.cache_manager.pull_blocks(dd.BlocksCacheKey(66, 0), cache, [1], [2])
     req = await peer.recv(MT.XFER_REQ)
-    base = int(np.frombuffer(req.arrays["local_addrs"], "<u8")[0])
-    grant = Grant(
-        req.req_id,
-        mode=Mode.STREAM,
-        total=BLOCK,
-        done=False,
-        local=np.array([base + 2 * BLOCK], np.uint64),
-        nbytes=np.array([BLOCK], np.uint64),
-    )
+    grant = _grant_to_block_2(req, mode=Mode.STREAM, done=False)
     payload = np.random.default_rng(3).integers(0, 255, BLOCK, dtype=np.uint8).tobytes()
     ping = encode(Ping().encode())
     head = encode(grant.encode()) + encode(Data(req.req_id, 0, BLOCK, to_initiator=True).encode())
@@ -405,15 +395,8 @@ async def test_a_local_grant_for_a_request_that_asked_for_the_stream_breaks_the_
     task = d.cache_manager.pull_blocks(dd.BlocksCacheKey(66, 0), cache, [1], [2])
     req = await peer.recv(MT.XFER_REQ)
     base = int(np.frombuffer(req.arrays["local_addrs"], "<u8")[0])
-    grant = Grant(
-        req.req_id,
-        mode=Mode.LOCAL,
-        total=BLOCK,
-        local=np.array([base + 2 * BLOCK], np.uint64),
-        nbytes=np.array([BLOCK], np.uint64),
-        remote=np.array([base], np.uint64),
-    )
-    await peer.send(grant.encode())
+    remote = np.array([base], np.uint64)  # (our own memory, named as the peer's)
+    await peer.send(_grant_to_block_2(req, mode=Mode.LOCAL, remote=remote).encode())
     with anyio.fail_after(5), pytest.raises(dd.LLMException):
         await task
     broken = str(link_of(d, 66, alive=False).broken)

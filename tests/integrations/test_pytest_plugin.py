@@ -41,11 +41,7 @@ async def peer_serves_pattern(llmdd_peer, llmdd_options, loop="asyncio"):
             blocks_key=encode_key(dd.BlocksCacheKey(1, 0)), seed=7,
         )
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(llmdd_options) as decoder:
-            info = dd.LLMClusterInfo()
-            info.remote_cluster_id = 1
-            info.append_local_ip_info("127.0.0.1", 0)
-            info.append_remote_ip_info(*peer.listen)
-            code, _ = await decoder.link_clusters([info])
+            code, _ = await decoder.link_clusters([peer.cluster_info()])
             assert code == dd.LLMStatusCode.LLM_SUCCESS
             dst = decoder.cache_manager.allocate_blocks_cache(DESC)
             await decoder.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), dst, [3], [0])

@@ -692,6 +692,37 @@ def short_stall(monkeypatch: pytest.MonkeyPatch) -> float:
     return 3.0
 
 
+async def test_a_peer_that_stops_in_a_frame_right_behind_a_payload_loses_only_its_link(
+    short_stall: float,
+) -> None:
+    """A payload's last read also takes what follows it: a peer that sends a whole push and
+    then the first bytes of a next frame, and nothing more, is read to where it stopped
+    (the push lands and is answered) and its link breaks at the stall timeout."""
+    from llmdd_async._protocol import HEADER
+
+    size = 64 << 10  # past the reader's read-ahead: the payload's rest is read on its own
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(_server_options()) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, size]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            await peer.send(pull_request(1, cache.cache_id, size, op="push", timeout_ms=60_000))
+            grant = await peer.recv(MT.GRANT)
+            assert wire_status(grant) == S.LLM_SUCCESS
+            await peer.send(Message(MT.DATA, 1, {"off": 0}, payload_len=size))
+            await peer.send_bytes(b"\x77" * size + b"\x00" * (HEADER.size // 2))
+            t0 = time.monotonic()
+            result = await peer.recv(MT.RESULT)
+            assert wire_status(result) == S.LLM_SUCCESS
+            await wait_until(lambda: not link_of(p, 66, alive=False).alive, 10)
+            waited = time.monotonic() - t0
+            broken = str(link_of(p, 66, alive=False).broken)
+            assert "middle of a frame" in broken, broken
+            assert waited < 2 * short_stall + 2, waited
+            assert (cache.tensors[0] == 0x77).all()
+        finally:
+            peer.close()
+
+
 async def test_a_peer_that_stops_in_the_middle_of_a_payload_loses_only_its_link(
     short_stall: float,
 ) -> None:
