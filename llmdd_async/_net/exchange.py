@@ -590,4 +590,4 @@ class Exchange:
                 TransferRecord(op, started, time.monotonic(), per * layers, mode)
             )
 
-        await send_layers(self.feed, spans, per, self.engine.timers.now, send, record)
+        await send_layers(self.feed, spans, per, self.engine.timers, send, record)

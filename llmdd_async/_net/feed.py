@@ -4,7 +4,6 @@ which sends each layer as it comes (:func:`send_layers`)."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -12,6 +11,7 @@ from typing import Protocol
 import anyio
 
 from .._errors import CopyCancelled
+from .._timers import Timers
 
 __all__ = ["LayerFeed", "send_layers"]
 
@@ -43,24 +43,25 @@ async def send_layers(
     feed: LayerFeed,
     spans: list[int],
     per: int,
-    clock: Callable[[], float],
+    timers: Timers,
     send: Callable[[int, int], Awaitable[None]],
     record: Callable[[float, int], None],
 ) -> None:
     """Send each run of layers the feed hands over, ``send(spans[first], spans[stop])``
     (range indices of the grant: layer ``i`` is ``spans[i]:spans[i + 1]``), each layer within
-    the feed's timeout from when it may be sent (``clock``: the loop's); ``per`` bytes a
-    layer; ``record(started, layers)`` once a run left (``time.monotonic()``).
+    the feed's timeout from when it may be sent (on ``timers``, the endpoint's); ``per``
+    bytes a layer; ``record(started, layers)`` once a run left (``time.monotonic()``).
 
     Raises:
         CopyCancelled: the feed ended early (the request is aborted). TimeoutError: a
             layer took longer. RuntimeError: the feed handed over layers out of order. What
             ``send`` raises.
     """
-    # One scope bounds each run's send in turn, its deadline lifted while the next layer is
-    # awaited: a scope per layer costs as much again as a layer's sendmsg. A deadline that
-    # passed while a send was shielded (a frame once started is finished) leaves the scope
-    # cancelled for good: that run did leave, so the rest goes on under a fresh scope.
+    # One scope bounds each run's send in turn, cancelled by a timer of the endpoint's that
+    # is cancelled once the run left: a scope per layer, or moving a scope's deadline (a loop
+    # timer each time), costs as much again as a layer's sendmsg. A bound that passed while a
+    # send was shielded (a frame once started is finished) leaves the scope cancelled for
+    # good: that run did leave, so the rest goes on under a fresh scope.
     due = 0
     while due < len(spans) - 1:
         with anyio.CancelScope() as bound:
@@ -72,7 +73,7 @@ async def send_layers(
                     raise RuntimeError(f"layers {run} handed over where layer {due} was due")
                 moved: int | None = None
                 started = time.monotonic()
-                bound.deadline = clock() + feed.timeout_s * len(run)
+                timer = timers.call_at(timers.now() + feed.timeout_s * len(run), bound.cancel)
                 try:
                     # Layers that are ready together leave together (their bytes are
                     # adjacent in the stream): a frame and a syscall for many when the link
@@ -81,7 +82,7 @@ async def send_layers(
                     moved = per
                     record(started, len(run))
                 finally:
-                    bound.deadline = math.inf
+                    timers.cancel(timer)
                     feed.sent(run, moved)
                 due = run.stop
         if bound.cancelled_caught:

@@ -329,9 +329,18 @@ class LinkWriter:
                     await self.send(lead)
                 return False
             n = min(CHUNK_BYTES, end - off)
-            views = await stream.prepare(off, n, token)
+            if type(stream).prepare is _PLAIN_PREPARE:  # host memory: no coroutine, no await
+                views = stream.views(off, n)
+            else:
+                views = await stream.prepare(off, n, token)
             fence: Fence | None = None  # (only a frame a worker thread sends has one)
-            async with self.send_lock:
+            # A free lock is taken with no checkpoint: a layer's frame then goes out with no
+            # trip through the scheduler (the token was looked at just above).
+            if self.send_lock.value:  # (0 while anyone waits: a release hands it over)
+                self.send_lock.acquire_nowait()
+            else:
+                await self.send_lock.acquire()
+            try:
                 if not self.link.alive:
                     raise self.link.down_error()
                 # In order under the lock: each frame's tag counts frames on a keyed link.
@@ -375,6 +384,8 @@ class LinkWriter:
                     if fence is not None:
                         fence.released.set()  # the worker has returned (or never started)
                         req.fence = None
+            finally:
+                self.send_lock.release()
             off += n
             self.link.stats_bytes += n
         return not token.cancelled
@@ -392,6 +403,10 @@ class LinkWriter:
             if stall.cancelled_caught:
                 io.close()
                 raise TimeoutError("the peer made no progress within the stall timeout")
+
+
+#: a stream of host memory prepares its frames with :meth:`StreamPlan.views` alone
+_PLAIN_PREPARE = StreamPlan.prepare
 
 
 def _run_all(callbacks: list[Callable[[], None]]) -> None:

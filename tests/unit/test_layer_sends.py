@@ -12,6 +12,7 @@ import pytest
 
 from llmdd_async._errors import CopyCancelled
 from llmdd_async._net.feed import send_layers
+from llmdd_async._timers import Timers
 
 pytestmark = pytest.mark.anyio
 
@@ -51,8 +52,17 @@ class Request:
         def record(started: float, layers: int) -> None:
             self.records.append(layers * LAYER_BYTES)
 
-        clock = anyio.current_time
-        await send_layers(self.feed, self.spans, LAYER_BYTES, clock, self.send, record)
+        timers = Timers()  # the endpoint's, as the exchange passes them
+        failed: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(timers.run)
+            try:
+                await send_layers(self.feed, self.spans, LAYER_BYTES, timers, self.send, record)
+            except Exception as exc:  # raised as is, not in the task group's group
+                failed.append(exc)
+            tg.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
 
 
 async def test_a_pause_of_the_model_between_layers_is_not_a_send_timeout() -> None:
