@@ -29,7 +29,7 @@ from ._net.streams import VIEWS_INLINE, ManyRangesStream
 from ._observe import Observers
 from ._options import EngineOptions
 from ._registry import CacheEntry, Registry
-from ._task import CacheTask, TaskControl
+from ._task import CacheTask, SchedulePoints, TaskControl
 from ._timers import Timers
 from ._transports import TransportEndpoint, start_endpoint
 from ._transports.tcp import StagedStream, StreamPlan
@@ -55,6 +55,8 @@ class Engine:
         self.observers = observers if observers is not None else Observers()
         self.log = get_logger("engine", cluster_id=cluster_id)
         self._task_ids = itertools.count(1)
+        #: when this endpoint's finished tasks last yielded to the loop (see SchedulePoints)
+        self._schedule_points = SchedulePoints()
         self.registry = Registry()
         self.adapter: DeviceAdapter = load_adapter(
             options.raw.get("llm.DeviceAdapter", "host"), dict(options.raw)
@@ -375,6 +377,7 @@ class Engine:
             observers=self.observers,
             task_id=next(self._task_ids),
             peer_cluster_ids=peer_cluster_ids,
+            schedule_points=self._schedule_points,
         )
 
     def start_task(
