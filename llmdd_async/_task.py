@@ -32,10 +32,11 @@ _log = get_logger("transfer")
 
 class SchedulePoints:
     """When an endpoint's finished tasks last let other tasks run. Awaiting a task that is
-    already done (a small one-sided copy finishes inside the call) is a cancellation point
-    every time, and a schedule point (a loop turn: about 10 µs, a tenth of such a pull) once
-    ``slice_s`` passed since the last one: a loop of such awaits still lets every other task
-    of the loop run at least that often."""
+    already done (a small one-sided copy finishes inside the call) raises at once for a cancel
+    already made, and is a schedule point (a loop turn: about 10 µs, a tenth of such a pull)
+    once ``slice_s`` passed since the last one: a loop of such awaits still lets every other
+    task of the loop run at least that often, and a deadline that passes meanwhile is seen
+    that much later at most."""
 
     __slots__ = ("_last", "slice_s")
 
@@ -360,8 +361,8 @@ class CacheTask:
             raise self._error
 
     async def _wait_done(self) -> None:
-        """Until the task finished; if it already has, a cancellation point, and a schedule
-        point as :class:`SchedulePoints` says."""
+        """Until the task finished; if it already has, a check for a cancel already made,
+        and a schedule point as :class:`SchedulePoints` says."""
         if self._finished:
             points = self._schedule_points
             if points is None or points.due():

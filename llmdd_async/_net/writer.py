@@ -323,11 +323,17 @@ class LinkWriter:
         if lead is not None and (end - off > INLINE_BYTES or end <= off):
             await self.send(lead)
             lead = None
+        start = off
         while off < end:
             if token.cancelled or not self.link.alive:
                 if lead is not None and self.link.alive:
                     await self.send(lead)
                 return False
+            if off != start:
+                # Between frames a cancelled scope stops the stream (a send's own bound, a
+                # serving budget: they trip no token); nothing checks before the first frame,
+                # which for a layer is the only one.
+                await anyio.lowlevel.checkpoint_if_cancelled()
             n = min(CHUNK_BYTES, end - off)
             if type(stream).prepare is _PLAIN_PREPARE:  # host memory: no coroutine, no await
                 views = stream.views(off, n)

@@ -1,9 +1,12 @@
 """Awaiting a CacheTask that is already done (a small one-sided copy finishes inside the
-call): always a cancellation point, a schedule point only once per slice of the endpoint's
-``SchedulePoints`` (a loop turn costs about a tenth of such a pull), so a loop of such awaits
-neither pays a loop turn each time nor starves the loop's other tasks."""
+call): it raises at once for a cancel already made, and is a schedule point only once per
+slice of the endpoint's ``SchedulePoints`` (a loop turn costs about a tenth of such a pull),
+so a loop of such awaits neither pays a loop turn each time nor starves the loop's other
+tasks."""
 
 from __future__ import annotations
+
+import time
 
 import anyio
 import pytest
@@ -76,3 +79,12 @@ async def test_a_failed_task_still_raises_within_the_slice() -> None:
     task.conclude(task.begin(None), RuntimeError("boom"))
     with pytest.raises(Exception, match="boom"):
         await task
+
+
+def test_a_slice_starts_again_at_each_schedule_point() -> None:
+    points = SchedulePoints(slice_s=0.05)
+    time.sleep(0.06)
+    assert points.due()  # the first slice is over
+    assert not points.due()  # a new one began with it
+    time.sleep(0.06)
+    assert points.due()
