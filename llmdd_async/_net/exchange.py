@@ -30,7 +30,7 @@ from .grant_checks import grant_within_selection, layer_spans
 from .grants import TransferRequest
 from .host import LinkHost
 from .link import Link
-from .requests import Pending, TransferRecord
+from .requests import Pending
 from .streams import VIEWS_INLINE
 
 __all__ = ["KEYS", "Exchange"]
@@ -408,9 +408,7 @@ class Exchange:
         if grant is self._eager:
             mode = "eager"
         if self.feed is None:  # (a layer-wise push recorded each layer)
-            link.history.append(
-                TransferRecord(self.spec.op.value, self._t_start, time.monotonic(), total, mode)
-            )
+            link.history.append((self.spec.op.value, self._t_start, time.monotonic(), total, mode))
         self.result = (total, len(grant.nbytes))
         self._end(None)
 
@@ -586,8 +584,6 @@ class Exchange:
         op, mode = self.spec.op.value, "" if grant.mode is None else grant.mode.value
 
         def record(started: float, layers: int) -> None:
-            self.link.history.append(
-                TransferRecord(op, started, time.monotonic(), per * layers, mode)
-            )
+            self.link.history.append((op, started, time.monotonic(), per * layers, mode))
 
         await send_layers(self.feed, spans, per, self.engine.timers, send, record)

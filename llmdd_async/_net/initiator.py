@@ -36,7 +36,7 @@ from .feed import LayerFeed
 from .grants import TransferRequest, plan_selection, selection_bound
 from .host import LinkHost
 from .link import Link
-from .requests import Pending, TransferRecord
+from .requests import Pending
 
 __all__ = ["initiate", "may_pull_directly", "pull_direct_now"]
 
@@ -278,5 +278,5 @@ def _recorded(
 ) -> tuple[int, int]:
     link.stats_transfers += 1
     link.stats_bytes += total
-    link.history.append(TransferRecord(spec.op.value, t_start, time.monotonic(), total, "direct"))
+    link.history.append((spec.op.value, t_start, time.monotonic(), total, "direct"))
     return total, descriptors

@@ -141,8 +141,12 @@ class Link:
         self.stats_bytes = 0
         self.stats_transfers = 0
         self.up_since = time.time()
-        #: the last transfers this side started on the link: (op, started, finished, bytes)
-        self.history: collections.deque[TransferRecord] = collections.deque(maxlen=256)
+        #: the last transfers this side started on the link, as the fields of a
+        #: TransferRecord (made only when statistics are asked for: a frozen dataclass costs
+        #: a microsecond and more, on every request)
+        self.history: collections.deque[tuple[str, float, float, int, str]] = collections.deque(
+            maxlen=256
+        )
 
     # ------------------------------------------------------------------ state
     @property
@@ -191,7 +195,7 @@ class Link:
             self.stats_transfers,
             self.stats_bytes,
             self.up_since,
-            tuple(self.history),
+            tuple(TransferRecord(*fields) for fields in self.history),
         )
 
     def fail(self, exc: BaseException, expected: bool = False) -> None:
