@@ -18,7 +18,14 @@ import numpy as np
 from anyio.abc import TaskGroup
 
 from ._devices import DeviceAdapter, DevicePool, load_adapter
-from ._drivers import LoopEvent, event_factory, loop_clock, threadsafe_caller
+from ._drivers import (
+    LoopEvent,
+    Wakeup,
+    event_factory,
+    loop_clock,
+    threadsafe_caller,
+    wakeup_factory,
+)
 from ._enums import LLMRole, LLMStatusCode, Placement
 from ._log import get_logger
 from ._memory import EpochPage, MemoryPool, populate
@@ -86,6 +93,8 @@ class Engine:
         #: makes the running backend's own event (set on the loop thread): cheaper than an
         #: ``anyio.Event`` where one is made per layer
         self.new_event: Callable[[], LoopEvent] = anyio.Event
+        #: makes the running backend's :class:`Wakeup` (None while the engine is not running)
+        self._new_wakeup: Callable[[], Wakeup] | None = None
 
     @property
     def listen_host(self) -> str | None:
@@ -122,6 +131,7 @@ class Engine:
                 self._portal = portal
                 self._threadsafe = threadsafe_caller()
                 self.new_event = event_factory()
+                self._new_wakeup = wakeup_factory()
                 self.timers.now = loop_clock()
                 tg.start_soon(self.timers.run)
                 try:
@@ -141,6 +151,7 @@ class Engine:
             self._portal = None
             self._threadsafe = None
             self.new_event = anyio.Event
+            self._new_wakeup = None
             self.timers.now = anyio.current_time
             self.closed = True
             self.registry.close()
@@ -296,6 +307,17 @@ class Engine:
                 call(event.set)  # a loop callback, not a task (nothing once the loop is gone)
 
         return event, wake
+
+    def wakeup(self) -> Wakeup:
+        """A one-shot wake-up of one waiter, woken from any thread without blocking it (a
+        model's layer signal): cheaper than :meth:`threadsafe_event`.
+
+        Raises:
+            RuntimeError: the engine is not running.
+        """
+        if self._new_wakeup is None:
+            raise RuntimeError("the engine is not running")
+        return self._new_wakeup()
 
     def call_soon(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` soon on the loop; safe from any thread and from ``__del__``."""

@@ -60,15 +60,10 @@ async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int 
     try:
         if isinstance(sync, LayerEvents):
             # Bounded by the endpoint's timers (a heap push each), not cancel scopes (a loop
-            # timer each): the model's layers are waited for one by one.
-            event, wake = engine.threadsafe_event()
-            woken: list[bool] = []
-
-            def woke() -> None:  # (from whatever thread signals)
-                woken.append(True)
-                wake()
-
-            if not sync.add_waker(layer, woke):
+            # timer each), and woken by a bare wake-up (a future on asyncio), not an event:
+            # the model's layers are waited for one by one, each wait from a cold start.
+            wakeup = engine.wakeup()
+            if not sync.add_waker(layer, wakeup.wake):
                 timers = engine.timers
                 end = timers.now() + bound_ms / 1000
                 # One timer at a time: the warning's, which then sets the bound's (a wait
@@ -76,20 +71,21 @@ async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int 
                 timer: list[Timer] = []
 
                 def warn() -> None:
-                    timer[0] = timers.call_at(end, event.set)  # (first: logging may raise)
+                    timer[0] = timers.call_at(end, wakeup.expire)  # (first: logging may raise)
                     _warn_waiting(engine, layer, t0, bound_ms)
 
                 if bound_ms >= LAYER_WAIT_WARN_S * 1000:
                     timer.append(timers.call_later(LAYER_WAIT_WARN_S, warn))
                 else:
-                    timer.append(timers.call_at(end, event.set))
+                    timer.append(timers.call_at(end, wakeup.expire))
                 try:
-                    await event.wait()
+                    woken = await wakeup.wait()
                 finally:
                     timers.cancel(timer[0])
-                if not woken:
+                if not woken and not sync.is_layer_ready(layer):  # (signalled as it expired)
                     raise TimeoutError
-            ok = sync.result(layer)
+            # (ready: no lock; else the abort, and its error, under the lock)
+            ok = sync.is_layer_ready(layer) or sync.result(layer)
         else:
             with anyio.fail_after(bound_ms / 1000):
                 async with anyio.create_task_group() as tg:

@@ -41,10 +41,12 @@ __all__ = [
     "BACKENDS",
     "Driver",
     "LoopEvent",
+    "Wakeup",
     "driver_for",
     "event_factory",
     "loop_clock",
     "threadsafe_caller",
+    "wakeup_factory",
 ]
 
 #: the driver of each event-loop backend (``sniffio`` names), in the module named
@@ -59,6 +61,19 @@ class LoopEvent(Protocol):
     def is_set(self) -> bool: ...
 
     async def wait(self) -> object: ...
+
+
+class Wakeup(Protocol):
+    """One wake-up of one waiter (:meth:`wait`), whichever comes first: :meth:`wake` from any
+    thread (``wait`` returns True) or :meth:`expire` on the loop thread (False). Cancelling
+    the waiting task works as for an event; a wake after that, or after the loop is gone,
+    does nothing."""
+
+    def wake(self) -> None: ...
+
+    def expire(self) -> None: ...
+
+    async def wait(self) -> bool: ...
 
 
 class Driver(ABC):
@@ -163,4 +178,16 @@ def event_factory() -> Callable[[], LoopEvent]:
         RuntimeError: no event loop runs in this thread, or its backend has no driver.
     """
     factory: Callable[[], LoopEvent] = _backend().EVENT
+    return factory
+
+
+def wakeup_factory() -> Callable[[], Wakeup]:
+    """The running backend's :class:`Wakeup` maker: a bare future of the loop on asyncio (an
+    event is a waiter list around one, made per wait), what a model's signal of each of its
+    layers costs the loop.
+
+    Raises:
+        RuntimeError: no event loop runs in this thread, or its backend has no driver.
+    """
+    factory: Callable[[], Wakeup] = _backend().wakeup_factory()
     return factory

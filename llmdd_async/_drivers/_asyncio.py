@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 
 from . import Driver, sniffio
@@ -145,3 +146,32 @@ def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
             loop.call_soon_threadsafe(fn)
 
     return call
+
+
+class _Wakeup:
+    """:class:`Wakeup` on asyncio: a future of the loop."""
+
+    __slots__ = ("_fut", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._fut: asyncio.Future[bool] = loop.create_future()
+
+    def _fire(self, value: bool) -> None:
+        if not self._fut.done():  # (the waiter may have been cancelled)
+            self._fut.set_result(value)
+
+    def wake(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self._loop.call_soon_threadsafe(self._fire, True)
+
+    def expire(self) -> None:
+        self._fire(False)
+
+    async def wait(self) -> bool:
+        return await self._fut
+
+
+def wakeup_factory() -> Callable[[], _Wakeup]:
+    """:class:`_Wakeup` of the running loop (see the package's)."""
+    return functools.partial(_Wakeup, asyncio.get_running_loop())

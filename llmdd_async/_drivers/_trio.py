@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 
@@ -106,3 +107,35 @@ def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
             token.run_sync_soon(fn)
 
     return call
+
+
+class _Wakeup:
+    """:class:`Wakeup` on trio: an event and the value it was set with."""
+
+    __slots__ = ("_event", "_token", "_value")
+
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+        self._token = token
+        self._event = trio.Event()
+        self._value = False
+
+    def _fire(self, value: bool) -> None:
+        if not self._event.is_set():
+            self._value = value
+            self._event.set()
+
+    def wake(self) -> None:
+        with contextlib.suppress(trio.RunFinishedError):  # the run is over: nobody waits
+            self._token.run_sync_soon(self._fire, True)
+
+    def expire(self) -> None:
+        self._fire(False)
+
+    async def wait(self) -> bool:
+        await self._event.wait()
+        return self._value
+
+
+def wakeup_factory() -> Callable[[], _Wakeup]:
+    """:class:`_Wakeup` of the running trio run (see the package's)."""
+    return functools.partial(_Wakeup, trio.lowlevel.current_trio_token())

@@ -22,6 +22,7 @@ from llmdd_async._drivers import (
     event_factory,
     loop_clock,
     threadsafe_caller,
+    wakeup_factory,
 )
 from llmdd_async._timers import Timers
 
@@ -311,3 +312,33 @@ async def test_a_task_waiting_on_a_backend_event_is_cancelled_like_on_anyios() -
         await anyio.sleep(0.01)
         tg.cancel_scope.cancel()
     assert not event.is_set()
+
+
+async def test_a_wakeup_woken_from_another_thread_returns_true() -> None:
+    wakeup = wakeup_factory()()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, lambda: (time.sleep(0.02), wakeup.wake()))
+            assert await wakeup.wait() is True
+
+
+async def test_a_wakeup_expired_returns_false_and_the_first_of_the_two_counts() -> None:
+    expired = wakeup_factory()()
+    expired.expire()
+    expired.wake()  # (too late: the expiry came first)
+    assert await expired.wait() is False
+    woken = wakeup_factory()()
+    woken.wake()  # (from the loop thread too: it is run as a loop callback)
+    await anyio.sleep(0.01)
+    woken.expire()  # (too late)
+    assert await woken.wait() is True
+
+
+async def test_a_task_waiting_on_a_wakeup_is_cancelled_and_a_late_wake_does_nothing() -> None:
+    wakeup = wakeup_factory()()
+    with anyio.move_on_after(0.05) as scope:
+        await wakeup.wait()
+    assert scope.cancelled_caught
+    wakeup.wake()  # a wake after the waiter left: no error in the loop's callback
+    wakeup.expire()
+    await anyio.sleep(0.01)
