@@ -30,6 +30,10 @@ class LayerChannel:
         self._left = False  # the consumer takes no more
         self._arrived: LoopEvent | None = None
         self._room: LoopEvent | None = None
+        #: set while the consumer waits and could send a layer at once from where it is
+        #: handed over (no wake-up of the consumer for it): True when it took the layer
+        self.direct: Callable[[int], bool] | None = None
+        self._nudged = False
 
     # ---------------------------------------------------------------- the producer's side
     def hand_nowait(self, layer: int) -> bool:
@@ -38,6 +42,9 @@ class LayerChannel:
         if len(self._unseen) >= self._window and not self._left:
             return False
         if not self._left:
+            direct = self.direct
+            if direct is not None and not self._unseen and not self._layers and direct(layer):
+                return True
             self._unseen.append(layer)
             if self._arrived is not None:
                 self._arrived.set()
@@ -67,19 +74,30 @@ class LayerChannel:
         if self._room is not None:
             self._room.set()
 
+    def nudge(self) -> None:
+        """Wake the consumer in :meth:`wait` with no layer handed over (it sent some at once
+        meanwhile: :attr:`direct`)."""
+        self._nudged = True
+        if self._arrived is not None:
+            self._arrived.set()
+
     async def wait(self) -> bool:
-        """Wait for the next layer; False when none will come."""
+        """Wait for the next layer, or a :meth:`nudge`; False when none will come."""
         while not self._layers:
             if self._unseen:
                 self._see()
             elif self._finished:
+                self._nudged = False
                 return False
+            elif self._nudged:
+                break
             else:
                 self._arrived = self._new_event()
                 try:
                     await self._arrived.wait()
                 finally:
                     self._arrived = None
+        self._nudged = False
         return True
 
     def ready(self) -> int:
@@ -91,6 +109,10 @@ class LayerChannel:
         """The next layer, once handed over; None when none will come."""
         if not await self.wait():
             return None
+        return self._layers.popleft()
+
+    def take_nowait(self) -> int:
+        """The next layer (one is :meth:`ready`)."""
         return self._layers.popleft()
 
     def take_through(self, last: int) -> int | None:

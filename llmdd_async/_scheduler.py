@@ -466,6 +466,10 @@ class _Feed:
         self._holding = False
         #: the first layer being sent (or last sent)
         self.layer = run.start
+        #: the next layer to leave
+        self._due = run.start
+        #: the sender's way to send a layer at once while it waits (see next)
+        self._now: Callable[[int], bool] | None = None
         #: the producer stopped before this request's last layer
         self.ended_early = False
 
@@ -475,11 +479,26 @@ class _Feed:
             self._holding = False
             self._d.link.transfer_lock.give(True)
 
-    async def next(self) -> range | None:
-        first = await self._handed.take()
-        if first is None:
-            self.ended_early = True
-            return None
+    async def next(self, now: Callable[[int], bool] | None = None) -> range | None:
+        handed = self._handed
+        if now is not None and not self._holding and not handed.ready():
+            # Nothing is due yet: a layer handed over while we wait may leave at once from
+            # there (_at_once), with no wake-up of this task for it.
+            self._now, handed.direct = now, self._at_once
+            try:
+                arrived = await handed.wait()
+            finally:
+                self._now = handed.direct = None
+        else:
+            arrived = await handed.wait()
+        if self._due >= self.run.stop:
+            return range(0)  # the request's last layers left at once (later ones wait)
+        if not handed.ready():
+            if not arrived:
+                self.ended_early = True
+                return None
+            return range(0)
+        first = handed.take_nowait()
         if not self._holding:
             await self._d.link.transfer_lock.acquire(True)
             self._holding = True
@@ -487,11 +506,39 @@ class _Feed:
         last = self._handed.take_through(self.run.stop - 1)
         last = first if last is None else last
         self.layer = first
-        now = self._ctl.now()
+        self._due = last + 1
+        now_s = self._ctl.now()
         for layer in range(first, last + 1):
-            self._started_at.setdefault(layer, now)
+            self._started_at.setdefault(layer, now_s)
         base = self.run.start
         return range(first - base, last + 1 - base)
+
+    def _at_once(self, layer: int) -> bool:
+        """The producer hands ``layer`` over while :meth:`next` waits with nothing due: send
+        it from here if it is the one due and the link is free for it (FIFO: not while a pull
+        queues for the link), with ``now``. True: it left (and was reported sent)."""
+        now = self._now
+        if now is None or layer != self._due or layer >= self.run.stop:
+            return False
+        if not self._d.link.transfer_lock.try_take(True):
+            return False
+        self._holding = True  # (given back where it is reported sent, or here)
+        self.layer = layer
+        fresh = layer not in self._started_at
+        if fresh:
+            self._started_at[layer] = self._ctl.now()  # (read where it is reported sent)
+        try:
+            sent = now(layer - self.run.start)
+        finally:
+            self.close()
+        if not sent:
+            if fresh:
+                del self._started_at[layer]
+            return False
+        self._due = layer + 1
+        if self._due >= self.run.stop:
+            self._handed.nudge()  # the request's last layer left: its sender goes on
+        return True
 
     def sent(self, layers: range, nbytes: int | None) -> None:
         self.close()

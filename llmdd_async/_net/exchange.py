@@ -550,14 +550,18 @@ class Exchange:
                 if not await link.send_stream(req, stream, to_initiator=False, token=req.token):
                     raise req.error or CopyCancelled()
             else:
-                ends = np.cumsum(nbytes.astype(np.int64))
+                ends: list[int] = np.cumsum(nbytes.astype(np.int64)).tolist()
 
                 async def send(a: int, b: int) -> None:
-                    span = (int(ends[a - 1]) if a else 0, int(ends[b - 1]))
+                    span = (ends[a - 1] if a else 0, ends[b - 1])
                     if not await link.send_stream(req, stream, False, req.token, span=span):
                         raise req.error or CopyCancelled()
 
-                await self._send_layers(send)
+                def send_now(a: int, b: int) -> bool:
+                    span = (ends[a - 1] if a else 0, ends[b - 1])
+                    return link.send_frame_now(req, stream, False, span)
+
+                await self._send_layers(send, send_now)
         finally:
             stream.close()
         if self.feed is None:
@@ -568,9 +572,14 @@ class Exchange:
         assert req.result is not None
         _raise_unless_ok(Result.decode(req.result), "peer failed")
 
-    async def _send_layers(self, send: Callable[[int, int], Awaitable[None]]) -> None:
+    async def _send_layers(
+        self,
+        send: Callable[[int, int], Awaitable[None]],
+        send_now: Callable[[int, int], bool] | None = None,
+    ) -> None:
         """:func:`.feed.send_layers` of this request's grant, each run recorded on the link
-        (its bytes hold the link alone: a pull may go between two runs of the request).
+        (its bytes hold the link alone: a pull may go between two runs of the request);
+        ``send_now`` sends a layer from the loop if that needs no wait (else False).
 
         Raises:
             As :func:`.feed.send_layers`.
@@ -586,4 +595,4 @@ class Exchange:
         def record(started: float, layers: int) -> None:
             self.link.history.append((op, started, time.monotonic(), per * layers, mode))
 
-        await send_layers(self.feed, spans, per, self.engine.timers, send, record)
+        await send_layers(self.feed, spans, per, self.engine.timers, send, record, send_now)

@@ -27,10 +27,13 @@ class LayerFeed(Protocol):
     #: the transfer (nothing holds the link meanwhile)
     grant_timeout_s: float
 
-    async def next(self) -> range | None:
+    async def next(self, now: Callable[[int], bool] | None = None) -> range | None:
         """The next layers to send (indices from 0, in order: every layer that is ready, one
         at least), once they may be sent; None when no more will come (the transfer failed
-        elsewhere: the request is aborted)."""
+        elsewhere: the request is aborted). With ``now``: a layer that becomes ready while
+        it waits may leave at once instead, ``now(i)`` (True: it left, and was reported
+        :meth:`sent`), with the link this request's for it meanwhile; then it returns an
+        empty range once the request's last layer left that way."""
         ...
 
     def sent(self, layers: range, nbytes: int | None) -> None:
@@ -46,11 +49,15 @@ async def send_layers(
     timers: Timers,
     send: Callable[[int, int], Awaitable[None]],
     record: Callable[[float, int], None],
+    send_now: Callable[[int, int], bool] | None = None,
 ) -> None:
     """Send each run of layers the feed hands over, ``send(spans[first], spans[stop])``
     (range indices of the grant: layer ``i`` is ``spans[i]:spans[i + 1]``), each layer within
     the feed's timeout from when it may be sent (on ``timers``, the endpoint's); ``per``
     bytes a layer; ``record(started, layers)`` once a run left (``time.monotonic()``).
+    ``send_now(a, b)``, if given, sends a layer that becomes ready while none is due from
+    where it is handed over, when that needs no wait (False: it did not, nothing left): a
+    model's layers then leave with no wake-up of this task each (the feed's ``now``).
 
     Raises:
         CopyCancelled: the feed ended early (the request is aborted). TimeoutError: a
@@ -63,12 +70,28 @@ async def send_layers(
     # send was shielded (a frame once started is finished) leaves the scope cancelled for
     # good: that run did leave, so the rest goes on under a fresh scope.
     due = 0
+
+    def at_once(i: int) -> bool:
+        nonlocal due
+        if send_now is None or i != due:
+            return False
+        started = time.monotonic()
+        if not send_now(spans[i], spans[i + 1]):
+            return False
+        due = i + 1
+        record(started, 1)
+        feed.sent(range(i, due), per)
+        return True
+
+    now = at_once if send_now is not None else None
     while due < len(spans) - 1:
         with anyio.CancelScope() as bound:
             while due < len(spans) - 1 and not bound.cancel_called:
-                run = await feed.next()
+                run = await feed.next(now)
                 if run is None:
                     raise CopyCancelled()
+                if not run:
+                    continue  # the layers due left at once (at_once)
                 if run.start != due or not 0 < len(run) <= len(spans) - 1 - due:
                     raise RuntimeError(f"layers {run} handed over where layer {due} was due")
                 moved: int | None = None

@@ -396,6 +396,81 @@ class LinkWriter:
             self.link.stats_bytes += n
         return not token.cancelled
 
+    def send_frame_now(
+        self, req: Request, stream: StreamPlan, to_initiator: bool, span: tuple[int, int]
+    ) -> bool:
+        """Send stream bytes ``span`` of host memory as one DATA frame from the loop, with no
+        await, when that costs no wait: the send lock free, at most ``INLINE_BYTES``, the
+        request's token untripped. What the socket does not take at once a task finishes
+        under the send lock, fenced as :meth:`send_stream`'s worker frames are (``req.fence``:
+        a cancel pads the rest with zeros, and :meth:`Link.release` waits for it). False,
+        with nothing sent, otherwise, and if the link failed (the send broke it).
+        """
+        off, end = span
+        n = end - off
+        if (
+            not 0 < n <= INLINE_BYTES
+            or type(stream).prepare is not _PLAIN_PREPARE
+            or not self.send_lock.value
+            or req.token.cancelled
+            or req.fence is not None
+            or not self.link.alive
+        ):
+            return False
+        views = stream.views(off, n)
+        self.send_lock.acquire_nowait()
+        finishing = False
+        try:
+            trailer = PAYLOAD_TAG if self.link.payload_auth else 0
+            data = Data(req.req_id, off, n + trailer, to_initiator)
+            header = encode(data.encode(), self._send_auth)
+            tagger = None
+            if trailer:
+                assert self._send_auth is not None  # payload_auth implies a keyed link
+                mac = self._send_auth.payload_mac(self._send_auth.seq - 1)
+                tagger = PayloadMac(mac, len(header), n)
+            bufs = [memoryview(header), *views]
+            with map_link_errors(self.link.fail):  # a failed send breaks the link
+                idx = send_nowait(self.link.sock, bufs, tagger)
+                if idx < len(bufs) and self.link.alive:
+                    fence = Fence(req.token, self.link.host.stall_timeout_s, req.deadline)
+                    req.fence = fence
+                    try:
+                        self.link.host.spawn(self._finish_frame, req, fence, bufs, idx, tagger)
+                    except RuntimeError as exc:  # the engine stopped: the frame can't finish
+                        req.fence = None
+                        fence.released.set()
+                        self.link.fail(exc)
+                        return False
+                    finishing = True
+        finally:
+            if not finishing:
+                self.send_lock.release()
+        if not self.link.alive:
+            return False
+        self.link.stats_bytes += n
+        return True
+
+    async def _finish_frame(
+        self,
+        req: Request,
+        fence: Fence,
+        bufs: list[memoryview],
+        idx: int,
+        tagger: PayloadMac | None,
+    ) -> None:
+        """The rest of :meth:`send_frame_now`'s frame, under the send lock it took."""
+        try:
+            # A failed send breaks the link, nothing raises: the request fails with it.
+            with map_link_errors(self.link.fail):
+                rest = send_views_inline(self.link.sock, bufs, idx, fence.token, tagger)
+                await self._inline(rest)
+        finally:
+            fence.released.set()
+            if req.fence is fence:
+                req.fence = None
+            self.send_lock.release()
+
     async def _inline(self, io: Any) -> Any:
         """Run a small frame's I/O on the loop: shielded (a frame, once started, must be
         finished) and bounded by the stall timeout (then the link breaks).

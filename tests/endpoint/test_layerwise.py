@@ -10,7 +10,9 @@ import base64
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -26,6 +28,7 @@ from helpers import (
 )
 
 import llmdd_async as dd
+from llmdd_async._net.link import Link
 from llmdd_async.testing import PeerProcess, encode_key, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -443,6 +446,61 @@ async def test_layer_events_from_a_compute_thread(transport) -> None:
         for t in range(2 * layers):
             got = await peer_tensor(dec, dst, t, (8, 4096))
             assert np.array_equal(got[[3, 4]], expected_tensor(64, t, (8, 4096))[[1, 2]])
+
+
+async def test_layers_at_the_models_pace_leave_from_their_signal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer the model signals while its transfer waits for it is sent from where the
+    signal is handled (``Link.send_frame_now``: no wake-up of the transfer's sender): in
+    order, byte-exact, each layer counted in the statistics."""
+    sent_now: list[tuple[int, tuple[int, int]]] = []
+    real = Link.send_frame_now
+
+    def spy(self: Link, req: Any, stream: Any, to_initiator: bool, span: tuple[int, int]) -> bool:
+        ok = real(self, req, stream, to_initiator, span)
+        if ok:
+            sent_now.append((req.req_id, span))
+        return ok
+
+    monkeypatch.setattr(Link, "send_frame_now", spy)
+    layers, shape = 8, (8, 4096)
+    async with decoders("tcp", **{"llm.SyncKvCacheWaitTime": "20000"}) as ([dec], prompt):
+        dst = await dec.request(
+            "register",
+            kind="blocks",
+            num_tensors=2 * layers,
+            shape=list(shape),
+            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
+        )
+        cm = prompt.cache_manager
+        src = cm.allocate_blocks_cache(dd.CacheDesc(2 * layers, list(shape), dd.DataType.DT_UINT8))
+        ev = dd.LayerEvents()
+        cfg = dd.TransferWithCacheKeyConfig(
+            dd.BlocksCacheKey(2, 0), range(0, layers), range(0, layers)
+        )
+        task = cm.transfer_cache_async(src, ev, [cfg], [1, 2], [3, 4])
+
+        def forward() -> None:
+            for layer in range(layers):
+                time.sleep(0.02)  # the model computes the layer
+                for t in (2 * layer, 2 * layer + 1):
+                    src.tensors[t][...] = expected_tensor(65, t, shape)
+                ev.layer_ready(layer)
+
+        await anyio.to_thread.run_sync(forward)
+        await task
+        assert await task.get_results() == [S.LLM_SUCCESS]
+        # Layers that came while the sender waited left at once (the first of a request goes
+        # once it is granted), in order.
+        assert len(sent_now) >= layers // 2
+        assert sent_now == sorted(sent_now)  # (each request's stream, in order)
+        for t in range(2 * layers):
+            got = await peer_tensor(dec, dst, t, shape)
+            assert np.array_equal(got[[3, 4]], expected_tensor(65, t, shape)[[1, 2]])
+        stats = task.statistics()
+        assert [lt.layer for lt in stats.layers] == list(range(layers))
+        assert [lt.nbytes for lt in stats.layers] == [2 * 2 * shape[1]] * layers
 
 
 async def test_the_next_layer_is_awaited_while_one_is_in_flight() -> None:

@@ -29,7 +29,7 @@ class Feed:
         self.due = 0
         self.reported: list[tuple[range, int | None]] = []
 
-    async def next(self) -> range | None:
+    async def next(self, now: Callable[[int], bool] | None = None) -> range | None:
         if self.due == len(self.delays):
             return None
         await anyio.sleep(self.delays[self.due])
@@ -40,11 +40,36 @@ class Feed:
         self.reported.append((run, nbytes))
 
 
+class OfferingFeed(Feed):
+    """As the scheduler's: a layer that comes while :meth:`next` waits is offered to ``now``
+    first (it then left); only one that ``now`` refuses is handed over."""
+
+    def __init__(self, delays: list[float]) -> None:
+        super().__init__(delays)
+        self.offered: list[int] = []
+
+    async def next(self, now: Callable[[int], bool] | None = None) -> range | None:
+        while self.due < len(self.delays):
+            await anyio.sleep(self.delays[self.due])
+            layer, self.due = self.due, self.due + 1
+            if now is None:
+                return range(layer, layer + 1)
+            self.offered.append(layer)
+            if not now(layer):
+                return range(layer, layer + 1)
+        return range(0)  # the last layers left at once
+
+
 class Request:
     """What the exchange around ``send_layers`` keeps: the runs that left."""
 
-    def __init__(self, feed: Feed, send: Callable[[int, int], Awaitable[None]]) -> None:
-        self.feed, self.send = feed, send
+    def __init__(
+        self,
+        feed: Feed,
+        send: Callable[[int, int], Awaitable[None]],
+        send_now: Callable[[int, int], bool] | None = None,
+    ) -> None:
+        self.feed, self.send, self.send_now = feed, send, send_now
         self.spans = list(range(len(feed.delays) + 1))
         self.records: list[int] = []
 
@@ -57,7 +82,9 @@ class Request:
         async with anyio.create_task_group() as tg:
             tg.start_soon(timers.run)
             try:
-                await send_layers(self.feed, self.spans, LAYER_BYTES, timers, self.send, record)
+                await send_layers(
+                    self.feed, self.spans, LAYER_BYTES, timers, self.send, record, self.send_now
+                )
             except Exception as exc:  # raised as is, not in the task group's group
                 failed.append(exc)
             tg.cancel_scope.cancel()
@@ -126,7 +153,7 @@ async def test_a_feed_that_ends_early_aborts_the_request() -> None:
 
 async def test_layers_handed_over_out_of_order_are_a_bug_not_a_send() -> None:
     class Skipping(Feed):
-        async def next(self) -> range | None:
+        async def next(self, now: Callable[[int], bool] | None = None) -> range | None:
             self.due += 1
             return range(1, 2)  # layer 0 was due
 
@@ -156,3 +183,68 @@ async def test_a_shielded_send_past_its_timeout_counts_and_the_next_wait_is_unbo
         await req.run()
     assert feed.reported == [(range(i, i + 1), LAYER_BYTES) for i in range(3)]
     assert req.records == [LAYER_BYTES] * 3
+
+
+async def test_layers_that_come_while_none_is_due_leave_at_once_in_order() -> None:
+    """With a way to send at once, a layer the model signals while the sender waits leaves
+    from there (counted, recorded, reported sent); one it cannot send at once (the link
+    busy) is handed over and sent as before, and the order holds."""
+    feed = OfferingFeed([0.01] * 4)
+    events: list[tuple[str, int]] = []
+
+    async def send(a: int, b: int) -> None:
+        events.append(("send", a))
+
+    def send_now(a: int, b: int) -> bool:
+        if a == 2:
+            return False  # the link is not free for it: it is handed over
+        events.append(("now", a))
+        return True
+
+    req = Request(feed, send, send_now)
+    with anyio.fail_after(5):
+        await req.run()
+    assert events == [("now", 0), ("now", 1), ("send", 2), ("now", 3)]
+    assert feed.offered == [0, 1, 2, 3]
+    assert feed.reported == [(range(i, i + 1), LAYER_BYTES) for i in range(4)]
+    assert req.records == [LAYER_BYTES] * 4
+
+
+async def test_a_layer_offered_out_of_turn_is_not_sent_at_once() -> None:
+    """Only the layer due may leave at once: another one offered is refused (the feed then
+    hands it over, which is a bug the check of the run catches)."""
+
+    class OutOfTurn(OfferingFeed):
+        async def next(self, now: Callable[[int], bool] | None = None) -> range | None:
+            assert now is not None
+            self.offered.append(1)
+            assert not now(1)  # layer 0 is due
+            return await super().next(now)
+
+    sends: list[int] = []
+
+    def send_now(a: int, b: int) -> bool:
+        sends.append(a)
+        return True
+
+    async def send(a: int, b: int) -> None:
+        pytest.fail("every layer in turn leaves at once here")
+
+    feed = OutOfTurn([0, 0])
+    with anyio.fail_after(5):
+        await Request(feed, send, send_now).run()
+    assert sends == [0, 1]
+    assert feed.reported == [(range(0, 1), LAYER_BYTES), (range(1, 2), LAYER_BYTES)]
+
+
+async def test_without_a_way_to_send_at_once_the_feed_is_offered_none() -> None:
+    feed = OfferingFeed([0, 0])
+    sends: list[int] = []
+
+    async def send(a: int, b: int) -> None:
+        sends.append(a)
+
+    with anyio.fail_after(5):
+        await Request(feed, send).run()
+    assert sends == [0, 1]
+    assert feed.offered == []
