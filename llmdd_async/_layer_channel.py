@@ -36,14 +36,21 @@ class LayerChannel:
         self._nudged = False
 
     # ---------------------------------------------------------------- the producer's side
-    def hand_nowait(self, layer: int) -> bool:
+    def hand_nowait(self, layer: int, at_once: bool = False) -> bool:
         """Hand ``layer`` over unless the window is full (False); dropped once the consumer
-        left (it failed: the task group is being cancelled)."""
+        left (it failed: the task group is being cancelled). With ``at_once`` it goes to the
+        consumer's :attr:`direct` send first, if it waits with nothing handed over."""
         if len(self._unseen) >= self._window and not self._left:
             return False
         if not self._left:
             direct = self.direct
-            if direct is not None and not self._unseen and not self._layers and direct(layer):
+            if (
+                at_once
+                and direct is not None
+                and not self._unseen
+                and not self._layers
+                and direct(layer)
+            ):
                 return True
             self._unseen.append(layer)
             if self._arrived is not None:
@@ -51,7 +58,7 @@ class LayerChannel:
         return True
 
     async def hand(self, layer: int) -> None:
-        """Hand ``layer`` over once the window has room."""
+        """Hand ``layer`` over once the window has room (to be sent with others)."""
         while not self.hand_nowait(layer):
             self._room = self._new_event()
             await self._room.wait()

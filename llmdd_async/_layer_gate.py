@@ -82,7 +82,8 @@ async def wait_for_layer(engine: Engine, sync: Any, layer: int, timeout_ms: int 
                     woken = await wakeup.wait()
                 finally:
                     timers.cancel(timer[0])
-                if not woken and not sync.is_layer_ready(layer):  # (signalled as it expired)
+                # (a signal or an abort may have come as the bound passed: then it counts)
+                if not woken and not sync._settled(layer):
                     raise TimeoutError
             # (ready: no lock; else the abort, and its error, under the lock)
             ok = sync.is_layer_ready(layer) or sync.result(layer)

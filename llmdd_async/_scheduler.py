@@ -42,6 +42,7 @@ from ._synchronizer import LayerEvents
 from ._task import CacheTask, TaskControl
 
 if TYPE_CHECKING:
+    from ._drivers import LoopEvent
     from ._engine import Engine
     from ._timers import Timer
 
@@ -316,7 +317,8 @@ async def run_layerwise(
                     return  # the transfer failed before this layer
                 n = _request_size(d, pos, handed.ready(), known_ready, waited, ctl.now(), engine)
                 run = range(d.layers[pos], d.layers[pos + n - 1] + 1)
-                await send_layers(d, _Feed(d, handed, run, timeout_s, ctl, started_at, sent))
+                feed = _Feed(d, handed, run, timeout_s, ctl, started_at, sent, engine.new_event)
+                await send_layers(d, feed)
                 pos += n
             ctl.set_result(d.slot, LLMStatusCode.LLM_SUCCESS)
         finally:
@@ -380,13 +382,17 @@ async def run_layerwise(
                     if not failure:
                         failure.append(exc)
                     return
-                if ready_at[layer] - t_wait > _WAITED_S:
+                paced = ready_at[layer] - t_wait > _WAITED_S
+                if paced:
                     waited.append(ready_at[layer])  # the model's pace, not a layer ready early
                 for d in dests:
                     # No loop turn while the window has room: a consumer that wakes then
-                    # finds every layer that was ready, for one request.
-                    if layer in members[d.index] and not channels[d.index].hand_nowait(layer):
-                        await channels[d.index].hand(layer)
+                    # finds every layer that was ready, for one request. A layer that came
+                    # at the model's pace may leave at once, from here (LayerChannel.direct);
+                    # layers ready early queue, to leave together.
+                    channel = channels[d.index]
+                    if layer in members[d.index] and not channel.hand_nowait(layer, paced):
+                        await channel.hand(layer)
         finally:
             for channel in channels.values():
                 channel.finish()
@@ -452,6 +458,7 @@ class _Feed:
         ctl: TaskControl,
         started_at: dict[int, float],
         sent: Callable[[range, int], None],
+        new_event: Callable[[], LoopEvent],
     ) -> None:
         self.timeout_s = timeout_s
         # As when a request's budget covered its GRANT: sync_kv_timeout per layer it carries.
@@ -470,6 +477,10 @@ class _Feed:
         self._due = run.start
         #: the sender's way to send a layer at once while it waits (see next)
         self._now: Callable[[int], bool] | None = None
+        self._new_event = new_event
+        #: set once a layer sent at once, still going out when it was handed to the socket,
+        #: is all out (it holds the link until then)
+        self._out: LoopEvent | None = None
         #: the producer stopped before this request's last layer
         self.ended_early = False
 
@@ -499,6 +510,8 @@ class _Feed:
                 return None
             return range(0)
         first = handed.take_nowait()
+        if self._out is not None:
+            await self._out.wait()  # a layer sent at once is still going out: its turn first
         if not self._holding:
             await self._d.link.transfer_lock.acquire(True)
             self._holding = True
@@ -516,25 +529,30 @@ class _Feed:
     def _at_once(self, layer: int) -> bool:
         """The producer hands ``layer`` over while :meth:`next` waits with nothing due: send
         it from here if it is the one due and the link is free for it (FIFO: not while a pull
-        queues for the link), with ``now``. True: it left (and was reported sent)."""
+        queues for the link), with ``now``. True: it is on its way (it holds the link until
+        it is reported sent, once it is all out)."""
         now = self._now
-        if now is None or layer != self._due or layer >= self.run.stop:
+        if now is None or layer != self._due or layer >= self.run.stop or self._out is not None:
             return False
         if not self._d.link.transfer_lock.try_take(True):
             return False
-        self._holding = True  # (given back where it is reported sent, or here)
+        self._holding = True  # (given back once it is reported sent, or here)
         self.layer = layer
         fresh = layer not in self._started_at
         if fresh:
             self._started_at[layer] = self._ctl.now()  # (read where it is reported sent)
         try:
             sent = now(layer - self.run.start)
-        finally:
+        except BaseException:
             self.close()
+            raise
         if not sent:
+            self.close()
             if fresh:
                 del self._started_at[layer]
             return False
+        if self._holding:  # still going out: sent() gives the link back once it is out
+            self._out = self._new_event()
         self._due = layer + 1
         if self._due >= self.run.stop:
             self._handed.nudge()  # the request's last layer left: its sender goes on
@@ -542,6 +560,9 @@ class _Feed:
 
     def sent(self, layers: range, nbytes: int | None) -> None:
         self.close()
+        out, self._out = self._out, None
+        if out is not None:
+            out.set()
         if nbytes is not None:
             base = self.run.start
             self._sent(range(base + layers.start, base + layers.stop), nbytes)

@@ -137,6 +137,11 @@ class LayerEvents(LayerSynchronizer):
         # ready until reset, and an abort made meanwhile is seen by the next wait.
         return not self._aborted and layer_index in self._ready
 
+    def _settled(self, layer_index: int) -> bool:
+        """The layer is ready or the synchronizer aborted (what a waker was called for)."""
+        with self._cond:
+            return self._aborted or layer_index in self._ready
+
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
         """Block until the layer is ready (True) or aborted (False).
 

@@ -557,9 +557,9 @@ class Exchange:
                     if not await link.send_stream(req, stream, False, req.token, span=span):
                         raise req.error or CopyCancelled()
 
-                def send_now(a: int, b: int) -> bool:
+                def send_now(a: int, b: int, then: Callable[[bool], None]) -> bool:
                     span = (ends[a - 1] if a else 0, ends[b - 1])
-                    return link.send_frame_now(req, stream, False, span)
+                    return link.send_frame_now(req, stream, False, span, then)
 
                 await self._send_layers(send, send_now)
         finally:
@@ -575,7 +575,7 @@ class Exchange:
     async def _send_layers(
         self,
         send: Callable[[int, int], Awaitable[None]],
-        send_now: Callable[[int, int], bool] | None = None,
+        send_now: Callable[[int, int, Callable[[bool], None]], bool] | None = None,
     ) -> None:
         """:func:`.feed.send_layers` of this request's grant, each run recorded on the link
         (its bytes hold the link alone: a pull may go between two runs of the request);

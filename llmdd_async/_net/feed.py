@@ -31,9 +31,9 @@ class LayerFeed(Protocol):
         """The next layers to send (indices from 0, in order: every layer that is ready, one
         at least), once they may be sent; None when no more will come (the transfer failed
         elsewhere: the request is aborted). With ``now``: a layer that becomes ready while
-        it waits may leave at once instead, ``now(i)`` (True: it left, and was reported
-        :meth:`sent`), with the link this request's for it meanwhile; then it returns an
-        empty range once the request's last layer left that way."""
+        it waits may leave at once instead, ``now(i)`` (True: it is on its way, and is
+        reported :meth:`sent` once it is all out), with the link this request's for it until
+        then; it returns an empty range once the request's last layer left that way."""
         ...
 
     def sent(self, layers: range, nbytes: int | None) -> None:
@@ -49,15 +49,17 @@ async def send_layers(
     timers: Timers,
     send: Callable[[int, int], Awaitable[None]],
     record: Callable[[float, int], None],
-    send_now: Callable[[int, int], bool] | None = None,
+    send_now: Callable[[int, int, Callable[[bool], None]], bool] | None = None,
 ) -> None:
     """Send each run of layers the feed hands over, ``send(spans[first], spans[stop])``
     (range indices of the grant: layer ``i`` is ``spans[i]:spans[i + 1]``), each layer within
     the feed's timeout from when it may be sent (on ``timers``, the endpoint's); ``per``
     bytes a layer; ``record(started, layers)`` once a run left (``time.monotonic()``).
-    ``send_now(a, b)``, if given, sends a layer that becomes ready while none is due from
-    where it is handed over, when that needs no wait (False: it did not, nothing left): a
-    model's layers then leave with no wake-up of this task each (the feed's ``now``).
+    ``send_now(a, b, then)``, if given, sends a layer that becomes ready while none is due
+    from where it is handed over, when that needs no wait (False: it did not, nothing left),
+    running ``then(ok)`` once its last byte is out: a model's layers then leave with no
+    wake-up of this task each (the feed's ``now``); such a layer is recorded and reported
+    sent when it is all out.
 
     Raises:
         CopyCancelled: the feed ended early (the request is aborted). TimeoutError: a
@@ -76,11 +78,15 @@ async def send_layers(
         if send_now is None or i != due:
             return False
         started = time.monotonic()
-        if not send_now(spans[i], spans[i + 1]):
+
+        def then(ok: bool) -> None:
+            if ok:
+                record(started, 1)
+            feed.sent(range(i, i + 1), per if ok else None)
+
+        if not send_now(spans[i], spans[i + 1], then):
             return False
         due = i + 1
-        record(started, 1)
-        feed.sent(range(i, due), per)
         return True
 
     now = at_once if send_now is not None else None

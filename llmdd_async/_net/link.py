@@ -322,11 +322,17 @@ class Link:
         return await self.writer.send_stream(req, stream, to_initiator, token, lead, span)
 
     def send_frame_now(
-        self, req: Request, stream: StreamPlan, to_initiator: bool, span: tuple[int, int]
+        self,
+        req: Request,
+        stream: StreamPlan,
+        to_initiator: bool,
+        span: tuple[int, int],
+        then: Callable[[bool], None],
     ) -> bool:
         """Bytes ``span`` of a plan as one DATA frame at once, from the loop, if that needs no
-        wait (:meth:`~.writer.LinkWriter.send_frame_now`); False with nothing sent."""
-        return self.writer.send_frame_now(req, stream, to_initiator, span)
+        wait, ``then`` run once it is all out (:meth:`~.writer.LinkWriter.send_frame_now`);
+        False with nothing sent."""
+        return self.writer.send_frame_now(req, stream, to_initiator, span, then)
 
     # ------------------------------------------------------------------ requests
     def open_pending(self, deadline: float | None) -> Pending:

@@ -397,14 +397,22 @@ class LinkWriter:
         return not token.cancelled
 
     def send_frame_now(
-        self, req: Request, stream: StreamPlan, to_initiator: bool, span: tuple[int, int]
+        self,
+        req: Request,
+        stream: StreamPlan,
+        to_initiator: bool,
+        span: tuple[int, int],
+        then: Callable[[bool], None],
     ) -> bool:
         """Send stream bytes ``span`` of host memory as one DATA frame from the loop, with no
         await, when that costs no wait: the send lock free, at most ``INLINE_BYTES``, the
         request's token untripped. What the socket does not take at once a task finishes
         under the send lock, fenced as :meth:`send_stream`'s worker frames are (``req.fence``:
-        a cancel pads the rest with zeros, and :meth:`Link.release` waits for it). False,
-        with nothing sent, otherwise, and if the link failed (the send broke it).
+        a cancel pads the rest with zeros, and :meth:`Link.release` waits for it). ``then``
+        runs once the frame's last byte is out (True; before this returns if it went out
+        whole) or it could not be (False: the link failed, or the token tripped under it).
+        False, with nothing sent and ``then`` not run, otherwise, and if the send broke the
+        link.
         """
         off, end = span
         n = end - off
@@ -436,7 +444,9 @@ class LinkWriter:
                     fence = Fence(req.token, self.link.host.stall_timeout_s, req.deadline)
                     req.fence = fence
                     try:
-                        self.link.host.spawn(self._finish_frame, req, fence, bufs, idx, tagger)
+                        self.link.host.spawn(
+                            self._finish_frame, req, fence, bufs, idx, tagger, then
+                        )
                     except RuntimeError as exc:  # the engine stopped: the frame can't finish
                         req.fence = None
                         fence.released.set()
@@ -449,6 +459,8 @@ class LinkWriter:
         if not self.link.alive:
             return False
         self.link.stats_bytes += n
+        if not finishing:
+            then(True)
         return True
 
     async def _finish_frame(
@@ -458,6 +470,7 @@ class LinkWriter:
         bufs: list[memoryview],
         idx: int,
         tagger: PayloadMac | None,
+        then: Callable[[bool], None],
     ) -> None:
         """The rest of :meth:`send_frame_now`'s frame, under the send lock it took."""
         try:
@@ -470,6 +483,7 @@ class LinkWriter:
             if req.fence is fence:
                 req.fence = None
             self.send_lock.release()
+            then(self.link.alive and not fence.token.cancelled)  # (cancelled: zeros went)
 
     async def _inline(self, io: Any) -> Any:
         """Run a small frame's I/O on the loop: shielded (a frame, once started, must be

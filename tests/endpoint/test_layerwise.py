@@ -457,8 +457,8 @@ async def test_layers_at_the_models_pace_leave_from_their_signal(
     sent_now: list[tuple[int, tuple[int, int]]] = []
     real = Link.send_frame_now
 
-    def spy(self: Link, req: Any, stream: Any, to_initiator: bool, span: tuple[int, int]) -> bool:
-        ok = real(self, req, stream, to_initiator, span)
+    def spy(self: Link, req: Any, stream: Any, to_initiator: bool, span: Any, then: Any) -> bool:
+        ok = real(self, req, stream, to_initiator, span, then)
         if ok:
             sent_now.append((req.req_id, span))
         return ok

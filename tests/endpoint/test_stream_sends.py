@@ -82,7 +82,9 @@ async def test_a_frame_sent_at_once_goes_out_whole_with_no_await() -> None:
         memory = np.ones(FRAME, np.uint8)
         req = Serving(1 << 40, None)  # a request id the peer never made: it discards the bytes
         before = link.stats_bytes
-        assert link.send_frame_now(req, _stream_of(memory), True, (0, FRAME))
+        out: list[bool] = []
+        assert link.send_frame_now(req, _stream_of(memory), True, (0, FRAME), out.append)
+        assert out == [True]  # all out before it returned
         assert link.stats_bytes - before == FRAME
         assert req.fence is None and link.writer.send_lock.value == 1
 
@@ -94,22 +96,29 @@ async def test_a_frame_is_not_sent_at_once_when_that_would_wait_or_its_request_s
         stream = _stream_of(memory)
         req = Serving(1 << 40, None)
         before = link.stats_bytes
+        out: list[bool] = []
         async with link.writer.send_lock:  # another frame is going out
-            assert not link.send_frame_now(req, stream, True, (0, FRAME))
-        assert not link.send_frame_now(req, stream, True, (0, 2 << 20))  # a worker's frame
+            assert not link.send_frame_now(req, stream, True, (0, FRAME), out.append)
+        # A worker's frame (over INLINE_BYTES):
+        assert not link.send_frame_now(req, stream, True, (0, 2 << 20), out.append)
         req.token.cancel()
-        assert not link.send_frame_now(req, stream, True, (0, FRAME))
+        assert not link.send_frame_now(req, stream, True, (0, FRAME), out.append)
+        assert out == []
         assert link.stats_bytes == before
         assert link.writer.send_lock.value == 1
 
 
 async def _fill_until_a_frame_is_left_to_finish(
     link: Link, req: Serving, stream: StreamPlan
-) -> None:
+) -> list[bool]:
+    """Frames sent at once until one is left to finish; what that one's ``then`` got."""
     for _ in range(10_000):
-        assert link.send_frame_now(req, stream, True, (0, FRAME))
+        out: list[bool] = []
+        assert link.send_frame_now(req, stream, True, (0, FRAME), out.append)
         if req.fence is not None:
-            return
+            assert out == []  # not all out yet
+            return out
+        assert out == [True]
     pytest.fail("the socket never filled")
 
 
@@ -120,17 +129,21 @@ async def test_what_the_socket_does_not_take_at_once_a_task_finishes_and_the_lin
         stream = _stream_of(memory)
         req = Serving(1 << 40, None)
         driver = await _stop_reading(peer)  # our socket fills up
-        await _fill_until_a_frame_is_left_to_finish(link, req, stream)
+        out = await _fill_until_a_frame_is_left_to_finish(link, req, stream)
         fence = req.fence
         assert fence is not None and not fence.released.is_set()
         # The rest holds the send lock: no frame starts in the middle of it.
-        assert not link.send_frame_now(req, stream, True, (0, FRAME))
+        assert not link.send_frame_now(req, stream, True, (0, FRAME), out.append)
+        await anyio.sleep(0.02)
+        assert out == []
         driver.resume()
         with anyio.fail_after(10):
-            while not fence.released.is_set():
+            while not out:
                 await anyio.sleep(0.005)
-        assert req.fence is None and link.writer.send_lock.value == 1
-        assert link.send_frame_now(req, stream, True, (0, FRAME))
+        assert out == [True]  # once its last byte was out
+        assert fence.released.is_set() and req.fence is None
+        assert link.writer.send_lock.value == 1
+        assert link.send_frame_now(req, stream, True, (0, FRAME), out.append)
         assert link.alive and peer.alive
 
 
@@ -142,7 +155,7 @@ async def test_a_frame_left_to_finish_is_fenced_by_a_release() -> None:
         memory = np.ones(FRAME, np.uint8)
         req = Serving(1 << 40, None)
         driver = await _stop_reading(peer)
-        await _fill_until_a_frame_is_left_to_finish(link, req, _stream_of(memory))
+        out = await _fill_until_a_frame_is_left_to_finish(link, req, _stream_of(memory))
         fence = req.fence
         assert fence is not None
         released: list[bool] = []
@@ -158,4 +171,5 @@ async def test_a_frame_left_to_finish_is_fenced_by_a_release() -> None:
                 assert released == []  # the rest of the frame is still out there
                 driver.resume()
         assert released == [True]
+        assert out == [False]  # the rest went as zeros: the layer did not leave
         assert link.alive and peer.alive

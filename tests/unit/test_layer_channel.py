@@ -1,8 +1,9 @@
 """How a layer-wise transfer's producer hands layers to a destination
 (``llmdd_async._layer_channel.LayerChannel``), on each event loop: in order, at most a window
-unseen, and, while the consumer waits with nothing handed over, straight to its ``direct``
-send (a layer it takes is never queued; one it refuses is), with a ``nudge`` waking it when
-layers left that way."""
+unseen, and, a layer that came at the model's pace while the consumer waits with nothing handed
+over, straight to its ``direct`` send (a layer it takes is never queued; one it refuses is),
+with a ``nudge`` waking it when layers left that way; layers ready early queue, to leave
+together."""
 
 from __future__ import annotations
 
@@ -28,15 +29,22 @@ async def test_a_layer_handed_while_the_consumer_waits_goes_to_its_direct_send()
         return layer != 2  # layer 2 cannot leave at once: it must queue
 
     ch.direct = direct
-    assert ch.hand_nowait(0) and ch.hand_nowait(1)
+    assert ch.hand_nowait(0, True) and ch.hand_nowait(1, True)
     assert taken == [0, 1]
     assert ch.ready() == 0  # taken at once: never queued
-    assert ch.hand_nowait(2)
-    assert ch.hand_nowait(3)  # behind a queued layer: no direct send (order)
+    assert ch.hand_nowait(2, True)
+    assert ch.hand_nowait(3, True)  # behind a queued layer: no direct send (order)
     assert taken == [0, 1, 2]
     ch.direct = None
     assert await ch.wait()
     assert [ch.take_nowait(), ch.take_nowait()] == [2, 3]
+
+
+async def test_a_layer_ready_early_queues_to_leave_with_others() -> None:
+    ch = _channel()
+    ch.direct = lambda layer: pytest.fail("only a layer that came at the model's pace")
+    assert ch.hand_nowait(0) and ch.hand_nowait(1)
+    assert ch.take_through(1) == 1
 
 
 async def test_without_a_direct_send_layers_queue_in_order_within_the_window() -> None:
@@ -78,5 +86,5 @@ async def test_a_layer_is_dropped_once_the_consumer_left() -> None:
     ch = _channel(window=1)
     ch.direct = lambda layer: pytest.fail("a consumer that left sends nothing")
     ch.leave()
-    assert ch.hand_nowait(0) and ch.hand_nowait(1)
+    assert ch.hand_nowait(0, True) and ch.hand_nowait(1, True)
     assert ch.ready() == 0

@@ -67,7 +67,7 @@ class Request:
         self,
         feed: Feed,
         send: Callable[[int, int], Awaitable[None]],
-        send_now: Callable[[int, int], bool] | None = None,
+        send_now: Callable[[int, int, Callable[[bool], None]], bool] | None = None,
     ) -> None:
         self.feed, self.send, self.send_now = feed, send, send_now
         self.spans = list(range(len(feed.delays) + 1))
@@ -195,10 +195,11 @@ async def test_layers_that_come_while_none_is_due_leave_at_once_in_order() -> No
     async def send(a: int, b: int) -> None:
         events.append(("send", a))
 
-    def send_now(a: int, b: int) -> bool:
+    def send_now(a: int, b: int, then: Callable[[bool], None]) -> bool:
         if a == 2:
             return False  # the link is not free for it: it is handed over
         events.append(("now", a))
+        then(True)
         return True
 
     req = Request(feed, send, send_now)
@@ -223,8 +224,9 @@ async def test_a_layer_offered_out_of_turn_is_not_sent_at_once() -> None:
 
     sends: list[int] = []
 
-    def send_now(a: int, b: int) -> bool:
+    def send_now(a: int, b: int, then: Callable[[bool], None]) -> bool:
         sends.append(a)
+        then(True)
         return True
 
     async def send(a: int, b: int) -> None:
@@ -248,3 +250,31 @@ async def test_without_a_way_to_send_at_once_the_feed_is_offered_none() -> None:
         await Request(feed, send).run()
     assert sends == [0, 1]
     assert feed.offered == []
+
+
+async def test_a_layer_sent_at_once_is_recorded_and_reported_once_it_is_all_out() -> None:
+    """A layer whose frame the socket did not take at once is reported sent (and recorded)
+    only when its last byte is out, and not at all if it could not be (the link failed)."""
+    feed = OfferingFeed([0, 0, 0])
+    pending: list[Callable[[bool], None]] = []
+
+    def send_now(a: int, b: int, then: Callable[[bool], None]) -> bool:
+        pending.append(then)  # still going out
+        return True
+
+    async def send(a: int, b: int) -> None:
+        pytest.fail("every layer leaves at once here")
+
+    req = Request(feed, send, send_now)
+    with anyio.fail_after(5):
+        await req.run()
+    assert feed.reported == [] and req.records == []
+    pending[0](True)
+    pending[1](False)
+    pending[2](True)
+    assert feed.reported == [
+        (range(0, 1), LAYER_BYTES),
+        (range(1, 2), None),
+        (range(2, 3), LAYER_BYTES),
+    ]
+    assert req.records == [LAYER_BYTES, LAYER_BYTES]
