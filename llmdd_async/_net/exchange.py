@@ -595,4 +595,6 @@ class Exchange:
         def record(started: float, layers: int) -> None:
             self.link.history.append((op, started, time.monotonic(), per * layers, mode))
 
+        if per > INLINE_BYTES:
+            send_now = None  # a worker thread's frames: a layer never goes out at once
         await send_layers(self.feed, spans, per, self.engine.timers, send, record, send_now)
