@@ -352,14 +352,9 @@ class LinkWriter:
                 # In order under the lock: each frame's tag counts frames on a keyed link.
                 first = b"" if lead is None else encode(lead, self._send_auth)
                 lead = None
-                trailer = PAYLOAD_TAG if self.link.payload_auth else 0
-                data = Data(req.req_id, off, n + trailer, bool(flags & FLAG_TO_INITIATOR))
-                header = first + encode(data.encode(), self._send_auth)
-                tagger = None
-                if trailer:
-                    assert self._send_auth is not None  # payload_auth implies a keyed link
-                    mac = self._send_auth.payload_mac(self._send_auth.seq - 1)
-                    tagger = PayloadMac(mac, len(header), n)
+                header, tagger = self._data_header(
+                    req, off, n, bool(flags & FLAG_TO_INITIATOR), first
+                )
                 try:
                     failed = f"sending to cluster {self.link.peer_cluster_id}"
                     with map_link_errors(self.link.fail, failed):
@@ -429,14 +424,7 @@ class LinkWriter:
         self.send_lock.acquire_nowait()
         finishing = False
         try:
-            trailer = PAYLOAD_TAG if self.link.payload_auth else 0
-            data = Data(req.req_id, off, n + trailer, to_initiator)
-            header = encode(data.encode(), self._send_auth)
-            tagger = None
-            if trailer:
-                assert self._send_auth is not None  # payload_auth implies a keyed link
-                mac = self._send_auth.payload_mac(self._send_auth.seq - 1)
-                tagger = PayloadMac(mac, len(header), n)
+            header, tagger = self._data_header(req, off, n, to_initiator)
             bufs = [memoryview(header), *views]
             with map_link_errors(self.link.fail):  # a failed send breaks the link
                 idx = send_nowait(self.link.sock, bufs, tagger)
@@ -462,6 +450,22 @@ class LinkWriter:
         if not finishing:
             then(True)
         return True
+
+    def _data_header(
+        self, req: Request, off: int, n: int, to_initiator: bool, first: bytes = b""
+    ) -> tuple[bytes, PayloadMac | None]:
+        """The header of a DATA frame of ``n`` payload bytes at stream offset ``off`` (after
+        ``first``, a control frame sent with it), and with ``llm.PayloadAuth`` what computes
+        its payload's trailer. Call under the send lock: each frame's tag counts frames on a
+        keyed link."""
+        trailer = PAYLOAD_TAG if self.link.payload_auth else 0
+        data = Data(req.req_id, off, n + trailer, to_initiator)
+        header = first + encode(data.encode(), self._send_auth)
+        if not trailer:
+            return header, None
+        assert self._send_auth is not None  # payload_auth implies a keyed link
+        mac = self._send_auth.payload_mac(self._send_auth.seq - 1)
+        return header, PayloadMac(mac, len(header), n)
 
     async def _finish_frame(
         self,

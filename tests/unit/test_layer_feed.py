@@ -6,7 +6,9 @@ producer stops, and goes on when its last layer left that way."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -70,22 +72,27 @@ class Rig:
     async def next_in_task(self, out: list[Any]) -> None:
         out.append(await self.feed.next(self.now))
 
+    @contextlib.asynccontextmanager
+    async def waiting(self) -> AsyncIterator[list[Any]]:
+        """The feed's sender waits in ``next`` (what it returns goes in the list) while the
+        body hands layers over; it has returned once the body is done."""
+        got: list[Any] = []
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.next_in_task, got)
+                await _settle()
+                yield got
+
 
 async def _settle() -> None:
     for _ in range(5):
         await anyio.lowlevel.checkpoint()
 
 
-async def test_layers_at_the_models_pace_leave_at_once_and_the_last_lets_the_sender_on() -> (
-    None
-):
+async def test_layers_at_the_models_pace_leave_at_once_and_the_last_lets_the_sender_on() -> None:
     rig = Rig(range(10, 12))
-    got: list[Any] = []
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(rig.next_in_task, got)
-            await _settle()
-            assert rig.channel.hand_nowait(10, True) and rig.channel.hand_nowait(11, True)
+    async with rig.waiting() as got:
+        assert rig.channel.hand_nowait(10, True) and rig.channel.hand_nowait(11, True)
     assert rig.at_once == [0, 1]
     assert rig.reported == [range(10, 11), range(11, 12)]
     assert got == [range(0)]  # nothing left to send: the request goes on to its RESULT
@@ -96,16 +103,12 @@ async def test_layers_at_the_models_pace_leave_at_once_and_the_last_lets_the_sen
 async def test_a_layer_waits_its_turn_behind_a_pull_that_holds_the_link() -> None:
     rig = Rig(range(0, 2))
     assert rig.lock.try_take(False)  # a pull holds the link
-    got: list[Any] = []
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(rig.next_in_task, got)
-            await _settle()
-            assert rig.channel.hand_nowait(0, True)
-            await _settle()
-            assert rig.at_once == []  # not past the pull: handed over instead
-            assert got == []  # and its sender waits for the link
-            rig.lock.give(False)  # the pull is done
+    async with rig.waiting() as got:
+        assert rig.channel.hand_nowait(0, True)
+        await _settle()
+        assert rig.at_once == []  # not past the pull: handed over instead
+        assert got == []  # and its sender waits for the link
+        rig.lock.give(False)  # the pull is done
     assert got == [range(0, 1)]
     assert rig.started_at.keys() == {0}
 
@@ -113,42 +116,30 @@ async def test_a_layer_waits_its_turn_behind_a_pull_that_holds_the_link() -> Non
 async def test_a_layer_sent_at_once_holds_the_link_until_it_is_all_out() -> None:
     rig = Rig(range(0, 3))
     rig.whole = False
-    got: list[Any] = []
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(rig.next_in_task, got)
-            await _settle()
-            assert rig.channel.hand_nowait(0, True)
-            assert rig.at_once == [0]
-            assert not rig.lock.try_take(False)  # a pull must wait: layer 0 is still going out
-            assert rig.channel.hand_nowait(1, True)  # not at once while layer 0 is out
-            await _settle()
-            assert rig.at_once == [0] and got == []  # its sender waits for layer 0 to be out
-            rig.feed.sent(range(0, 1), PER)  # layer 0's last byte is out
+    async with rig.waiting() as got:
+        assert rig.channel.hand_nowait(0, True)
+        assert rig.at_once == [0]
+        assert not rig.lock.try_take(False)  # a pull must wait: layer 0 is still going out
+        assert rig.channel.hand_nowait(1, True)  # not at once while layer 0 is out
+        await _settle()
+        assert rig.at_once == [0] and got == []  # its sender waits for layer 0 to be out
+        rig.feed.sent(range(0, 1), PER)  # layer 0's last byte is out
     assert got == [range(1, 2)]
     assert rig.reported == [range(0, 1)]
 
 
 async def test_the_producer_stopping_after_layers_left_at_once_ends_the_request_early() -> None:
     rig = Rig(range(0, 3))
-    got: list[Any] = []
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(rig.next_in_task, got)
-            await _settle()
-            assert rig.channel.hand_nowait(0, True)
-            rig.channel.finish()  # the synchronizer failed: no layer 1
+    async with rig.waiting() as got:
+        assert rig.channel.hand_nowait(0, True)
+        rig.channel.finish()  # the synchronizer failed: no layer 1
     assert rig.at_once == [0]
     assert got == [None] and rig.feed.ended_early
 
 
 async def test_a_layer_ready_early_is_handed_over_not_sent_at_once() -> None:
     rig = Rig(range(0, 2))
-    got: list[Any] = []
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(rig.next_in_task, got)
-            await _settle()
-            assert rig.channel.hand_nowait(0) and rig.channel.hand_nowait(1)
+    async with rig.waiting() as got:
+        assert rig.channel.hand_nowait(0) and rig.channel.hand_nowait(1)
     assert rig.at_once == []
     assert got == [range(0, 2)]  # together, in one frame
