@@ -10,13 +10,14 @@ halves, two 32 KiB spans per block, twice the descriptors). Workloads:
 * ``1-block``: ``--small`` sequential requests of one block (random source and destination):
   p50 / p99 latency;
 * ``64x16``: waves of ``--concurrency`` requests of ``--per-request`` shuffled blocks each, all
-  in flight at once (``--waves`` waves): requests/s and GB/s;
+  in flight at once (``--waves`` waves): requests/s and GB/s (``--per-request 1``: many small
+  requests in flight);
 * ``bulk``: all ``--blocks`` blocks in one request in shuffled order (256 MiB by default):
   GB/s, median of ``--repeat`` runs.
 
 Engines (each run in its own initiator process, which starts its own target process):
 
-* ``llmdd-async``: ``llm.Transport`` tcp and same-host x asyncio and uvloop; remote-accessible
+* ``llmdd-async``: ``llm.Transport`` tcp and same-host x asyncio, uvloop and trio; remote-accessible
   mode (``llm.EnableRemoteCacheAccessible=1``), ``pull_blocks`` by ``BlocksCacheKey`` between
   caches registered with ``register_blocks_cache``; requests in flight are the ``CacheTask``
   objects that ``pull_blocks`` returns, awaited after all are issued;
@@ -32,6 +33,12 @@ Engines (each run in its own initiator process, which starts its own target proc
 The peers' address or index lists are computed before the timed sections (what a framework
 caches); ours are plain block lists built before timing too. Every engine's bulk result is
 checked byte for byte against the target's data.
+
+CPU per request, for the 1-block and the in-flight workloads, of each process: the initiator's
+``time.process_time`` and the target's (ours: its own ``time.process_time``, asked for over the
+test kit's control pipe; the peers': the sum over its threads of ``/proc/<pid>/task/*/schedstat``,
+the scheduler's nanoseconds on a CPU). It is what a serving engine's workers pay beside their
+model. NIXL's initiator figures include its busy ``check_xfer_state`` loop.
 
 Every round also measures the machine's limits: ``numpy.copyto`` of the bulk size (memcpy,
 the limit for same-host paths), a raw blocking loopback TCP stream between two processes (the
@@ -152,15 +159,57 @@ def verify(local: list[np.ndarray], sz: Sizes, plan: Plan) -> None:
             raise RuntimeError("bulk data differs from the target's")
 
 
-def summarize(lat: list[float], waves: list[float], bulk: list[float], sz: Sizes) -> dict[str, Any]:
+#: CPU seconds per request of (initiator, target), per workload: "one" (1-block), "conc"
+_CPU_KEYS = {"one": ("cpu_us", "peer_cpu_us"), "conc": ("conc_cpu_us", "conc_peer_cpu_us")}
+
+
+def summarize(
+    lat: list[float],
+    waves: list[float],
+    bulk: list[float],
+    sz: Sizes,
+    cpu: dict[str, tuple[float, float | None]],
+) -> dict[str, Any]:
+    """The figures of one engine's run; ``cpu``: per workload, the CPU seconds the initiator
+    and the target (None: unknown) spent on all its requests."""
     req_s = sz.concurrency * len(waves) / sum(waves)
-    return {
+    out: dict[str, float | None] = {
         "p50_us": float(np.percentile(lat, 50) * 1e6),
         "p99_us": float(np.percentile(lat, 99) * 1e6),
         "req_per_s": req_s,
         "conc_gbps": req_s * sz.per_request * BLOCK / 1e9,
         "bulk_gbps": sz.total / statistics.median(bulk) / 1e9,
     }
+    count = {"one": len(lat), "conc": sz.concurrency * len(waves)}
+    for work, (mine, theirs) in cpu.items():
+        ours_key, peer_key = _CPU_KEYS[work]
+        out[ours_key] = mine / count[work] * 1e6
+        out[peer_key] = None if theirs is None else theirs / count[work] * 1e6
+    return out
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds process ``pid`` spent so far, over all its threads (the scheduler's
+    nanosecond count: ``/proc/<pid>/stat``'s ticks are too coarse for a few hundred
+    requests); None where the kernel does not say."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            path = f"/proc/{pid}/task/{task}/schedstat"
+            with contextlib.suppress(FileNotFoundError), open(path) as f:  # (a thread ended)
+                total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+
+
+def _spent(
+    mine0: float, theirs0: float | None, theirs1: float | None
+) -> tuple[float, float | None]:
+    """(this process's, the target's) CPU seconds since ``mine0`` / ``theirs0`` (this
+    process's ``time.process_time`` then, the target's CPU seconds then and now)."""
+    theirs = None if theirs0 is None or theirs1 is None else theirs1 - theirs0
+    return time.process_time() - mine0, theirs
 
 
 def run_sync(drv: Any, sz: Sizes, plan: Plan) -> dict[str, Any]:
@@ -171,24 +220,30 @@ def run_sync(drv: Any, sz: Sizes, plan: Plan) -> dict[str, Any]:
     drv.many([bulk])  # warm-up: connections, first touch on the target's side
     for p in small[:20]:
         drv.one(p)
+    target = drv.proc.pid
+    cpu = {}
     lat = []
+    mine0, theirs0 = time.process_time(), process_cpu_s(target)
     for p in small:
         t0 = time.perf_counter()
         drv.one(p)
         lat.append(time.perf_counter() - t0)
+    cpu["one"] = _spent(mine0, theirs0, process_cpu_s(target))
+    drv.many(waves[0])  # the first wave is the warm-up
     wave_t = []
-    for i, wave in enumerate(waves):
+    mine0, theirs0 = time.process_time(), process_cpu_s(target)
+    for wave in waves[1:]:
         t0 = time.perf_counter()
         drv.many(wave)
-        if i:
-            wave_t.append(time.perf_counter() - t0)
+        wave_t.append(time.perf_counter() - t0)
+    cpu["conc"] = _spent(mine0, theirs0, process_cpu_s(target))
     bulk_t = []
     for _ in range(sz.repeat):
         t0 = time.perf_counter()
         drv.many([bulk])
         bulk_t.append(time.perf_counter() - t0)
     verify(drv.local, sz, plan)
-    return summarize(lat, wave_t, bulk_t, sz)
+    return summarize(lat, wave_t, bulk_t, sz, cpu)
 
 
 # ------------------------------------------------------------------------------ llmdd_async
@@ -232,17 +287,23 @@ async def run_ours(transport: str, loop: str, sz: Sizes, plan: Plan) -> dict[str
             await many([(plan.bulk_src, plan.bulk_dst)])  # warm-up
             for s, dst in plan.small[:20]:
                 await cm.pull_blocks(key, cache, [s], [dst])
+            cpu = {}
             lat = []
+            mine0, theirs0 = time.process_time(), await peer.request("cpu_seconds")
             for s, dst in plan.small:
                 t0 = time.perf_counter()
                 await cm.pull_blocks(key, cache, [s], [dst])
                 lat.append(time.perf_counter() - t0)
+            # (the figures include one cpu_seconds request and answer: some microseconds)
+            cpu["one"] = _spent(mine0, theirs0, await peer.request("cpu_seconds"))
+            await many(plan.waves[0])  # the first wave is the warm-up
             wave_t = []
-            for i, wave in enumerate(plan.waves):
+            mine0, theirs0 = time.process_time(), await peer.request("cpu_seconds")
+            for wave in plan.waves[1:]:
                 t0 = time.perf_counter()
                 await many(wave)
-                if i:
-                    wave_t.append(time.perf_counter() - t0)
+                wave_t.append(time.perf_counter() - t0)
+            cpu["conc"] = _spent(mine0, theirs0, await peer.request("cpu_seconds"))
             bulk_t = []
             for _ in range(sz.repeat):
                 t0 = time.perf_counter()
@@ -250,7 +311,7 @@ async def run_ours(transport: str, loop: str, sz: Sizes, plan: Plan) -> dict[str
                 bulk_t.append(time.perf_counter() - t0)
             used = d.link_statistics(1).transport
     verify(local, sz, plan)
-    return {**summarize(lat, wave_t, bulk_t, sz), "path": used}
+    return {**summarize(lat, wave_t, bulk_t, sz, cpu), "path": used}
 
 
 # ------------------------------------------------------------------------------ workers
@@ -258,7 +319,7 @@ async def run_ours(transport: str, loop: str, sz: Sizes, plan: Plan) -> dict[str
 class Config:
     engine: str  # llmdd-async, mooncake, nixl
     transport: str  # tcp / same-host (ours), tcp (mooncake), cma / tcp (nixl's UCX_TLS)
-    loop: str  # asyncio / uvloop for ours, "-" for the peers
+    loop: str  # asyncio / uvloop / trio for ours, "-" for the peers
     kind: str  # tcp or same-host: which limit applies
 
     @property
@@ -290,6 +351,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     if cfg.engine == "llmdd-async":
         import anyio
 
+        if cfg.loop == "trio":
+            return anyio.run(run_ours, cfg.transport, cfg.loop, sz, plan, backend="trio")
         opts = {"use_uvloop": True} if cfg.loop == "uvloop" else {}
         return anyio.run(
             run_ours, cfg.transport, cfg.loop, sz, plan, backend="asyncio", backend_options=opts
@@ -459,8 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--loops",
-        type=csv_of("asyncio", "uvloop"),
-        default="asyncio,uvloop",
+        type=csv_of("asyncio", "uvloop", "trio"),
+        default="asyncio,uvloop,trio",
         help="event loops for llmdd_async",
     )
     p.add_argument(
@@ -494,9 +557,19 @@ def configs(args: argparse.Namespace) -> list[Config]:
     return out
 
 
-def _med(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+#: CPU microseconds per request: this process (the initiator) and the target, per workload
+_CPU_COLS = ("cpu_us", "peer_cpu_us", "conc_cpu_us", "conc_peer_cpu_us")
+
+
+def _both(run: dict[str, Any], work: str) -> float | None:
+    """CPU microseconds per request of both processes together (None: one is unknown)."""
+    mine, theirs = (run.get(k) for k in _CPU_KEYS[work])
+    return None if mine is None or theirs is None else mine + theirs
+
+
+def _med(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def main() -> None:
@@ -581,12 +654,29 @@ def main() -> None:
             "bulk_x_limit",
         ],
     )
+    print_table(
+        "CPU microseconds per request of each process: the initiator (cpu_us) and the target "
+        f"(peer_cpu_us), for the 1-block requests and the {args.concurrency}x"
+        f"{args.per_request} in flight (conc_); NIXL's initiator spins on check_xfer_state",
+        rows,
+        ["engine", "status", *_CPU_COLS],
+    )
     if ratios:
         print_table(
             "ours / theirs (median of per-round ratios; p50/p99: lower is better, req/s and bulk: "
-            "higher is better)",
+            "higher is better; cpu / conc_cpu: both processes' CPU per request, lower is better)",
             ratios,
-            ["ours", "theirs", "p50", "p99", "req_per_s", "conc_gbps", "bulk_gbps"],
+            [
+                "ours",
+                "theirs",
+                "p50",
+                "p99",
+                "req_per_s",
+                "conc_gbps",
+                "bulk_gbps",
+                "cpu",
+                "conc_cpu",
+            ],
         )
     out = write_json(
         "peers",
@@ -624,8 +714,8 @@ def tabulate(
             continue
         row["status"] = "ok" if len(rs) == rounds else f"{len(rs)}/{rounds} rounds ok"
         row["path"] = rs[0]["path"]
-        for k in ("p50_us", "p99_us", "req_per_s", "conc_gbps", "bulk_gbps"):
-            row[k] = _med([r[k] for r in rs])
+        for k in ("p50_us", "p99_us", "req_per_s", "conc_gbps", "bulk_gbps", *_CPU_COLS):
+            row[k] = _med([r.get(k) for r in rs])
         lim = "memcpy_gbps" if c.kind == "same-host" else "socket_gbps"
         row["p50_x_rpc"] = _med([r["p50_us"] / r["limits"]["rpc_p50_us"] for r in rs])
         row["p50_x_aio"] = _med([r["p50_us"] / r["limits"]["aio_rpc_p50_us"] for r in rs])
@@ -648,6 +738,9 @@ def tabulate(
                 row[k] = _med([x[f"{k}_us"] / y[f"{k}_us"] for x, y in pairs])
             for k in ("req_per_s", "conc_gbps", "bulk_gbps"):
                 row[k] = _med([x[k] / y[k] for x, y in pairs])
+            for k, work in (("cpu", "one"), ("conc_cpu", "conc")):
+                both = [(_both(x, work), _both(y, work)) for x, y in pairs]
+                row[k] = _med([u / v for u, v in both if u is not None and v])
             ratios.append(row)
     return rows, ratios
 

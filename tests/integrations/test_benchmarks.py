@@ -128,7 +128,11 @@ def test_smallest_peers_run(tmp_path: Path) -> None:
         "mooncake tcp",
         "nixl UCX_TLS=cma,tcp,self",
     }
-    assert rows["llmdd-async same-host asyncio"]["status"] == "ok"
+    ours = rows["llmdd-async same-host asyncio"]
+    assert ours["status"] == "ok"
+    # CPU per request of both processes, for the sequential and the in-flight requests
+    for k in ("cpu_us", "peer_cpu_us", "conc_cpu_us", "conc_peer_cpu_us"):
+        assert ours[k] > 0, k
     for row in rows.values():
         assert row["status"] in ("ok", "not installed", "not loadable"), row
         if row["status"] == "ok":
