@@ -23,6 +23,7 @@ from ._drivers import (
     Wakeup,
     event_factory,
     loop_clock,
+    soon_caller,
     threadsafe_caller,
     wakeup_factory,
 )
@@ -73,6 +74,7 @@ class Engine:
         self._portal: anyio.from_thread.BlockingPortal | None = None
         #: calls a function on the loop thread, from any thread (the running backend's)
         self._threadsafe: Callable[[Callable[[], None]], None] | None = None
+        self._soon: Callable[[Callable[[], None]], None] | None = None
         self._thread: int | None = None
         self.closed = False
         #: caches whose pages are being faulted in, by first tensor address
@@ -130,6 +132,7 @@ class Engine:
                 self._tg = tg
                 self._portal = portal
                 self._threadsafe = threadsafe_caller()
+                self._soon = soon_caller()
                 self.new_event = event_factory()
                 self._new_wakeup = wakeup_factory()
                 self.timers.now = loop_clock()
@@ -150,6 +153,7 @@ class Engine:
             self._tg = None
             self._portal = None
             self._threadsafe = None
+            self._soon = None
             self.new_event = anyio.Event
             self._new_wakeup = None
             self.timers.now = anyio.current_time
@@ -366,6 +370,16 @@ class Engine:
                 "llmdd_async engine calls must be made from the event loop thread that runs "
                 "it; from other threads use llmdd_async.sync"
             )
+
+    def soon(self, fn: Callable[[], None]) -> bool:
+        """On the loop thread: run ``fn()`` in a loop callback once what is ready to run now
+        has run (no task); it must not raise. False, with nothing scheduled, where the
+        backend has no cheap way (trio: :func:`._drivers.soon_caller`) or the engine is not
+        running."""
+        if self._soon is None:
+            return False
+        self._soon(fn)
+        return True
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``fn(*args)`` in the engine's task group; a crash is logged, never propagated

@@ -148,6 +148,17 @@ def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
     return call
 
 
+def soon_caller() -> Callable[[Callable[[], None]], None]:
+    """``loop.call_soon`` of the running loop (see the package's)."""
+    loop = asyncio.get_running_loop()
+
+    def call(fn: Callable[[], None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing is sent any more
+            loop.call_soon(fn)
+
+    return call
+
+
 class _Wakeup:
     """:class:`Wakeup` on asyncio: a future of the loop."""
 

@@ -109,6 +109,11 @@ def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
     return call
 
 
+def soon_caller() -> None:
+    """None: trio has no cheap loop callback (see the package's)."""
+    return None
+
+
 class _Wakeup:
     """:class:`Wakeup` on trio: an event and the value it was set with."""
 

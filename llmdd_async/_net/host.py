@@ -125,6 +125,12 @@ class LinkHost(Protocol):
         """Deadlines of transfers that run without a task (from the reader)."""
         ...
 
+    def soon(self, fn: Callable[[], None]) -> bool:
+        """On the loop thread: run ``fn()`` in a loop callback once what is ready to run now
+        has run; it must not raise. False, with nothing scheduled, where the event loop has no
+        cheap way (trio) or the endpoint is not running."""
+        ...
+
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``fn(*args)`` in the endpoint's task group; a crash is logged, not raised.
 

@@ -49,6 +49,11 @@ _log = get_logger("link")
 #: after
 _Outgoing = tuple[list[Message], list[memoryview], Callable[[], None]]
 
+#: what send_soon is handed in the rest of a loop turn, after the frames it sent at once, is held
+#: and sent together, at most this many items at a time: the peer starts on the first of a
+#: burst of requests while the rest are being issued
+_TURN_BATCH = 8
+
 
 class LinkWriter:
     """Everything that writes to one link's socket."""
@@ -67,6 +72,8 @@ class LinkWriter:
         self._corked = 0
         self._held: list[_Outgoing] = []
         self._held_bytes = 0
+        #: corked until the end of this loop turn (:meth:`_hold_turn`)
+        self._turn_held = False
 
     @property
     def outbox_frames(self) -> int:
@@ -86,6 +93,31 @@ class LinkWriter:
         the link's writer task."""
         self._corked -= 1
         if not self._corked:
+            self._flush()
+
+    def _hold_turn(self) -> None:
+        """After frames sent at once (not for the reader): hold what else this loop turn
+        hands to :meth:`send_soon` until the turn ends, then send it together. A burst of
+        requests leaves in a few ``sendmsg`` instead of one each (each wakes the peer); a lone
+        request pays one loop callback. Not on trio (no cheap one) or once the endpoint
+        stopped: frames then go out as they come."""
+        if not self.link.host.soon(self._end_turn):
+            return
+        self._turn_held = True
+        self._corked += 1
+
+    def _end_turn(self) -> None:
+        self._turn_held = False
+        try:
+            self.uncork()
+        except Exception as exc:  # (a loop callback must never raise)
+            _log.exception("link.writer_crashed")
+            self.link.fail(exc)
+
+    def _send_held(self) -> None:
+        """What this turn holds goes before a frame sent any other way: it was handed over
+        first (a request before its ABORT)."""
+        if self._held:
             self._flush()
 
     def _flush(self) -> None:
@@ -136,6 +168,7 @@ class LinkWriter:
         Raises:
             LinkBroken: the link is down or the socket failed.
         """
+        self._send_held()
         async with self.send_lock:
             if not self.link.alive:
                 raise self.link.down_error()
@@ -160,22 +193,27 @@ class LinkWriter:
         for the reader, which must never wait on a send.
 
         With the send lock free and nothing queued they go out at once, in one non-blocking
-        ``sendmsg`` (a task finishes what the socket did not take); otherwise they queue for
-        the link's writer task, which sends what queued up together, a syscall for many. Either
-        way the lock is held from a frame's first byte to its last. ``done`` runs once nothing
-        reads ``views`` any more. Returns False, with nothing sent or queued and ``done`` not
-        run, when the link is down. A socket error breaks the link.
+        ``sendmsg`` (a task finishes what the socket did not take), and what the rest of the
+        loop turn hands over is sent together at its end (:meth:`_hold_turn`); otherwise they
+        queue for the link's writer task, which sends what queued up together, a syscall for
+        many. Either way the lock is held from a frame's first byte to its last. ``done`` runs
+        once nothing reads ``views`` any more. Returns False, with nothing sent or queued and
+        ``done`` not run, when the link is down. A socket error breaks the link.
         """
         if not self.link.alive:
             return False
         if self._corked:
             self._held.append((frames, views, done))
             self._held_bytes += sum(map(len, views))  # (1-D byte views)
-            if self._held_bytes >= INLINE_BYTES:  # one flush carries at most about this
+            # One flush carries at most about INLINE_BYTES (and a turn's, _TURN_BATCH items).
+            if self._held_bytes >= INLINE_BYTES or (
+                self._turn_held and len(self._held) >= _TURN_BATCH
+            ):
                 self._flush()
             return True
         if self.send_lock.value and not self._outbox:
             self._send_at_once([(frames, views, done)])
+            self._hold_turn()
             return True
         self._outbox.append((frames, views, done))
         self._start_writer()  # (if the engine stopped: done has run, the link failed)
@@ -318,6 +356,7 @@ class LinkWriter:
         Raises:
             LinkBroken: the link failed (the link is then broken).
         """
+        self._send_held()
         off, end = (0, stream.total) if span is None else span
         flags = FLAG_TO_INITIATOR if to_initiator else 0
         if lead is not None and (end - off > INLINE_BYTES or end <= off):
@@ -409,6 +448,7 @@ class LinkWriter:
         False, with nothing sent and ``then`` not run, otherwise, and if the send broke the
         link.
         """
+        self._send_held()
         off, end = span
         n = end - off
         if (

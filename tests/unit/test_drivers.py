@@ -23,6 +23,7 @@ from llmdd_async._drivers import (
     driver_for,
     event_factory,
     loop_clock,
+    soon_caller,
     threadsafe_caller,
     wakeup_factory,
 )
@@ -302,6 +303,19 @@ async def test_a_backend_event_set_from_another_thread_wakes_its_waiter() -> Non
             tg.start_soon(anyio.to_thread.run_sync, lambda: (time.sleep(0.02), call(event.set)))
             await event.wait()
     assert event.is_set()
+
+
+async def test_a_call_soon_runs_after_what_is_ready_now_with_no_task() -> None:
+    call = soon_caller()
+    if sniffio.current_async_library() == "trio":
+        assert call is None  # (no cheap loop callback there)
+        return
+    assert call is not None
+    ran: list[str] = []
+    call(lambda: ran.append("soon"))
+    ran.append("now")  # (the caller goes on first: nothing runs inside call)
+    await _wait(lambda: len(ran) == 2)
+    assert ran == ["now", "soon"]
 
 
 async def test_a_task_waiting_on_a_backend_event_is_cancelled_like_on_anyios() -> None:
