@@ -61,8 +61,7 @@ class Layout:
     @property
     def addr_list(self) -> list[int]:
         """The tensor addresses as Python ints (small plans are built from them), made once
-        per layout (not a ``functools.cached_property``: in Python 3.11 it takes a lock, and
-        a peer's layout is new on every request)."""
+        per layout (no ``cached_property``: 3.11's takes a lock; a peer's is new per request)."""
         cached: list[int] | None = self.__dict__.get("_addr_list")
         if cached is None:
             cached = self.__dict__["_addr_list"] = self.addrs.tolist()
@@ -100,8 +99,7 @@ class Plan:
 
     @classmethod
     def empty(cls) -> Plan:
-        z = np.zeros(0, dtype=_U64)
-        return cls(z, z, z)
+        return cls(*[np.zeros(0, dtype=_U64)] * 3)
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, row: int | None = None) -> Plan:
@@ -214,7 +212,9 @@ def _outer(
         sb, db = src_bases[t0 : t0 + step], dst_bases[t0 : t0 + step]
         s = (sb[:, None] + so[None, :]).ravel()
         d = (db[:, None] + do[None, :]).ravel()
-        part = coalesce(s, d, np.tile(nb, len(sb)), row=pieces)
+        # (one piece per tensor, as a block of a many-tensor cache: nothing merges)
+        nbs = np.full(len(sb), nb[0], dtype=_U64) if pieces == 1 else np.tile(nb, len(sb))
+        part = coalesce(s, d, nbs, row=pieces) if pieces > 1 else Plan(s, d, nbs)
         kept += len(part)
         raise_if_false(
             kept <= MAX_DESCRIPTORS,

@@ -200,21 +200,32 @@ class StreamPlan:
 
     def views(self, offset: int, n: int) -> list[memoryview]:
         """Memory views covering stream bytes ``[offset, offset + n)`` in order."""
-        few = self._few
-        whole = few is not None and offset == 0 and n >= self.total  # (most frames)
-        if few is not None and whole:
-            addrs, lens = few[0], few[1]
-        else:
-            addrs, lens = self.ranges(offset, n)
+        if offset == 0 and n >= self.total:  # the whole plan (most frames)
+            return self._whole_views()
+        addrs, lens = self.ranges(offset, n)
         if not addrs:
             return []
-        if whole and len(addrs) <= _OWN_VIEWS:
+        # Part of a plan sent in several frames (a layer's, a chunk's): slices of the span's
+        # one view, made once for the stream.
+        base, span = self._span
+        return [span[a - base : a - base + ln] for a, ln in zip(addrs, lens, strict=True)]
+
+    def _whole_views(self) -> list[memoryview]:
+        if not self.total:
+            return []
+        few = self._few
+        if few is None:  # (many ranges: numpy finds where each lies in the span)
+            base, span = self._span
+            keep = self.nbytes > 0  # (no empty view: a send of one never advances)
+            starts = self.addrs[keep] - np.uint64(base)
+            ends = starts + self.nbytes[keep]
+            return [span[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        addrs, lens = few[0], few[1]
+        if len(addrs) <= _OWN_VIEWS:
             # A plan sent in one frame: a view of each range costs less than the span.
             if len(addrs) == 1:
                 return [memory_view(addrs[0], lens[0])]
             return [memory_view(a, n) for a, n in zip(addrs, lens, strict=True)]
-        # Part of a plan sent in several frames (a layer's, a chunk's): slices of the span's
-        # one view, made once for the stream.
         base, span = self._span
         return [span[a - base : a - base + ln] for a, ln in zip(addrs, lens, strict=True)]
 

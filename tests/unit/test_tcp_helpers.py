@@ -18,6 +18,7 @@ from llmdd_async._memory import CancelToken
 from llmdd_async._net.reader import _slice_views
 from llmdd_async._transports.tcp import (
     _FEW,
+    _LISTED,
     _SYSCALL_BYTES,
     FEW_VIEWS,
     TRIPPED_GRACE_S,
@@ -167,7 +168,7 @@ def test_a_syscall_batch_is_cut_at_its_byte_cap() -> None:
     assert [v.nbytes for v in batch([big, big], 0)] == [_SYSCALL_BYTES]
 
 
-@pytest.mark.parametrize("ranges", [3, _FEW + 5])
+@pytest.mark.parametrize("ranges", [3, _FEW + 5, _LISTED + 5])
 def test_a_plan_with_empty_ranges_has_no_empty_view(ranges: int) -> None:
     """A peer's grant may name ranges of 0 bytes: no view of the plan is empty (a send of an
     empty last view never advances, and the loop would spin on it)."""
