@@ -38,30 +38,52 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
     if local_blocks:
         unit = spec.dst_block_bytes if (local_is_dst and spec.dst_block_bytes) else e.stride
         assert blocks is not None
-        if len(local) <= 32 and len(blocks) <= 64:
+        if len(blocks) <= 64:  # (a few blocks: Python ints, numpy costs microseconds a call)
+            selected = set(blocks.tolist())
+            if len(local) <= 32:
+                return _within_units_small(e, unit, selected, local, nbytes)
+            runs = _runs(sorted(selected))
+        elif len(local) <= 32:
             return _within_units_small(e, unit, set(blocks.tolist()), local, nbytes)
-        units = np.unique(np.asarray(blocks, dtype=np.int64))
+        else:
+            units = np.unique(np.asarray(blocks, dtype=np.int64))
+            # Runs of consecutive selected units, inclusive: descriptors may span several.
+            brk = np.flatnonzero(units[1:] - units[:-1] != 1)
+            runs = (units[np.concatenate(([0], brk + 1))], units[np.concatenate((brk, [-1]))])
     else:
-        unit, units = e.stride, np.array([spec.local_slot], dtype=np.int64)
-    if len(units) == 0:
+        unit = e.stride
+        if len(local) <= 32:
+            return _within_units_small(e, unit, {spec.local_slot}, local, nbytes)
+        runs = ([spec.local_slot], [spec.local_slot])
+    if not len(runs[0]):
         return False
-    if len(local) <= 32:
-        return _within_units_small(e, unit, set(units.tolist()), local, nbytes)
     tstarts, tends = e.regions
     a = np.asarray(local, dtype=_U64)
     n = np.asarray(nbytes, dtype=_U64)
     t = region_of(a, n, tstarts, tends)  # the tensor of each range (all inside one)
     if t is None:
         return False
-    # Runs of consecutive selected units, inclusive: descriptors may span several blocks.
-    brk = np.flatnonzero(units[1:] - units[:-1] != 1)
-    run_lo = units[np.concatenate(([0], brk + 1))]
-    run_hi = units[np.concatenate((brk, [len(units) - 1]))]
     off = (a - tstarts[t]).astype(np.int64)
     last = off + n.astype(np.int64) - 1  # inside tensor t: checked above
     b0, b1 = off // unit, last // unit
-    run = np.searchsorted(run_lo, b0, side="right") - 1
-    return bool(((run >= 0) & (b1 <= run_hi[np.maximum(run, 0)])).all())
+    run_lo, run_hi = runs
+    if len(run_lo) == 1:  # (one run of blocks, or one block: most requests)
+        return bool(((b0 >= run_lo[0]) & (b1 <= run_hi[0])).all())
+    lo, hi = np.asarray(run_lo, dtype=np.int64), np.asarray(run_hi, dtype=np.int64)
+    run = np.searchsorted(lo, b0, side="right") - 1
+    return bool(((run >= 0) & (b1 <= hi[np.maximum(run, 0)])).all())
+
+
+def _runs(units: list[int]) -> tuple[list[int], list[int]]:
+    """The runs of consecutive ints in sorted ``units``: their firsts and lasts."""
+    lo, hi = units[:1], units[:1]
+    for u in units[1:]:
+        if u == hi[-1] + 1:
+            hi[-1] = u
+        else:
+            lo.append(u)
+            hi.append(u)
+    return lo, hi
 
 
 def layer_spans(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) -> list[int] | None:

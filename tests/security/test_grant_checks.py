@@ -63,6 +63,16 @@ def test_few_descriptor_path_matches_the_vectorised_one(case) -> None:  # type: 
     reps = 40 // len(local) + 1
     slow = grant_within_selection(spec, np.tile(local, reps), np.tile(nbytes, reps))
     assert fast == slow
+    # The same blocks named many times over (past the few-blocks cut): the same answers.
+    many = TransferRequest(
+        "pull",
+        Address(By.CACHE_ID),
+        "blocks",
+        e,
+        dst_blocks=np.array(blocks * (64 // len(blocks) + 1), dtype=np.int64),
+    )
+    assert grant_within_selection(many, local, nbytes) == fast
+    assert grant_within_selection(many, np.tile(local, reps), np.tile(nbytes, reps)) == fast
 
 
 def test_a_range_into_an_unselected_block_is_refused() -> None:
