@@ -1,0 +1,63 @@
+"""Where a one-sided same-host copy finds a peer's ranges in the pools it mapped
+(``SameHostAccess._translate``): a range counts only if it lies wholly inside one pool (never
+straddling its end, never wrapping past 2**64), in Python ints for a few ranges and with numpy
+for many; both give the same answer."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmdd_async._transports import same_host
+from llmdd_async._transports.same_host import SameHostAccess
+
+#: (the peer's base, size, our base) of each mapped pool, out of order (a pool's base is
+#: below 2**63 - its size: _MappedPool refuses others)
+POOLS = [(1 << 40, 4096, 7 << 30), (1 << 20, 8192, 3 << 30), (2**63 - 8192, 4096, 5 << 30)]
+
+
+def _access() -> SameHostAccess:
+    access = object.__new__(SameHostAccess)
+    access.pools = [SimpleNamespace(remote_base=b, size=n, local_base=lb) for b, n, lb in POOLS]
+    access._index_pools()
+    return access
+
+
+@st.composite
+def ranges(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    n = draw(st.integers(1, same_host._TRANSLATE_FEW))
+    addrs, sizes = [], []
+    for _ in range(n):
+        base, size, _ = POOLS[draw(st.integers(0, len(POOLS) - 1))]
+        # Mostly near a pool: inside, straddling its end, just before it.
+        addrs.append(min(max(base + draw(st.integers(-64, size + 64)), 0), 2**64 - 1))
+        # (and now and then a size that wraps the address past 2**64)
+        sizes.append(draw(st.one_of(st.integers(1, 2 * size), st.just(2**64 - 1))))
+    return np.array(addrs, dtype=np.uint64), np.array(sizes, dtype=np.uint64)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ranges())
+def test_many_ranges_are_found_in_the_pools_as_a_few_are(case) -> None:  # type: ignore[no-untyped-def]
+    remote, nbytes = case
+    access = _access()
+    few = access._translate(remote, nbytes)
+    reps = same_host._TRANSLATE_FEW // len(remote) + 1
+    many = access._translate(np.tile(remote, reps), np.tile(nbytes, reps))
+    assert many == (None if few is None else few * reps)
+    for a, n, ours in zip(remote.tolist(), nbytes.tolist(), few or [], strict=False):
+        base, size, local = next(p for p in POOLS if p[0] <= a < p[0] + p[1])
+        assert a + n <= base + size and ours == local + a - base
+
+
+def test_a_range_past_a_pools_end_is_not_found() -> None:
+    access = _access()
+    base, size, _ = POOLS[1]
+    inside = np.array([base] * 40, dtype=np.uint64)
+    assert access._translate(inside, np.full(40, size, dtype=np.uint64)) is not None
+    assert access._translate(inside, np.full(40, size + 1, dtype=np.uint64)) is None
+    wraps = np.full(40, 2**64 - 1, dtype=np.uint64)  # (base + size wraps past 2**64)
+    assert access._translate(inside, wraps) is None
