@@ -14,6 +14,7 @@ from .._memory import (
     CancelToken,
     MemoryPool,
     PoolConfig,
+    copy_inline,
     copy_ranges,
     resolve_host_memory,
     run_parts,
@@ -66,7 +67,7 @@ async def copy_plan(
         return 0
     if plan.total_bytes <= INLINE_MAX_BYTES and len(plan) <= INLINE_RANGES:
         # A thread hop costs more than this copy (tens of microseconds at most).
-        return copy_ranges(plan.src, plan.dst, plan.nbytes, token)
+        return copy_inline(plan.src.tolist(), plan.dst.tolist(), plan.nbytes.tolist(), token)
     parts = split_plan(plan, threads if wants_threads(plan) else 1)
     return await run_parts(
         [functools.partial(copy_ranges, p.src, p.dst, p.nbytes, token) for p in parts], limiter

@@ -29,7 +29,7 @@ import anyio.to_thread
 import numpy as np
 
 from .._errors import CopyCancelled
-from .._memory import INLINE_RANGES, CancelToken, copy_lists, run_parts
+from .._memory import INLINE_RANGES, CancelToken, copy_inline, run_parts
 from .._messages import Proof
 from .._planner import Plan, split_plan, u64_sum
 from . import CopyRunner, PeerAccess
@@ -263,7 +263,7 @@ class SameHostAccess(PeerAccess):
                 raise CopyCancelled
             ours = local.tolist()
             src, dst = (mapped, ours) if read else (ours, mapped)
-            return copy_lists(src, dst, nbytes.tolist(), token)
+            return copy_inline(src, dst, nbytes.tolist(), token)
         if not self.pvr or total > _VM_INLINE_BYTES:
             return None
         name = "process_vm_readv" if read else "process_vm_writev"

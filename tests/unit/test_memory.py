@@ -21,6 +21,8 @@ from llmdd_async._memory import (
     CancelToken,
     MemoryPool,
     PoolConfig,
+    copy_inline,
+    copy_lists,
     copy_ranges,
     host_view,
     memory_view,
@@ -147,6 +149,42 @@ def test_copy_ranges_copies_in_order_and_stops_when_cancelled() -> None:
     dst[:] = 0
     with pytest.raises(CopyCancelled):
         copy_ranges(descs[:, 0], descs[:, 1], descs[:, 2], token)
+    assert not dst.any()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 240), st.integers(0, 240), st.integers(0, 16)), max_size=40)
+)
+def test_an_inline_copy_moves_what_memmove_would(descs: list[tuple[int, int, int]]) -> None:
+    """Slices of views over the spans (many ranges) or a memmove each (a few): the same bytes
+    in the end, whatever the ranges (overlapping, empty, out of order, in one buffer)."""
+    for same in (False, True):
+        bufs = [np.arange(256, dtype=np.uint8) for _ in range(4)]
+        srcs = [bufs[0], bufs[2]]
+        dsts = [bufs[0], bufs[2]] if same else [bufs[1], bufs[3]]
+        lists = []
+        for sbuf, dbuf in zip(srcs, dsts, strict=True):
+            s0, d0 = sbuf.ctypes.data, dbuf.ctypes.data
+            lists.append(([s0 + a for a, _, _ in descs], [d0 + b for _, b, _ in descs]))
+        nbytes = [n for _, _, n in descs]
+        assert copy_inline(*lists[0], nbytes) == sum(nbytes)
+        assert copy_lists(*lists[1], nbytes) == sum(nbytes)
+        assert dsts[0].tolist() == dsts[1].tolist()
+
+
+def test_a_cancelled_inline_copy_copies_nothing() -> None:
+    src, dst = np.arange(256, dtype=np.uint8), np.zeros(256, np.uint8)
+    token = CancelToken()
+    token.cancel()
+    for ranges in (2, 20):  # (a memmove each, slices)
+        with pytest.raises(CopyCancelled):
+            copy_inline(
+                [src.ctypes.data + 4 * i for i in range(ranges)],
+                [dst.ctypes.data + 4 * i for i in range(ranges)],
+                [4] * ranges,
+                token,
+            )
     assert not dst.any()
 
 
