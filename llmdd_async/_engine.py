@@ -74,7 +74,7 @@ class Engine:
         self._portal: anyio.from_thread.BlockingPortal | None = None
         #: calls a function on the loop thread, from any thread (the running backend's)
         self._threadsafe: Callable[[Callable[[], None]], None] | None = None
-        self._soon: Callable[[Callable[[], None]], None] | None = None
+        self._soon: Callable[[Callable[[], None]], bool] | None = None
         self._thread: int | None = None
         self.closed = False
         #: caches whose pages are being faulted in, by first tensor address
@@ -376,10 +376,7 @@ class Engine:
         has run (no task); it must not raise. False, with nothing scheduled, where the
         backend has no cheap way (trio: :func:`._drivers.soon_caller`) or the engine is not
         running."""
-        if self._soon is None:
-            return False
-        self._soon(fn)
-        return True
+        return self._soon is not None and self._soon(fn)
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``fn(*args)`` in the engine's task group; a crash is logged, never propagated

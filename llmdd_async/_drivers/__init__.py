@@ -158,10 +158,11 @@ def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
     return caller
 
 
-def soon_caller() -> Callable[[Callable[[], None]], None] | None:
+def soon_caller() -> Callable[[Callable[[], None]], bool] | None:
     """A function that, on the loop thread, has the running loop call ``fn()`` once what is
-    ready to run now has run (a loop callback, no task), and does nothing once the loop is
-    gone: a link's writer holds the frames of one loop turn with it, to send them together.
+    ready to run now has run (a loop callback, no task); it returns False, with nothing
+    scheduled, once the loop is gone: a link's writer holds the frames of one loop turn with
+    it, to send them together.
     ``loop.call_soon`` on asyncio. None on trio: its only such call, ``run_sync_soon``, writes
     to its wake-up socket and runs in a system task's turn (about 20 µs of CPU here, more
     than holding the frames saves), so frames there go out as they come.
@@ -169,7 +170,7 @@ def soon_caller() -> Callable[[Callable[[], None]], None] | None:
     Raises:
         RuntimeError: no event loop runs in this thread, or its backend has no driver.
     """
-    caller: Callable[[Callable[[], None]], None] | None = _backend().soon_caller()
+    caller: Callable[[Callable[[], None]], bool] | None = _backend().soon_caller()
     return caller
 
 

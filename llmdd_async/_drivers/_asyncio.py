@@ -148,13 +148,16 @@ def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
     return call
 
 
-def soon_caller() -> Callable[[Callable[[], None]], None]:
+def soon_caller() -> Callable[[Callable[[], None]], bool]:
     """``loop.call_soon`` of the running loop (see the package's)."""
     loop = asyncio.get_running_loop()
 
-    def call(fn: Callable[[], None]) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing is sent any more
+    def call(fn: Callable[[], None]) -> bool:
+        try:
             loop.call_soon(fn)
+        except RuntimeError:  # the loop is closed (or, in debug mode, this is not its thread)
+            return False
+        return True
 
     return call
 

@@ -67,8 +67,9 @@ class LinkWriter:
         #: frames the reader handed to :meth:`send_soon` while the send lock was taken
         self._outbox: collections.deque[_Outgoing] = collections.deque()
         self._writing = False
-        #: while corked (the reader acts on what one read brought), send_soon holds its
-        #: frames here: the replies to a burst of requests leave in one sendmsg
+        #: while corked (the reader acts on what one read brought, or the rest of a loop turn
+        #: after a frame sent at once: _hold_turn), send_soon holds its frames here: the
+        #: replies to a burst of requests, or a burst of requests, leave in one sendmsg
         self._corked = 0
         self._held: list[_Outgoing] = []
         self._held_bytes = 0
@@ -79,8 +80,9 @@ class LinkWriter:
     def outbox_frames(self) -> int:
         """Items :meth:`send_soon` queued and not sent yet: the writer task's queue, and what
         is held while corked when it will join that queue (the send path is busy). What is
-        held while the path is free leaves in one go when the read is done, at most about
-        ``INLINE_BYTES`` at a time: that is no queue."""
+        held while the path is free leaves in one go when the read or the loop turn is done,
+        at most about ``INLINE_BYTES`` (in a turn, ``_TURN_BATCH`` items) at a time: that is
+        no queue."""
         held = len(self._held) if (self._outbox or not self.send_lock.value) else 0
         return len(self._outbox) + held
 
@@ -101,8 +103,8 @@ class LinkWriter:
         requests leaves in a few ``sendmsg`` instead of one each (each wakes the peer); a lone
         request pays one loop callback. Not on trio (no cheap one) or once the endpoint
         stopped: frames then go out as they come."""
-        if not self.link.host.soon(self._end_turn):
-            return
+        if self._turn_held or not self.link.host.soon(self._end_turn):
+            return  # (held already: a frame's done callback sent another at once)
         self._turn_held = True
         self._corked += 1
 
@@ -115,8 +117,10 @@ class LinkWriter:
             self.link.fail(exc)
 
     def _send_held(self) -> None:
-        """What this turn holds goes before a frame sent any other way: it was handed over
-        first (a request before its ABORT)."""
+        """What this turn holds leaves before a frame sent any other way: at once when the
+        send lock is free, else it joins the writer task's queue, as any :meth:`send_soon`
+        frame that finds the lock taken (whose order with a task's frame is that of the
+        lock's waiters)."""
         if self._held:
             self._flush()
 

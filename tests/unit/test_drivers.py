@@ -312,7 +312,7 @@ async def test_a_call_soon_runs_after_what_is_ready_now_with_no_task() -> None:
         return
     assert call is not None
     ran: list[str] = []
-    call(lambda: ran.append("soon"))
+    assert call(lambda: ran.append("soon"))
     ran.append("now")  # (the caller goes on first: nothing runs inside call)
     await _wait(lambda: len(ran) == 2)
     assert ran == ["now", "soon"]
