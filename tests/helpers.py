@@ -106,6 +106,22 @@ async def link(local: Any, cluster_id: int, address: tuple[str, int], timeout: i
     return codes
 
 
+async def register_blocks_at(peer: Any, num_tensors: int, shape: Any, key: Any = None) -> Any:
+    """Register a zeroed blocks cache of ``num_tensors`` x ``shape`` in a ``PeerProcess``
+    under ``key`` (default ``BlocksCacheKey(2, 0)``); its cache id."""
+    import llmdd_async as dd
+    from llmdd_async.testing import encode_key
+
+    key = dd.BlocksCacheKey(2, 0) if key is None else key
+    return await peer.request(
+        "register",
+        kind="blocks",
+        num_tensors=num_tensors,
+        shape=list(shape),
+        blocks_key=encode_key(key),
+    )
+
+
 def expected_tensor(seed: int, tensor: int, shape: tuple[int, ...]) -> Any:
     """What a test peer wrote into tensor ``tensor`` of a cache filled with ``seed``."""
     import math

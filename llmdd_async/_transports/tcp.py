@@ -205,8 +205,12 @@ class StreamPlan:
         addrs, lens = self.ranges(offset, n)
         if not addrs:
             return []
-        # Part of a plan sent in several frames (a layer's, a chunk's): slices of the span's
-        # one view, made once for the stream.
+        # Part of a plan sent in several frames (a layer's, a chunk's).
+        return self._slices(addrs, lens)
+
+    def _slices(self, addrs: list[int], lens: list[int]) -> list[memoryview]:
+        """Views of local ranges as slices of the span's one view, made once for the stream
+        (a view of its own costs a microsecond, a slice a fifth of that)."""
         base, span = self._span
         return [span[a - base : a - base + ln] for a, ln in zip(addrs, lens, strict=True)]
 
@@ -226,8 +230,7 @@ class StreamPlan:
             if len(addrs) == 1:
                 return [memory_view(addrs[0], lens[0])]
             return [memory_view(a, n) for a, n in zip(addrs, lens, strict=True)]
-        base, span = self._span
-        return [span[a - base : a - base + ln] for a, ln in zip(addrs, lens, strict=True)]
+        return self._slices(addrs, lens)
 
     # The link calls these three, so host and device memory look the same to it.
     async def prepare(self, offset: int, n: int, token: CancelToken) -> list[memoryview]:

@@ -25,6 +25,7 @@ from helpers import (
     expected_tensor,
     library_logs_enabled,
     link,
+    register_blocks_at,
 )
 
 import llmdd_async as dd
@@ -90,13 +91,7 @@ async def test_keyed_blocks_with_shifted_layer_ranges(transport) -> None:
     """src layers 2..3 -> dst layers 0..1: upstream's absolute-index bug, fixed."""
     shape = (16, 512)
     async with decoders(transport) as ([dec], prompt):
-        dst = await dec.request(
-            "register",
-            kind="blocks",
-            num_tensors=8,
-            shape=list(shape),
-            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-        )
+        dst = await register_blocks_at(dec, 8, shape)
         cm = prompt.cache_manager
         src = cm.allocate_blocks_cache(dd.CacheDesc(8, list(shape), dd.DataType.DT_UINT8))
         fill_src(src, 60)
@@ -276,13 +271,7 @@ class AsyncGate(dd.AsyncLayerSynchronizer):
 @pytest.mark.parametrize("transport", ["tcp", TRANSPORTS[2]], indirect=True)
 async def test_async_synchronizer_and_exceptions(transport) -> None:
     async with decoders(transport) as ([dec], prompt):
-        await dec.request(
-            "register",
-            kind="blocks",
-            num_tensors=6,
-            shape=[4, 64],
-            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-        )
+        await register_blocks_at(dec, 6, [4, 64])
         cm = prompt.cache_manager
         src = cm.allocate_blocks_cache(dd.CacheDesc(6, [4, 64], dd.DataType.DT_UINT8))
         gate = AsyncGate()
@@ -300,13 +289,7 @@ async def _one_layer_to(
     dec: PeerProcess, prompt: dd.LLMDataDist
 ) -> tuple[dd.CacheManager, dd.Cache, dd.TransferWithCacheKeyConfig]:
     """A one-layer (two-tensor) blocks cache on each side, and the config that pushes it."""
-    await dec.request(
-        "register",
-        kind="blocks",
-        num_tensors=2,
-        shape=[4, 64],
-        blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-    )
+    await register_blocks_at(dec, 2, [4, 64])
     cm = prompt.cache_manager
     src = cm.allocate_blocks_cache(dd.CacheDesc(2, [4, 64], dd.DataType.DT_UINT8))
     cfg = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(2, 0), range(0, 1), range(0, 1))
@@ -420,13 +403,7 @@ async def test_an_unsignalled_layer_fails_at_the_default_bound(
 async def test_layer_events_from_a_compute_thread(transport) -> None:
     layers = 6
     async with decoders(transport) as ([dec], prompt):
-        dst = await dec.request(
-            "register",
-            kind="blocks",
-            num_tensors=2 * layers,
-            shape=[8, 4096],
-            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-        )
+        dst = await register_blocks_at(dec, 2 * layers, [8, 4096])
         cm = prompt.cache_manager
         src = cm.allocate_blocks_cache(dd.CacheDesc(2 * layers, [8, 4096], dd.DataType.DT_UINT8))
         ev = dd.LayerEvents()
@@ -466,13 +443,7 @@ async def test_layers_at_the_models_pace_leave_from_their_signal(
     monkeypatch.setattr(Link, "send_frame_now", spy)
     layers, shape = 8, (8, 4096)
     async with decoders("tcp", **{"llm.SyncKvCacheWaitTime": "20000"}) as ([dec], prompt):
-        dst = await dec.request(
-            "register",
-            kind="blocks",
-            num_tensors=2 * layers,
-            shape=list(shape),
-            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-        )
+        dst = await register_blocks_at(dec, 2 * layers, shape)
         cm = prompt.cache_manager
         src = cm.allocate_blocks_cache(dd.CacheDesc(2 * layers, list(shape), dd.DataType.DT_UINT8))
         ev = dd.LayerEvents()
@@ -510,13 +481,7 @@ async def test_the_next_layer_is_awaited_while_one_is_in_flight() -> None:
     async with decoders(
         "tcp", **{"llm.LayerWindow": str(window), "llm.SyncKvCacheWaitTime": "20000"}
     ) as ([dec], prompt):
-        await dec.request(
-            "register",
-            kind="blocks",
-            num_tensors=20,
-            shape=[4, 64],
-            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-        )
+        await register_blocks_at(dec, 20, [4, 64])
         cm = prompt.cache_manager
         src = cm.allocate_blocks_cache(dd.CacheDesc(20, [4, 64], dd.DataType.DT_UINT8))
         sync = Always()
@@ -545,13 +510,7 @@ async def test_a_layerwise_transfer_is_one_request_per_destination(transport) ->
     async with decoders(
         transport, **{"llm.LayerWindow": "16", "llm.SyncKvCacheWaitTime": "20000"}
     ) as ([dec], prompt):
-        dst = await dec.request(
-            "register",
-            kind="blocks",
-            num_tensors=2 * layers,
-            shape=list(shape),
-            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-        )
+        dst = await register_blocks_at(dec, 2 * layers, shape)
         cm = prompt.cache_manager
         desc = dd.CacheDesc(2 * layers, list(shape), dd.DataType.DT_UINT8)
         src = cm.allocate_blocks_cache(desc)
@@ -595,13 +554,7 @@ async def test_a_layerwise_transfer_is_one_request_per_destination(transport) ->
 @pytest.mark.parametrize("transport", ["tcp", TRANSPORTS[2]], indirect=True)
 async def test_cancel_fences_a_layerwise_transfer(transport) -> None:
     async with decoders(transport) as ([dec], prompt):
-        dst = await dec.request(
-            "register",
-            kind="blocks",
-            num_tensors=4,
-            shape=[4, 64],
-            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-        )
+        dst = await register_blocks_at(dec, 4, [4, 64])
         cm = prompt.cache_manager
         src = cm.allocate_blocks_cache(dd.CacheDesc(4, [4, 64], dd.DataType.DT_UINT8))
         fill_src(src, 65)
@@ -885,13 +838,7 @@ class SlowLayers(dd.AsyncLayerSynchronizer):
 
 async def test_gbps_counts_the_time_bytes_moved_not_the_wait_for_layers() -> None:
     async with decoders("tcp") as ([dec], prompt):
-        await dec.request(
-            "register",
-            kind="blocks",
-            num_tensors=8,
-            shape=[16, 4096],
-            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-        )
+        await register_blocks_at(dec, 8, [16, 4096])
         cm = prompt.cache_manager
         src = cm.allocate_blocks_cache(dd.CacheDesc(8, [16, 4096], dd.DataType.DT_UINT8))
         cfg = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(2, 0), range(0, 4), range(0, 4))

@@ -11,7 +11,7 @@ import base64
 
 import numpy as np
 import pytest
-from helpers import cm_options, endpoint_options, expected_tensor, link
+from helpers import cm_options, endpoint_options, expected_tensor, link, register_blocks_at
 
 import llmdd_async as dd
 from llmdd_async.testing import PeerProcess, encode_key, engine_of
@@ -121,13 +121,7 @@ async def test_layerwise_from_device_memory_with_device_events() -> None:
     async with PeerProcess.start(
         dd.LLMRole.DECODER, 2, endpoint_options("tcp", listen=True, ra=True)
     ) as dec:
-        dst = await dec.request(
-            "register",
-            kind="blocks",
-            num_tensors=2 * layers,
-            shape=list(shape),
-            blocks_key=encode_key(dd.BlocksCacheKey(2, 0)),
-        )
+        dst = await register_blocks_at(dec, 2 * layers, shape)
         opts = torch_options(**{"llm.Transport": "tcp", "llm.EnableRemoteCacheAccessible": "1"})
         async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as prompt:
             await link(prompt, 2, dec.listen)
