@@ -1,10 +1,12 @@
 """TCP: sockets, and zero-copy blocking send/receive of plan bytes for worker threads.
 
-The link's socket stays in blocking mode. The event loop only uses it with ``MSG_DONTWAIT``
+The link's socket is put in blocking mode. The event loop only uses it with ``MSG_DONTWAIT``
 (headers and control frames); bulk payload moves in worker threads with blocking
 ``sendmsg`` / ``recvmsg_into`` over many buffers at once. ``SO_SNDTIMEO``/``SO_RCVTIMEO`` make
 those calls return every few tens of milliseconds, so a worker notices cancellation and
-deadlines even when the peer stalls.
+deadlines even when the peer stalls. uvloop puts every descriptor it watches in non-blocking
+mode (libuv's poll handles do), so a worker also waits in ``poll`` when a call would block
+(:func:`_wait_ready`) rather than trying again at once.
 
 With ``llm.PayloadAuth`` a :class:`PayloadMac` hashes a DATA frame's payload as each
 syscall takes it (then the MAC goes out as the frame's trailer, see ``_protocol``) or as it
@@ -18,6 +20,8 @@ import contextlib
 import functools
 import hmac
 import itertools
+import os
+import select
 import socket
 from typing import Any
 
@@ -476,6 +480,19 @@ async def send_views_inline(
         idx = _step(bufs, idx, n, tagger)
 
 
+def _wait_ready(sock: socket.socket, event: int) -> None:
+    """After a worker's call would block: wait until ``sock`` is ready for ``event`` (at
+    most a slice). A blocking socket already waited a slice in the call (its kernel
+    timeout); a non-blocking one (uvloop watches the link's descriptor, which makes it
+    so) came back at once, and trying again at once would spin, holding the GIL that the
+    event loop and the other workers need."""
+    fd = sock.fileno()
+    if fd >= 0 and not os.get_blocking(fd):
+        poller = select.poll()
+        poller.register(fd, event)
+        poller.poll(_SLICE_S * 1000)
+
+
 def send_views(
     sock: socket.socket,
     header: bytes,
@@ -510,6 +527,7 @@ def send_views(
                 n = sock.sendmsg(batch(bufs, idx))
             except (BlockingIOError, InterruptedError):
                 clock.check(0)
+                _wait_ready(sock, select.POLLOUT)
                 continue
             clock.check(n)
             idx = _step(bufs, idx, n, tagger)
@@ -551,6 +569,7 @@ def recv_views(
                 n = sock.recvmsg_into(batch(bufs, idx), 0, socket.MSG_WAITALL)[0]
             except (BlockingIOError, InterruptedError):
                 clock.check(0)
+                _wait_ready(sock, select.POLLIN)
                 continue
             if n == 0:
                 raise EOFError("peer closed the connection in the middle of a frame")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import os
 import socket
 import threading
 import time
+from typing import Any
 
 import anyio
 import numpy as np
@@ -414,3 +417,51 @@ def test_past_its_deadline_a_send_keeps_sending_real_bytes_then_gives_up() -> No
         b.close()
     assert took < 0.3 + 4 + 1.0, took  # the grace of a 16 MiB rest: 2 s at GRACE_RATE
     assert got and set(got) == {0x5A}, "zeros went out past the deadline"
+
+
+class _CountingSocket(socket.socket):
+    """A socket that counts the worker's calls on it."""
+
+    calls = 0
+
+    def sendmsg(self, *args: Any, **kwargs: Any) -> int:
+        self.calls += 1
+        return super().sendmsg(*args, **kwargs)
+
+    def recvmsg_into(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return super().recvmsg_into(*args, **kwargs)
+
+
+def _nonblocking_counting(s: socket.socket) -> _CountingSocket:
+    """``s`` as uvloop leaves a descriptor it watches: non-blocking at the OS level (libuv
+    sets ``O_NONBLOCK``) while Python's socket object still says blocking."""
+    counted = _CountingSocket(fileno=s.detach())
+    os.set_blocking(counted.fileno(), False)
+    assert counted.getblocking()  # (Python's own idea of it is unchanged)
+    return counted
+
+
+@pytest.mark.parametrize("direction", ["send", "receive"])
+def test_a_worker_on_a_non_blocking_socket_waits_for_the_peer_instead_of_spinning(
+    direction: str,
+) -> None:
+    # A stalled peer for half a second: a worker that waits makes a call or so per socket
+    # slice (50 ms); one that tries again at once makes hundreds of thousands, holding the
+    # GIL the event loop needs.
+    a, b = pair()
+    fence = Fence(CancelToken(), 0.5)
+    with contextlib.closing(b):
+        if direction == "send":
+            counted = _nonblocking_counting(a)
+            payload = np.zeros(64 << 20, np.uint8)  # more than the kernel's buffers hold
+            with contextlib.closing(counted), pytest.raises(TimeoutError):
+                send_views(counted, b"H" * 32, [memoryview(payload)], fence)
+        else:
+            counted = _nonblocking_counting(b)
+            a.sendall(b"x" * 10)
+            dst = np.zeros(1000, np.uint8)
+            with contextlib.closing(counted), pytest.raises(TimeoutError):
+                recv_views(counted, [memoryview(dst)], fence, memoryview(bytearray(64)))
+            a.close()
+    assert counted.calls < 100, counted.calls
