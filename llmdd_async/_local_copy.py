@@ -6,7 +6,7 @@ returns the :class:`._planner.Plan` of descriptors that the device adapter then 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -14,11 +14,38 @@ from ._api_checks import check_desc_for_memory
 from ._checks import check_int64, check_isinstance, check_uint32, check_uint64
 from ._enums import Placement
 from ._errors import raise_if_false
-from ._planner import Layout, Plan, mapping_arrays, plan_block_copies, plan_slots
+from ._planner import Layout, Plan, plan_block_copies, plan_slots
 from ._registry import CacheEntry
 from ._types import Cache
 
 __all__ = ["plan_copy_blocks", "plan_copy_cache", "plan_swap_blocks"]
+
+
+def mapping_arrays(name: str, mapping: Mapping[int, object]) -> tuple[np.ndarray, np.ndarray]:
+    """Flatten ``{src: dst}`` or ``{src: [dst, ...]}`` into two index arrays (in dict order).
+
+    Raises:
+        TypeError: not a dict, or keys/values that are not ints (or lists of ints).
+        ValueError: a negative index.
+    """
+    if not isinstance(mapping, dict):
+        raise TypeError(f"{name} must be dict, got {type(mapping).__name__}")
+    srcs: list[int] = []
+    dsts: list[int] = []
+    for k, v in mapping.items():
+        if not isinstance(k, int):
+            raise TypeError(f"{name} keys must be int, got {type(k).__name__}")
+        targets = v if isinstance(v, list | tuple) else [v]
+        for t in targets:
+            if not isinstance(t, int):
+                raise TypeError(f"{name} values must be int, got {type(t).__name__}")
+            srcs.append(k)
+            dsts.append(t)
+    s = np.asarray(srcs, dtype=np.int64)
+    d = np.asarray(dsts, dtype=np.int64)
+    if (len(s) and s.min() < 0) or (len(d) and d.min() < 0):
+        raise ValueError(f"{name} holds a negative block index")
+    return s, d
 
 
 def check_copy_cache(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,6 +23,7 @@ __all__ = [
     "MAX_DESCRIPTORS",
     "MAX_PIECES",
     "MAX_TENSORS",
+    "BlockPair",
     "Layout",
     "Plan",
     "check_within",
@@ -200,7 +201,10 @@ def _outer(
         f"{MAX_PIECES} ranges",
     )
     if len(src_bases) * pieces <= _SMALL:
-        return _outer_small(src_bases, dst_bases, src_offs, dst_offs, nbytes)
+        return _outer_lists(
+            src_bases.tolist(), dst_bases.tolist(), src_offs.tolist(), dst_offs.tolist(),
+            nbytes.tolist(),
+        )  # fmt: skip
     so, do, nb = src_offs.astype(_U64), dst_offs.astype(_U64), nbytes.astype(_U64)
     # A few tensors at a time, each group merged before the next is built: the temporaries
     # of a request stay near _CHUNK_PIECES ranges whatever its size (merging never crosses a
@@ -248,24 +252,6 @@ _SMALL = 64
 _MASK = (1 << 64) - 1
 
 
-def _outer_small(
-    src_bases: np.ndarray,
-    dst_bases: np.ndarray,
-    src_offs: np.ndarray,
-    dst_offs: np.ndarray,
-    nbytes: np.ndarray,
-) -> Plan:
-    """:func:`_outer` followed by :func:`coalesce`, for a few descriptors (same result, same
-    uint64 wrap-around)."""
-    return _outer_lists(
-        src_bases.tolist(),
-        dst_bases.tolist(),
-        src_offs.tolist(),
-        dst_offs.tolist(),
-        nbytes.tolist(),
-    )
-
-
 def _outer_lists(
     src_bases: list[int],
     dst_bases: list[int],
@@ -273,7 +259,8 @@ def _outer_lists(
     dst_offs: list[int],
     nbytes: list[int],
 ) -> Plan:
-    """:func:`_outer_small` on Python ints.
+    """:func:`_outer` followed by :func:`coalesce`, for a few descriptors on Python ints
+    (same result, same uint64 wrap-around).
 
     Raises:
         ValueError: the two sides name different numbers of tensors or pieces.
@@ -347,9 +334,8 @@ def plan_slots(
     )
 
 
-def _check_blocks(
-    blocks: np.ndarray | list[int], count: int, side: str, code: LLMStatusCode
-) -> None:
+def _check_blocks(blocks: np.ndarray | list[int], count: int, side: str) -> None:
+    code = LLMStatusCode.LLM_PARAM_INVALID
     if not len(blocks):
         return
     # numpy's reductions cost microseconds each on a handful of indices; Python's do not.
@@ -364,6 +350,80 @@ def _check_blocks(
         raise LLMException(f"{side} block index {lo} < 0", status_code=code)
     if hi >= count:
         raise LLMException(f"{side} block index {hi} >= its {count} blocks", status_code=code)
+
+
+class BlockPair:
+    """Two caches and their selected tensors as :func:`plan_blocks` pairs them, before the
+    block indices: checked once, kept for the requests that pair them again (a prepared
+    transfer: see ``_net.initiator``). :meth:`plan` is plan_blocks for a few descriptors.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for block sizes that do not fit (as plan_blocks).
+    """
+
+    __slots__ = ("_bases", "dst", "dst_count", "dst_tensors", "dst_unit", "piece", "src", "src_tensors")  # fmt: skip  # noqa: E501
+    FEW_PIECES = _SMALL  # (the most descriptors, tensors x blocks, :meth:`plan` serves)
+
+    def __init__(
+        self,
+        src: Layout,
+        dst: Layout,
+        src_tensors: np.ndarray,
+        dst_tensors: np.ndarray,
+        dst_block_bytes: int | None = None,
+    ) -> None:
+        if not src.is_blocks:
+            raise_param("source must be a blocks cache")
+        piece = src.stride
+        if dst_block_bytes is None:
+            if not dst.is_blocks:
+                raise_param("destination must be a blocks cache")
+            if dst.stride != piece:
+                raise_param(
+                    f"block sizes differ (source {piece} bytes, destination {dst.stride} bytes)"
+                )
+            dst_unit = dst.stride
+        else:
+            dst_unit = dst_block_bytes
+            if piece > dst_unit:
+                raise_param(
+                    f"source block of {piece} bytes does not fit a destination block of "
+                    f"{dst_unit} bytes"
+                )
+        self.src, self.dst, self.src_tensors, self.dst_tensors = src, dst, src_tensors, dst_tensors
+        self.piece, self.dst_unit, self.dst_count = piece, dst_unit, dst.tensor_bytes // dst_unit
+        self._bases: tuple[list[int], list[int]] | None = None
+
+    def bases(self) -> tuple[list[int], list[int]]:
+        """The selected tensors' addresses on each side, as Python ints (made once)."""
+        if self._bases is None:
+            sa, da = self.src.addr_list, self.dst.addr_list
+            self._bases = (
+                [sa[t] for t in self.src_tensors.tolist()],
+                [da[t] for t in self.dst_tensors.tolist()],
+            )
+        return self._bases
+
+    def plan(self, src_blocks: list[int], dst_blocks: list[int]) -> Plan:
+        """Block ``src_blocks[i]`` of every selected tensor to ``dst_blocks[i]`` in Python
+        ints: a few descriptors, equal non-empty lists (as plan_blocks checks).
+
+        Raises:
+            LLMException: LLM_PARAM_INVALID for an index out of range.
+        """
+        piece, unit = self.piece, self.dst_unit
+        # (Python ints: an index of 2**63 or more, from the wire, is out of range, not negative)
+        _check_blocks(src_blocks, self.src.count, "src")
+        _check_blocks(dst_blocks, self.dst_count, "dst")
+        sa, da = self.bases()
+        if len(src_blocks) == 1:  # one block (most small requests): a range per tensor
+            s = [(a + src_blocks[0] * piece) & _MASK for a in sa]
+            d = [(a + dst_blocks[0] * unit) & _MASK for a in da]
+            return Plan(np.array(s, _U64), np.array(d, _U64), np.array([piece] * len(s), _U64))
+        return _outer_lists(
+            sa, da, [b * piece for b in src_blocks], [b * unit for b in dst_blocks],
+            [piece] * len(src_blocks),
+        )  # fmt: skip
 
 
 def plan_blocks(
@@ -384,59 +444,25 @@ def plan_blocks(
         LLMException: LLM_PARAM_INVALID for unequal or empty lists, indices out of range, or
             block sizes that do not fit.
     """
-    if not src.is_blocks:
-        raise_param("source must be a blocks cache")
+    pair = BlockPair(src, dst, src_tensors, dst_tensors, dst_block_bytes)
     if not len(dst_blocks):
         raise_param("dst_blocks must not be empty")
     if len(src_blocks) != len(dst_blocks):
         raise_param(
             f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length"
         )
-    piece = src.stride
-    if dst_block_bytes is None:
-        if not dst.is_blocks:
-            raise_param("destination must be a blocks cache")
-        if dst.stride != piece:
-            raise_param(
-                f"block sizes differ (source {piece} bytes, destination {dst.stride} bytes)"
-            )
-        dst_unit = dst.stride
-    else:
-        dst_unit = dst_block_bytes
-        if piece > dst_unit:
-            raise_param(
-                f"source block of {piece} bytes does not fit a destination block of "
-                f"{dst_unit} bytes"
-            )
-    code = LLMStatusCode.LLM_PARAM_INVALID
     if len(src_tensors) * len(src_blocks) <= _SMALL:
         # A few descriptors: Python ints throughout (numpy costs microseconds per call).
-        # (Indices of any integer type: one of 2**63 and more, from the wire, is out of range
-        # as an int, where int64 makes it negative: refused either way.)
-        sb, db = src_blocks.tolist(), dst_blocks.tolist()
-        _check_blocks(sb, src.count, "src", code)
-        _check_blocks(db, dst.tensor_bytes // dst_unit, "dst", code)
-        sa, da = src.addr_list, dst.addr_list
-        if len(sb) == 1:  # one block (most small requests): a range per tensor, none merge
-            s = [(sa[t] + sb[0] * piece) & _MASK for t in src_tensors.tolist()]
-            d = [(da[t] + db[0] * dst_unit) & _MASK for t in dst_tensors.tolist()]
-            return Plan(np.array(s, _U64), np.array(d, _U64), np.array([piece] * len(s), _U64))
-        return _outer_lists(
-            [sa[t] for t in src_tensors.tolist()],
-            [da[t] for t in dst_tensors.tolist()],
-            [b * piece for b in sb],
-            [b * dst_unit for b in db],
-            [piece] * len(sb),
-        )
+        return pair.plan(src_blocks.tolist(), dst_blocks.tolist())
     src_blocks, dst_blocks = src_blocks.astype(np.int64), dst_blocks.astype(np.int64)
-    _check_blocks(src_blocks, src.count, "src", code)
-    _check_blocks(dst_blocks, dst.tensor_bytes // dst_unit, "dst", code)
+    _check_blocks(src_blocks, src.count, "src")
+    _check_blocks(dst_blocks, pair.dst_count, "dst")
     return _outer(
         src.addrs[src_tensors],
         dst.addrs[dst_tensors],
-        src_blocks.astype(_U64) * _U64(piece),
-        dst_blocks.astype(_U64) * _U64(dst_unit),
-        np.full(len(src_blocks), piece, dtype=_U64),
+        src_blocks.astype(_U64) * _U64(pair.piece),
+        dst_blocks.astype(_U64) * _U64(pair.dst_unit),
+        np.full(len(src_blocks), pair.piece, dtype=_U64),
     )
 
 
@@ -475,7 +501,7 @@ def plan_slot_to_blocks(
         f"a source slot of {src.stride} bytes fills {pieces} blocks of {bb} bytes, "
         f"but {len(dst_blocks)} dst_blocks were given",
     )
-    _check_blocks(dst_blocks, dst.tensor_bytes // bb, "dst", LLMStatusCode.LLM_PARAM_INVALID)
+    _check_blocks(dst_blocks, dst.tensor_bytes // bb, "dst")
     k = np.arange(pieces, dtype=_U64)
     lengths = np.minimum(_U64(bb), _U64(src.stride) - k * _U64(bb))
     return _outer(
@@ -485,33 +511,6 @@ def plan_slot_to_blocks(
         dst_blocks.astype(_U64) * _U64(bb),
         lengths,
     )
-
-
-def mapping_arrays(name: str, mapping: Mapping[int, object]) -> tuple[np.ndarray, np.ndarray]:
-    """Flatten ``{src: dst}`` or ``{src: [dst, ...]}`` into two index arrays (in dict order).
-
-    Raises:
-        TypeError: not a dict, or keys/values that are not ints (or lists of ints).
-        ValueError: a negative index.
-    """
-    if not isinstance(mapping, dict):
-        raise TypeError(f"{name} must be dict, got {type(mapping).__name__}")
-    srcs: list[int] = []
-    dsts: list[int] = []
-    for k, v in mapping.items():
-        if not isinstance(k, int):
-            raise TypeError(f"{name} keys must be int, got {type(k).__name__}")
-        targets = v if isinstance(v, list | tuple) else [v]
-        for t in targets:
-            if not isinstance(t, int):
-                raise TypeError(f"{name} values must be int, got {type(t).__name__}")
-            srcs.append(k)
-            dsts.append(t)
-    s = np.asarray(srcs, dtype=np.int64)
-    d = np.asarray(dsts, dtype=np.int64)
-    if (len(s) and s.min() < 0) or (len(d) and d.min() < 0):
-        raise ValueError(f"{name} holds a negative block index")
-    return s, d
 
 
 def plan_block_copies(

@@ -17,7 +17,7 @@ import numpy as np
 from .._enums import LLMStatusCode
 from .._errors import LLMException, ProtocolError
 from .._messages import CacheInfo, Table, regions_of, regions_of_table
-from .._planner import Layout, check_within
+from .._planner import BlockPair, Layout, check_within
 from .._transports import NO_CAPS, PeerAccess, RegisteredCache
 
 __all__ = ["CapsPolicy", "PeerView", "TableSnapshot", "typed_table"]
@@ -70,6 +70,9 @@ class PeerView:
         self.caches: dict[int, dict[str, Any]] = {}
         #: cache id -> (its table entry, the layout and the data type parsed from that entry)
         self._layouts: dict[int, tuple[dict[str, Any], Layout | None, int | None, bool]] = {}
+        #: prepared pairs of the peer's caches with ours (``initiator._prepared_plan``), each
+        #: with the two layouts and the regions it was made from
+        self.pairs: dict[tuple[Any, ...], tuple[Layout, Layout, Any, BlockPair, bool]] = {}
         #: (address, value) of the peer's epoch counter as of that view (one-sided pulls)
         self.epoch: tuple[int, int] | None = None
         #: (starts, ends) of the peer's memory that it let us reach directly, refreshed from

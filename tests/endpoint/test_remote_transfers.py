@@ -720,6 +720,54 @@ async def test_a_lying_table_never_steers_a_one_sided_pull() -> None:
             assert not dst.tensors[t][[0, 5, 6, 7]].any()  # nothing else was written
 
 
+async def test_one_sided_pulls_reuse_a_prepared_pair_and_it_never_widens_what_they_reach() -> None:
+    """Pulls of a few blocks from one cache into another are planned from the pair prepared by
+    the first (kept in the link's view of the peer's table): many shuffled pulls land the
+    right bytes through one pair. A pair serves only where the peer's selected tensors lie
+    whole in what it published; where they do not, each pull is checked on its own, so a
+    block outside the published memory still goes to the peer."""
+    async with pair("same-host", ra=True) as (p, d):
+        shape = (8, 256)
+        theirs = await p.request(
+            "alloc",
+            kind="blocks",
+            num_tensors=2,
+            shape=list(shape),
+            blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
+            seed=53,
+        )
+        cm = d.cache_manager
+        dst = cm.allocate_blocks_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
+        key = dd.BlocksCacheKey(PROMPT, 0)
+        want = [expected_tensor(53, t, shape) for t in range(2)]
+        rng = np.random.default_rng(7)
+        await cm.pull_blocks(key, dst, [0], [0])
+        lnk = link_of(d, PROMPT).raw
+        [prepared] = lnk.view.pairs.values()
+        for _ in range(40):
+            k = int(rng.integers(1, 4))
+            src, dst_b = rng.permutation(8)[:k].tolist(), rng.permutation(8)[:k].tolist()
+            for t in range(2):
+                dst.tensors[t][...] = 0
+            await cm.pull_blocks(key, dst, src, dst_b)
+            assert lnk.statistics().recent[-1].mode == "direct"
+            for t in range(2):
+                assert np.array_equal(dst.tensors[t][dst_b], want[t][src])
+        assert list(lnk.view.pairs.values()) == [prepared]  # the same pair, made once
+        # The peer's published memory now covers only the first half of each tensor.
+        addrs = sorted(lnk.view.caches[theirs]["addrs"])
+        half = (shape[0] // 2) * shape[1]
+        lnk.view.regions = (np.array(addrs, np.uint64), np.array(addrs, np.uint64) + half)
+        for t in range(2):
+            dst.tensors[t][...] = 0
+        await cm.pull_blocks(key, dst, [2], [5])  # inside the published half: one-sided
+        assert lnk.statistics().recent[-1].mode == "direct"
+        await cm.pull_blocks(key, dst, [6], [1])  # outside it: the peer serves it
+        assert lnk.statistics().recent[-1].mode != "direct"
+        for t in range(2):
+            assert np.array_equal(dst.tensors[t][[5, 1]], want[t][[2, 6]])
+
+
 @pytest.mark.parametrize("registered", [False, True], ids=["pool", "registered"])
 async def test_a_small_one_sided_pull_is_done_when_the_call_returns(registered: bool) -> None:
     """A one-sided pull of at most about a MiB of host memory is copied from the loop within

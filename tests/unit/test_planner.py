@@ -387,7 +387,7 @@ def test_small_plans_built_in_python_equal_the_numpy_ones(bases, pieces) -> None
     u = np.uint64
     sb, db = (np.array([b[i] for b in bases], dtype=u) for i in (0, 1))
     so, do, nb = (np.array([p[i] for p in pieces], dtype=u) for i in (0, 1, 2))
-    small = _planner._outer_small(sb, db, so, do, nb)
+    small = _planner._outer_lists(*(a.tolist() for a in (sb, db, so, do, nb)))
     with np.errstate(over="ignore"):
         s = (sb[:, None] + so[None, :]).ravel()
         d = (db[:, None] + do[None, :]).ravel()
