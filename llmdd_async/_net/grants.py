@@ -3,8 +3,10 @@
 No I/O, no anyio: the initiator's request in its own terms (:class:`TransferRequest`; its
 check of a grant against it is :mod:`.grant_checks`); the target's resolution of a
 peer's :class:`~.._messages.Request` against its registry (:func:`resolve`), its plan and the
-check of every range it names (:func:`plan_checked`, safe in a worker thread), and the checks
-that need the registry again right before the caches are pinned (:func:`finish`).
+check of every range it names (:func:`plan_checked`, safe in a worker thread; on the loop a
+request of a few blocks is planned from a pair prepared by the first, :func:`plan_on_loop`),
+and the checks that need the registry again right before the caches are pinned
+(:func:`finish`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .._messages import Address, By, Cap, Mode, Op, Request, Shape, caps_of
 from .._planner import (
     MAX_PIECES,
     MAX_TENSORS,
+    BlockPair,
     Layout,
     Plan,
     check_within,
@@ -41,6 +44,7 @@ __all__ = [
     "TransferRequest",
     "finish",
     "plan_checked",
+    "plan_on_loop",
     "plan_request",
     "plan_selection",
     "resolve",
@@ -384,14 +388,73 @@ def plan_checked(req: Request, res: Resolved) -> Planned:
         )
         j = np.searchsorted(starts, target_side, side="right").astype(np.int64) - 1
         ids = np.unique(all_ids[j])
-    # Repeated block indices must not turn a small request into unbounded work.
+    _check_total(plan, res)
+    return plan, src_slot, src_idx, ids
+
+
+#: a cache keeps at most this many prepared pairs (then starts again)
+_KEPT_PAIRS = 64
+
+
+def plan_on_loop(req: Request, res: Resolved) -> Planned:
+    """:func:`plan_checked` on the loop: a request of a few blocks of a cache it named (by
+    key or id) is planned from the pair of that cache with the peer's layout prepared by the
+    first such request (:class:`BlockPair`: tensor windows, addresses and block sizes, checked
+    once, kept on our cache's entry), and serves only where our selected tensors lie whole in
+    the cache (then no block range can leave it). Anything else is planned in full.
+
+    Raises:
+        As :func:`plan_checked`.
+    """
+    entry, src_b, dst_b = res.entry, req.src_blocks, req.dst_blocks
+    if entry is None or req.shape is not Shape.BLOCKS or src_b is None or dst_b is None:
+        return plan_checked(req, res)
+    if not 0 < len(src_b) == len(dst_b) <= BlockPair.FEW_PIECES:
+        return plan_checked(req, res)
+    pull, theirs = req.op is Op.PULL, res.init_layout
+    key = (
+        pull, theirs.addrs.tobytes(), theirs.tensor_bytes, theirs.count, theirs.is_blocks,
+        req.src_range, req.dst_range, req.tensor_num_per_layer, req.dst_block_bytes,
+    )  # fmt: skip
+    kept = entry.pairs.get(key)
+    if kept is None:
+        src, dst = (res.tgt_layout, theirs) if pull else (theirs, res.tgt_layout)
+        src_idx, dst_idx = tensor_windows(
+            src.num_tensors, dst.num_tensors, req.src_range, req.dst_range,
+            req.tensor_num_per_layer,
+        )  # fmt: skip
+        try:
+            pair = BlockPair(src, dst, src_idx, dst_idx, req.dst_block_bytes)
+        except LLMException:
+            return plan_checked(req, res)  # (it says what does not fit, as it always did)
+        ours = np.asarray(pair.bases()[0 if pull else 1], dtype=_U64)
+        extent = src.count * pair.piece if pull else pair.dst_count * pair.dst_unit
+        whole = check_within(ours, np.full(len(ours), extent, dtype=_U64), *entry.regions)
+        if len(entry.pairs) >= _KEPT_PAIRS:
+            entry.pairs.clear()
+        kept = entry.pairs[key] = (pair, src_idx, whole)
+    pair, src_idx, whole = kept
+    pieces = len(pair.src_tensors) * len(src_b)
+    if not whole or pieces > BlockPair.FEW_PIECES:
+        return plan_checked(req, res)
+    if pieces * pair.piece > res.held:  # (before the blocks are looked at, as plan_selection)
+        raise_param(
+            f"the request would move {pieces * pair.piece} bytes, more than the {res.held} "
+            "bytes of the caches it touches"
+        )
+    plan = pair.plan(src_b.tolist(), dst_b.tolist())
+    _check_total(plan, res)
+    return plan, res.slot if pull else req.local_slot, src_idx, None
+
+
+def _check_total(plan: Plan, res: Resolved) -> None:
+    """Repeated block indices must not turn a small request into unbounded work."""
     total = plan.total_bytes
     if total > res.held:
         raise_param(
             f"the request would move {total} bytes, more than the {res.held} bytes of the "
             "caches it touches"
         )
-    return plan, src_slot, src_idx, ids
 
 
 def finish(

@@ -29,7 +29,7 @@ from .._registry import CacheEntry
 from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
 from .eager import stream_digest
-from .grants import INLINE_PIECES, finish, plan_checked, resolve
+from .grants import INLINE_PIECES, finish, plan_checked, plan_on_loop, resolve
 from .host import LinkHost
 from .link import Link
 from .requests import Serving
@@ -56,7 +56,7 @@ def resolve_and_plan(engine: LinkHost, link: Link, req: Request) -> Granted:
         ProtocolError: a shape without the block lists it needs.
     """
     res = resolve(engine, req)
-    return finish(engine, req, res, plan_checked(req, res), link.caps.trusted(req.caps_claimed()))
+    return finish(engine, req, res, plan_on_loop(req, res), link.caps.trusted(req.caps_claimed()))
 
 
 async def _resolve_and_plan_async(engine: LinkHost, link: Link, req: Request) -> Granted:
@@ -69,7 +69,7 @@ async def _resolve_and_plan_async(engine: LinkHost, link: Link, req: Request) ->
     """
     res = resolve(engine, req)
     if res.pieces <= INLINE_PIECES:
-        planned = plan_checked(req, res)
+        planned = plan_on_loop(req, res)
     else:
         planned = await anyio.to_thread.run_sync(plan_checked, req, res, limiter=link.threads)
     return finish(engine, req, res, planned, link.caps.trusted(req.caps_claimed()))

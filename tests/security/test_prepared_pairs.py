@@ -1,0 +1,164 @@
+"""A target plans a peer's request of a few blocks from the pair of caches prepared by the
+first such request (``grants.plan_on_loop``). Whatever the peer sends (layouts, layer
+ranges, block sizes, block indices in and out of range, repeated), the prepared plan is the
+full planner's, to the byte, and so is every refusal; and a cache keeps a bounded number of
+pairs however many layouts a peer names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmdd_async._enums import Placement
+from llmdd_async._errors import LLMException, ProtocolError
+from llmdd_async._messages import Address, By, Op, Request, Shape
+from llmdd_async._net import grants
+from llmdd_async._net.grants import _KEPT_PAIRS, Resolved, plan_checked, plan_on_loop
+from llmdd_async._planner import BlockPair, Layout
+from llmdd_async._registry import CacheEntry
+
+
+def _entry(ntensors: int, count: int, block: int) -> CacheEntry:
+    # Tensors out of address order, with gaps between them.
+    tb = count * block
+    addrs = np.array([(7 - 2 * i) % 8 * (tb + 64) + 4096 for i in range(ntensors)], np.uint64)
+    return CacheEntry(
+        cache_id=3,
+        num_tensors=ntensors,
+        tensor_bytes=tb,
+        count=count,
+        is_blocks=True,
+        placement=Placement.HOST,
+        dtype=4,
+        shape=(count, block),
+        addrs=addrs,
+        remote_accessible=True,
+        allocated=False,
+    )
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[CacheEntry, Request]:
+    block = draw(st.sampled_from([16, 32, 64]))
+    entry = _entry(draw(st.integers(1, 6)), draw(st.integers(1, 8)), block)
+    n = draw(st.integers(1, 6))  # the peer's tensors
+    count = draw(st.integers(1, 8))
+    their_block = draw(st.sampled_from([block, block, block // 2, block * 2]))
+    is_blocks = draw(st.booleans()) or draw(st.booleans())
+    addrs = np.array([1 << 40 | i * (count * their_block + 8) for i in range(n)], np.uint64)
+    layers = st.one_of(st.none(), st.builds(range, st.integers(0, 3), st.integers(1, 5)))
+    k = draw(st.integers(1, 12))
+    index = st.integers(0, 9) | st.sampled_from([2**63, 2**64 - 1])
+    src_b = np.array(draw(st.lists(index, min_size=k, max_size=k)), np.uint64)
+    dst_b = np.array(draw(st.lists(index, min_size=k, max_size=k)), np.uint64)
+    req = Request(
+        req_id=1,
+        op=draw(st.sampled_from([Op.PULL, Op.PUSH])),
+        target=Address(By.CACHE_ID, cache_id=entry.cache_id),
+        shape=Shape.BLOCKS,
+        layout=(count * their_block, count, is_blocks),
+        local_addrs=addrs,
+        local_slot=draw(st.integers(0, 2)),
+        src_range=draw(layers),
+        dst_range=draw(layers),
+        tensor_num_per_layer=draw(st.integers(1, 3)),
+        dst_block_bytes=draw(st.none() | st.sampled_from([block // 2, block, block * 2, 0])),
+        src_blocks=src_b,
+        dst_blocks=dst_b,
+    )
+    return entry, req
+
+
+def _resolved(entry: CacheEntry, req: Request) -> Resolved:
+    tb, count, is_blocks = req.layout
+    return Resolved(
+        req.op,
+        By.CACHE_ID,
+        entry,
+        0,
+        Layout(req.local_addrs, tb, count, is_blocks),
+        entry.layout,
+        entry.num_tensors * entry.tensor_bytes,
+        None,
+        len(req.local_addrs) * (0 if req.src_blocks is None else len(req.src_blocks)),
+        1,
+    )
+
+
+def _outcome(plan: Any, req: Request, entry: CacheEntry) -> Any:
+    try:
+        p, slot, idx, ids = plan(req, _resolved(entry, req))
+    except (LLMException, ProtocolError, ZeroDivisionError) as exc:
+        return type(exc), str(exc), getattr(exc, "status_code", None)
+    return p.src.tolist(), p.dst.tolist(), p.nbytes.tolist(), slot, idx.tolist(), ids
+
+
+@settings(max_examples=500, deadline=None)
+@given(requests(), st.data())
+def test_a_prepared_plan_is_the_full_planners_plan_or_refusal(case: Any, data: Any) -> None:
+    entry, req = case
+    want = _outcome(plan_checked, req, entry)
+    assert _outcome(plan_on_loop, req, entry) == want  # prepares the pair (if it may)
+    assert _outcome(plan_on_loop, req, entry) == want  # and plans from it
+    # Other blocks through the same pair: still the full planner's answer.
+    k = len(req.src_blocks)
+    other = st.lists(st.integers(0, 9), min_size=k, max_size=k)
+    for _ in range(3):
+        req.src_blocks = np.array(data.draw(other), np.uint64)
+        req.dst_blocks = np.array(data.draw(other), np.uint64)
+        assert _outcome(plan_on_loop, req, entry) == _outcome(plan_checked, req, entry)
+
+
+def test_a_cache_keeps_a_bounded_number_of_pairs() -> None:
+    entry = _entry(2, 8, 32)
+    for i in range(3 * _KEPT_PAIRS):
+        req = Request(
+            req_id=i,
+            op=Op.PULL,
+            target=Address(By.CACHE_ID, cache_id=entry.cache_id),
+            shape=Shape.BLOCKS,
+            layout=(8 * 32, 8, True),
+            local_addrs=np.array([1 << 40 | i << 12, 1 << 41 | i << 12], np.uint64),
+            src_blocks=np.array([i % 8], np.uint64),
+            dst_blocks=np.array([7 - i % 8], np.uint64),
+        )
+        plan, _, _, _ = plan_on_loop(req, _resolved(entry, req))
+        assert plan.dst.tolist() == [
+            (1 << 40 | i << 12) + (7 - i % 8) * 32,
+            (1 << 41 | i << 12) + (7 - i % 8) * 32,
+        ]
+        assert 0 < len(entry.pairs) <= _KEPT_PAIRS
+
+
+@pytest.mark.parametrize("op", [Op.PULL, Op.PUSH])
+def test_a_pair_is_prepared_once_for_the_requests_that_pair_the_same_caches(
+    op: Op, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[BlockPair] = []
+
+    class Counted(BlockPair):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(grants, "BlockPair", Counted)
+    entry = _entry(2, 8, 32)
+    for i in range(10):
+        req = Request(
+            req_id=i,
+            op=op,
+            target=Address(By.CACHE_ID, cache_id=entry.cache_id),
+            shape=Shape.BLOCKS,
+            layout=(8 * 32, 8, True),
+            local_addrs=np.array([1 << 40, 1 << 41], np.uint64),
+            src_blocks=np.array([i % 8, (i + 3) % 8], np.uint64),
+            dst_blocks=np.array([(i + 5) % 8, i % 8], np.uint64),
+        )
+        plan, _, _, _ = plan_on_loop(req, _resolved(entry, req))
+        want, _, _, _ = plan_checked(req, _resolved(entry, req))
+        assert plan.src.tolist() == want.src.tolist() and plan.dst.tolist() == want.dst.tolist()
+    assert len(made) == 1
