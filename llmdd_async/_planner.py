@@ -355,13 +355,14 @@ def _check_blocks(blocks: np.ndarray | list[int], count: int, side: str) -> None
 class BlockPair:
     """Two caches and their selected tensors as :func:`plan_blocks` pairs them, before the
     block indices: checked once, kept for the requests that pair them again (a prepared
-    transfer: see ``_net.initiator``). :meth:`plan` is plan_blocks for a few descriptors.
+    transfer, ``_net.grants``). It holds ints only, never a layout (a peer's is a view of its
+    request). :meth:`plan` is plan_blocks for a few descriptors.
 
     Raises:
         LLMException: LLM_PARAM_INVALID for block sizes that do not fit (as plan_blocks).
     """
 
-    __slots__ = ("_bases", "dst", "dst_count", "dst_tensors", "dst_unit", "piece", "src", "src_tensors")  # fmt: skip  # noqa: E501
+    __slots__ = ("dst_bases", "dst_count", "dst_unit", "piece", "src_bases", "src_count")
     FEW_PIECES = _SMALL  # (the most descriptors, tensors x blocks, :meth:`plan` serves)
 
     def __init__(
@@ -390,19 +391,11 @@ class BlockPair:
                     f"source block of {piece} bytes does not fit a destination block of "
                     f"{dst_unit} bytes"
                 )
-        self.src, self.dst, self.src_tensors, self.dst_tensors = src, dst, src_tensors, dst_tensors
         self.piece, self.dst_unit, self.dst_count = piece, dst_unit, dst.tensor_bytes // dst_unit
-        self._bases: tuple[list[int], list[int]] | None = None
-
-    def bases(self) -> tuple[list[int], list[int]]:
-        """The selected tensors' addresses on each side, as Python ints (made once)."""
-        if self._bases is None:
-            sa, da = self.src.addr_list, self.dst.addr_list
-            self._bases = (
-                [sa[t] for t in self.src_tensors.tolist()],
-                [da[t] for t in self.dst_tensors.tolist()],
-            )
-        return self._bases
+        self.src_count = src.count
+        #: the selected tensors' addresses on each side, as Python ints
+        self.src_bases: list[int] = src.addrs[src_tensors].tolist()
+        self.dst_bases: list[int] = dst.addrs[dst_tensors].tolist()
 
     def plan(self, src_blocks: list[int], dst_blocks: list[int]) -> Plan:
         """Block ``src_blocks[i]`` of every selected tensor to ``dst_blocks[i]`` in Python
@@ -411,11 +404,10 @@ class BlockPair:
         Raises:
             LLMException: LLM_PARAM_INVALID for an index out of range.
         """
-        piece, unit = self.piece, self.dst_unit
+        piece, unit, sa, da = self.piece, self.dst_unit, self.src_bases, self.dst_bases
         # (Python ints: an index of 2**63 or more, from the wire, is out of range, not negative)
-        _check_blocks(src_blocks, self.src.count, "src")
+        _check_blocks(src_blocks, self.src_count, "src")
         _check_blocks(dst_blocks, self.dst_count, "dst")
-        sa, da = self.bases()
         if len(src_blocks) == 1:  # one block (most small requests): a range per tensor
             s = [(a + src_blocks[0] * piece) & _MASK for a in sa]
             d = [(a + dst_blocks[0] * unit) & _MASK for a in da]

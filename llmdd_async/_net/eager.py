@@ -24,7 +24,7 @@ from .._errors import LLMException
 from .._messages import By, Op
 from .._planner import Plan, check_within
 from .._transports.tcp import INLINE_BYTES
-from .grants import TransferRequest, plan_selection, selection_bound
+from .grants import TransferRequest, plan_prepared, plan_selection, selection_bound
 from .host import LinkHost
 from .link import Link
 from .streams import VIEWS_INLINE
@@ -66,6 +66,12 @@ def eager_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | No
         return None  # (the target stages device memory from a task: it would grant)
     try:
         check_same_dtype(spec.local.dtype, view.dtype(target.cache_id), "push")
+        # A few blocks from the pair kept for them (it checked they lie in our cache).
+        planned = plan_prepared(view.pairs, spec, tgt, spec.local.regions, EAGER_BYTES)
+        if planned is not None:
+            if not 0 < planned.total_bytes <= EAGER_BYTES or len(planned) > VIEWS_INLINE:
+                return None
+            return planned if engine.host_reachable(planned.src) else None
         plan, _, _ = plan_selection(
             Op.PUSH,
             spec.shape,

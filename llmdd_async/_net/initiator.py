@@ -15,7 +15,7 @@ the link's reader drives; :func:`initiate` runs one for a task that awaits it.
 In remote-accessible mode a pull by cache id that this side can run alone is planned here
 from the peer's table and copied one-sidedly (:func:`_pull_direct`), with no round trip. A
 pull of a few blocks is planned from the pair of caches prepared by the first such pull
-(:func:`_prepared_plan`): what does not depend on the block indices is checked once.
+(:func:`~.grants.plan_prepared`): what does not depend on the block indices is checked once.
 Keys are consumed by the target only after DONE reports success, so a failed pull leaves the
 key pullable (reference §8.1, §9.4).
 """
@@ -31,11 +31,11 @@ from .._checks import check_same_dtype
 from .._enums import LLMStatusCode
 from .._errors import CopyCancelled, LLMException
 from .._memory import INLINE_RANGES, CancelToken
-from .._messages import By, Op, Shape
-from .._planner import BlockPair, Layout, Plan, check_within, tensor_windows
+from .._messages import By, Op
+from .._planner import Plan, check_within
 from .exchange import Exchange
 from .feed import LayerFeed
-from .grants import TransferRequest, plan_selection, selection_bound
+from .grants import TransferRequest, plan_prepared, plan_selection, selection_bound
 from .host import LinkHost
 from .link import Link
 from .requests import Pending
@@ -175,7 +175,7 @@ def _direct_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | 
             f"pull from cache {target.cache_id} of cluster {link.peer_cluster_id} into cache "
             f"{spec.local.cache_id} of cluster {engine.cluster_id}",
         )
-    plan = _prepared_plan(link, spec, tgt)
+    plan = plan_prepared(link.view.pairs, spec, tgt, link.view.regions)
     if plan is not None:  # (inside what the peer published: the pair was checked for it)
         return plan if access.reaches(plan.src, plan.nbytes) else None
     plan, _, _ = plan_selection(
@@ -201,52 +201,6 @@ def _direct_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | 
     ):
         return None
     return plan
-
-
-#: a link's view keeps at most this many prepared pairs (then starts again)
-_KEPT_PAIRS = 64
-
-
-def _prepared_plan(link: Link, spec: TransferRequest, tgt: Layout) -> Plan | None:
-    """The plan of a one-sided pull of a few blocks from the peer's cache ``tgt``, from the
-    pair of caches kept in the link's view of the peer's table (:class:`BlockPair`: tensor
-    windows, addresses and block sizes, checked at the first pull that pairs them); None
-    when it must be planned in full, as :func:`plan_selection` would.
-
-    A pair is made again when the peer's layout, ours or the memory the peer published
-    changes, and serves only when every selected tensor of the peer's lies whole in that
-    memory: then no block range can leave it, and the range check per pull is not needed.
-
-    Raises:
-        LLMException: LLM_PARAM_INVALID, as plan_selection, for a selection that does not fit.
-    """
-    src_b, dst_b = spec.src_blocks, spec.dst_blocks
-    if spec.shape is not Shape.BLOCKS or src_b is None or dst_b is None:
-        return None
-    if not 0 < len(src_b) == len(dst_b) <= BlockPair.FEW_PIECES:
-        return None  # (plan_selection says what is wrong with unequal or empty lists)
-    view, ours = link.view, spec.local.layout
-    key = (
-        spec.target.cache_id, spec.local.cache_id, spec.src_range, spec.dst_range,
-        spec.tensor_num_per_layer, spec.dst_block_bytes,
-    )  # fmt: skip
-    kept = view.pairs.get(key)
-    if kept is None or kept[0] is not tgt or kept[1] is not ours or kept[2] is not view.regions:
-        src_idx, dst_idx = tensor_windows(
-            tgt.num_tensors, ours.num_tensors, spec.src_range, spec.dst_range,
-            spec.tensor_num_per_layer,
-        )  # fmt: skip
-        pair = BlockPair(tgt, ours, src_idx, dst_idx, spec.dst_block_bytes)
-        bases = np.asarray(pair.bases()[0], dtype=_U64)
-        extent = np.full(len(bases), tgt.count * pair.piece, dtype=_U64)
-        whole = check_within(bases, extent, *view.regions)
-        if len(view.pairs) >= _KEPT_PAIRS:
-            view.pairs.clear()
-        kept = view.pairs[key] = (tgt, ours, view.regions, pair, whole)
-    pair, whole = kept[3], kept[4]
-    if not whole or len(pair.src_tensors) * len(src_b) > BlockPair.FEW_PIECES:
-        return None
-    return pair.plan(src_b.tolist(), dst_b.tolist())
 
 
 async def _pull_direct(

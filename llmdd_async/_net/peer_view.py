@@ -70,8 +70,8 @@ class PeerView:
         self.caches: dict[int, dict[str, Any]] = {}
         #: cache id -> (its table entry, the layout and the data type parsed from that entry)
         self._layouts: dict[int, tuple[dict[str, Any], Layout | None, int | None, bool]] = {}
-        #: prepared pairs of the peer's caches with ours (``initiator._prepared_plan``), each
-        #: with the two layouts and the regions it was made from
+        #: prepared pairs of the peer's caches with ours (``grants.plan_prepared``), each with
+        #: the two layouts and the regions it was made from
         self.pairs: dict[tuple[Any, ...], tuple[Layout, Layout, Any, BlockPair, bool]] = {}
         #: (address, value) of the peer's epoch counter as of that view (one-sided pulls)
         self.epoch: tuple[int, int] | None = None
@@ -138,6 +138,7 @@ class PeerView:
         typed = typed_table(table)
         self.regions = regions_of(typed.caches)
         self._layouts = {}
+        self.pairs = {}  # (made from the last copy: they would keep it alive)
         # As the peer described them (dicts: checked again by :meth:`layout` before any use)
         self.caches = {c.cache_id: c.encode() for c in typed.caches}
         self.epoch = typed.epoch

@@ -21,7 +21,14 @@ from llmdd_async._net import exchange
 from llmdd_async._net.eager import EAGER_BYTES, stream_digest
 from llmdd_async._planner import Plan
 from llmdd_async._protocol import MT, encode
-from llmdd_async.testing import DEFAULT_OPTIONS, engine_of, linked_pair, populated, wait_until
+from llmdd_async.testing import (
+    DEFAULT_OPTIONS,
+    engine_of,
+    link_of,
+    linked_pair,
+    populated,
+    wait_until,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -69,6 +76,28 @@ async def test_a_small_push_goes_with_its_request_and_a_large_one_waits_for_its_
         await cm.push_blocks(key, cache, big, big[::-1])
         assert np.array_equal(theirs[:, big[::-1]], ours[:, big])
         assert decoder.link_statistics(1).recent[-1].mode == "stream"
+
+
+async def test_pushes_of_a_few_blocks_are_planned_from_one_prepared_pair() -> None:
+    """Shuffled pushes of a few blocks between the same two caches are planned from the pair
+    the first prepared (kept in the link's view of the peer's table): every one goes with its
+    request, as the target plans it, and lands exactly."""
+    async with linked_pair(OPTIONS) as (prompt, decoder):
+        cache, ours, theirs = await _pair_caches(prompt, decoder)
+        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        await cm.push_blocks(key, cache, [0], [0])  # the first fetches the peer's table
+        view = link_of(decoder, 1).raw.view
+        rng = np.random.default_rng(11)
+        for i in range(30):
+            k = int(rng.integers(1, 5))
+            src, dst = rng.permutation(BLOCKS)[:k].tolist(), rng.permutation(BLOCKS)[:k].tolist()
+            ours.add(src, 1)  # (bytes the target does not hold yet)
+            await cm.push_blocks(key, cache, src, dst)
+            assert np.array_equal(theirs[:, dst], ours[:, src])
+            assert decoder.link_statistics(1).recent[-1].mode == "eager"
+            if i == 0:
+                [prepared] = view.pairs.values()
+        assert list(view.pairs.values()) == [prepared]
 
 
 async def test_a_push_planned_otherwise_than_the_target_plans_it_is_sent_again_under_its_grant(
@@ -341,3 +370,34 @@ async def test_a_layer_window_longer_than_python_can_count_is_refused(
         assert not Grant.decode(await peer.recv(MT.GRANT)).ok
     await _settled(peer)  # the link is up
     assert (arr == 0).all()
+
+
+@pytest.mark.parametrize("op", [Op.PULL, Op.PUSH])
+async def test_a_request_whose_own_cache_has_no_blocks_is_refused_clearly(
+    target: tuple[Any, np.ndarray, int], op: Op
+) -> None:
+    # A peer's layout of 0 blocks used to reach the planner, which divided by it: the
+    # refusal said "integer division or modulo by zero".
+    peer, arr, cache_id = target
+    bad = Request(
+        1,
+        op,
+        Address(By.CACHE_ID, cache_id=cache_id),
+        Shape.BLOCKS,
+        (4 * BLOCK, 0, True),
+        np.array([PEER_TENSOR], np.uint64),
+        src_blocks=np.array([0], np.uint64),
+        dst_blocks=np.array([2], np.uint64),
+    )
+    await peer.send_bytes(encode(bad.encode()))
+    with anyio.fail_after(5):
+        grant = Grant.decode(await peer.recv(MT.GRANT))
+    assert grant.status == dd.LLMStatusCode.LLM_PARAM_INVALID, grant
+    assert "0 slots or blocks" in (grant.message or ""), grant.message
+    await peer.send_bytes(_push(2, cache_id, None))  # the link goes on
+    with anyio.fail_after(5):
+        assert Grant.decode(await peer.recv(MT.GRANT)).ok
+    await peer.send_bytes(_data(2, 0xEF, eager=False))
+    with anyio.fail_after(5):
+        assert Result.decode(await peer.recv(MT.RESULT)).ok
+    assert (arr[2] == 0xEF).all() and (arr[[0, 1, 3]] == 0).all()

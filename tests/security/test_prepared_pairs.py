@@ -6,6 +6,9 @@ pairs however many layouts a peer names."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
 from typing import Any
 
 import numpy as np
@@ -162,3 +165,54 @@ def test_a_pair_is_prepared_once_for_the_requests_that_pair_the_same_caches(
         want, _, _, _ = plan_checked(req, _resolved(entry, req))
         assert plan.src.tolist() == want.src.tolist() and plan.dst.tolist() == want.dst.tolist()
     assert len(made) == 1
+
+
+@pytest.mark.parametrize("op", [Op.PULL, Op.PUSH])
+@pytest.mark.parametrize("block", [1, 99], ids=["planned", "refused"])
+def test_a_kept_pair_holds_nothing_of_the_request(op: Op, block: int) -> None:
+    """The peer's addresses arrive as a view of its request frame: a pair kept after the
+    request (planned or refused) must not hold them, or a peer padding its frames with
+    unused arrays would make every cache of ours keep 64 of those frames."""
+    entry = _entry(2, 8, 32)
+    frame = np.zeros(1 << 20, np.uint8)  # the request's bytes, as the decoder holds them
+    gone = weakref.ref(frame)
+    addrs = frame[:16].view(np.uint64)
+    addrs[:] = [1 << 40, 1 << 41]
+    req = Request(
+        req_id=1,
+        op=op,
+        target=Address(By.CACHE_ID, cache_id=entry.cache_id),
+        shape=Shape.BLOCKS,
+        layout=(8 * 32, 8, True),
+        local_addrs=addrs,
+        src_blocks=np.array([block], np.uint64),
+        dst_blocks=np.array([2], np.uint64),
+    )
+    with contextlib.suppress(LLMException):
+        plan_on_loop(req, _resolved(entry, req))
+    assert entry.pairs
+    del frame, addrs, req
+    gc.collect()
+    assert gone() is None, [type(v) for v in entry.pairs.values()]
+
+
+def test_a_peer_layout_of_many_tensors_is_planned_in_full_and_not_kept() -> None:
+    # A kept key holds the peer's addresses: 8 bytes a tensor, so a layout of up to
+    # _KEYED_TENSORS only (a peer naming 65536 tensors would make each key 512 KiB).
+    entry = _entry(2, 8, 32)
+    n = grants._KEYED_TENSORS + 1
+    req = Request(
+        req_id=1,
+        op=Op.PULL,
+        target=Address(By.CACHE_ID, cache_id=entry.cache_id),
+        shape=Shape.BLOCKS,
+        layout=(8 * 32, 8, True),
+        local_addrs=np.arange(n, dtype=np.uint64) * 4096 + (1 << 40),
+        src_range=range(0, 1),
+        dst_range=range(0, 1),
+        tensor_num_per_layer=1,
+        src_blocks=np.array([1], np.uint64),
+        dst_blocks=np.array([2], np.uint64),
+    )
+    assert _outcome(plan_on_loop, req, entry) == _outcome(plan_checked, req, entry)
+    assert not entry.pairs
