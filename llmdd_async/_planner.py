@@ -355,7 +355,7 @@ def _check_blocks(blocks: np.ndarray | list[int], count: int, side: str) -> None
 class BlockPair:
     """Two caches and their selected tensors as :func:`plan_blocks` pairs them, before the
     block indices: checked once, kept for the requests that pair them again (a prepared
-    transfer, ``_net.grants``). It holds ints only, never a layout (a peer's is a view of its
+    transfer, ``_net.prepared``). It holds ints only, never a layout (a peer's is a view of its
     request). :meth:`plan` is plan_blocks for a few descriptors.
 
     Raises:

@@ -49,7 +49,7 @@ class CacheEntry:
     #: memory the CPU cannot address directly (a device adapter's): its bytes are staged
     device_memory: bool = False
     #: requests' pairs of this cache with a peer's layout, prepared once
-    #: (``_net.grants.plan_on_loop``; the loop only)
+    #: (``_net.prepared.plan_on_loop``; the loop only)
     pairs: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
 
     @property

@@ -24,9 +24,10 @@ from .._errors import LLMException
 from .._messages import By, Op
 from .._planner import Plan, check_within
 from .._transports.tcp import INLINE_BYTES
-from .grants import TransferRequest, plan_prepared, plan_selection, selection_bound
+from .grants import TransferRequest, plan_selection, selection_bound
 from .host import LinkHost
 from .link import Link
+from .prepared import plan_prepared
 from .streams import VIEWS_INLINE
 
 __all__ = ["EAGER_BYTES", "eager_plan", "stream_digest"]

@@ -3,16 +3,15 @@
 No I/O, no anyio: the initiator's request in its own terms (:class:`TransferRequest`; its
 check of a grant against it is :mod:`.grant_checks`); the target's resolution of a
 peer's :class:`~.._messages.Request` against its registry (:func:`resolve`), its plan and the
-check of every range it names (:func:`plan_checked`, safe in a worker thread; on the loop a
-request of a few blocks is planned from a pair prepared by the first, :func:`plan_on_loop`),
-and the checks that need the registry again right before the caches are pinned
-(:func:`finish`).
+check of every range it names (:func:`plan_checked`, safe in a worker thread; requests of a
+few blocks are planned from prepared pairs, :mod:`.prepared`), and the checks that need the
+registry again right before the caches are pinned (:func:`finish`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,7 +22,6 @@ from .._messages import Address, By, Cap, Mode, Op, Request, Shape, caps_of
 from .._planner import (
     MAX_PIECES,
     MAX_TENSORS,
-    BlockPair,
     Layout,
     Plan,
     check_within,
@@ -43,9 +41,8 @@ __all__ = [
     "Resolved",
     "TransferRequest",
     "finish",
+    "check_total",
     "plan_checked",
-    "plan_on_loop",
-    "plan_prepared",
     "plan_request",
     "plan_selection",
     "resolve",
@@ -137,78 +134,6 @@ def selection_bound(spec: TransferRequest) -> tuple[int, int]:
         unit = (spec.dst_block_bytes if pull else None) or e.stride
         return tensors * len(blocks) * unit, tensors * max(1, len(blocks))
     return tensors * (spec.size if spec.size >= 0 else e.stride), tensors
-
-
-#: a link's view of the peer's table, or a cache of ours, keeps at most this many prepared
-#: pairs (then starts again)
-_KEPT_PAIRS = 64
-
-
-def plan_prepared(
-    pairs: dict[tuple[Any, ...], Any],
-    spec: TransferRequest,
-    tgt: Layout,
-    regions: tuple[np.ndarray, np.ndarray],
-    max_bytes: int | None = None,
-) -> Plan | None:
-    """The plan of a request of a few blocks between our cache and the peer's cache ``tgt``
-    (as its table describes it), from the pair of the two kept in ``pairs`` (the link's view
-    of the peer's table; :class:`BlockPair`: tensor windows, addresses and block sizes, checked
-    by the first request that paired them); None when it must be planned in full
-    (:func:`plan_selection`, which also says what does not fit, or a plan over ``max_bytes``).
-
-    ``regions`` is the memory the source must lie in (the peer's published memory for a
-    one-sided pull, our own cache for a push planned here). A pair is made again when either
-    layout or ``regions`` change, and serves only when every selected source tensor lies whole
-    in ``regions``: then no block range can leave it, and no range check per request is needed.
-    """
-    src_b, dst_b = spec.src_blocks, spec.dst_blocks
-    if spec.shape is not Shape.BLOCKS or src_b is None or dst_b is None:
-        return None
-    if not 0 < len(src_b) == len(dst_b) <= BlockPair.FEW_PIECES:
-        return None
-    pull, ours = spec.op is Op.PULL, spec.local.layout
-    key = (
-        pull, spec.target.cache_id, spec.local.cache_id, spec.src_range, spec.dst_range,
-        spec.tensor_num_per_layer, spec.dst_block_bytes,
-    )  # fmt: skip
-    kept = pairs.get(key)
-    if kept is None or kept[0] is not tgt or kept[1] is not ours or kept[2] is not regions:
-        src, dst = (tgt, ours) if pull else (ours, tgt)
-        pair: BlockPair | None = None
-        whole = False
-        try:
-            src_idx, dst_idx = tensor_windows(
-                src.num_tensors, dst.num_tensors, spec.src_range, spec.dst_range,
-                spec.tensor_num_per_layer,
-            )  # fmt: skip
-            if len(src_idx) <= BlockPair.FEW_PIECES:  # (more never fit a few descriptors)
-                pair = BlockPair(src, dst, src_idx, dst_idx, spec.dst_block_bytes)
-                whole = _whole(pair.src_bases, src.count * pair.piece, regions)
-        except LLMException:
-            return None
-        if len(pairs) >= _KEPT_PAIRS:
-            pairs.clear()
-        kept = pairs[key] = (tgt, ours, regions, pair, whole)
-    pair, whole = kept[3], kept[4]
-    if pair is None or not whole:
-        return None
-    pieces = len(pair.src_bases) * len(src_b)
-    if pieces > BlockPair.FEW_PIECES or (max_bytes is not None and pieces * pair.piece > max_bytes):
-        return None
-    return pair.plan(src_b.tolist(), dst_b.tolist())
-
-
-def _whole(bases: list[int], extent: int, regions: tuple[np.ndarray, np.ndarray]) -> bool:
-    """True if ``[base, base + extent)`` lies inside one of ``regions`` for every base."""
-    return check_within(
-        np.asarray(bases, dtype=_U64), np.full(len(bases), extent, dtype=_U64), *regions
-    )
-
-
-#: a peer's layout of more tensors than this is never kept as a prepared pair's key (its
-#: requests are planned in full): a kept key holds 8 bytes a tensor
-_KEYED_TENSORS = 256
 
 
 # ====================================================================== initiator's check
@@ -463,71 +388,11 @@ def plan_checked(req: Request, res: Resolved) -> Planned:
         )
         j = np.searchsorted(starts, target_side, side="right").astype(np.int64) - 1
         ids = np.unique(all_ids[j])
-    _check_total(plan, res)
+    check_total(plan, res)
     return plan, src_slot, src_idx, ids
 
 
-def plan_on_loop(req: Request, res: Resolved) -> Planned:
-    """:func:`plan_checked` on the loop: a request of a few blocks of a cache it named (by
-    key or id) is planned from the pair of that cache with the peer's layout prepared by the
-    first such request (:class:`BlockPair`: tensor windows, addresses and block sizes, checked
-    once, kept on our cache's entry), and serves only where our selected tensors lie whole in
-    the cache (then no block range can leave it). Anything else is planned in full.
-
-    Raises:
-        As :func:`plan_checked`.
-    """
-    entry, src_b, dst_b = res.entry, req.src_blocks, req.dst_blocks
-    if entry is None or req.shape is not Shape.BLOCKS or src_b is None or dst_b is None:
-        return plan_checked(req, res)
-    if not 0 < len(src_b) == len(dst_b) <= BlockPair.FEW_PIECES:
-        return plan_checked(req, res)
-    pull, theirs = req.op is Op.PULL, res.init_layout
-    if theirs.num_tensors > _KEYED_TENSORS:
-        return plan_checked(req, res)
-    key = (
-        pull, theirs.addrs.tobytes(), theirs.tensor_bytes, theirs.count, theirs.is_blocks,
-        req.src_range, req.dst_range, req.tensor_num_per_layer, req.dst_block_bytes,
-    )  # fmt: skip
-    kept = entry.pairs.get(key)
-    if kept is None:
-        src, dst = (res.tgt_layout, theirs) if pull else (theirs, res.tgt_layout)
-        src_idx, dst_idx = tensor_windows(
-            src.num_tensors, dst.num_tensors, req.src_range, req.dst_range,
-            req.tensor_num_per_layer,
-        )  # fmt: skip
-        pair: BlockPair | None = None
-        whole = False
-        if len(src_idx) <= BlockPair.FEW_PIECES:  # (more never fit a few descriptors)
-            try:
-                pair = BlockPair(src, dst, src_idx, dst_idx, req.dst_block_bytes)
-            except LLMException:
-                return plan_checked(req, res)  # (it says what does not fit, as it always did)
-            # Our side: the source of a pull, the destination of a push.
-            if pull:
-                whole = _whole(pair.src_bases, src.count * pair.piece, entry.regions)
-            else:
-                whole = _whole(pair.dst_bases, pair.dst_count * pair.dst_unit, entry.regions)
-        if len(entry.pairs) >= _KEPT_PAIRS:
-            entry.pairs.clear()
-        kept = entry.pairs[key] = (pair, src_idx, whole)
-    pair, src_idx, whole = kept
-    if pair is None or not whole:
-        return plan_checked(req, res)
-    pieces = len(pair.src_bases) * len(src_b)
-    if pieces > BlockPair.FEW_PIECES:
-        return plan_checked(req, res)
-    if pieces * pair.piece > res.held:  # (before the blocks are looked at, as plan_selection)
-        raise_param(
-            f"the request would move {pieces * pair.piece} bytes, more than the {res.held} "
-            "bytes of the caches it touches"
-        )
-    plan = pair.plan(src_b.tolist(), dst_b.tolist())
-    _check_total(plan, res)
-    return plan, res.slot if pull else req.local_slot, src_idx, None
-
-
-def _check_total(plan: Plan, res: Resolved) -> None:
+def check_total(plan: Plan, res: Resolved) -> None:
     """Repeated block indices must not turn a small request into unbounded work."""
     total = plan.total_bytes
     if total > res.held:

@@ -15,7 +15,7 @@ the link's reader drives; :func:`initiate` runs one for a task that awaits it.
 In remote-accessible mode a pull by cache id that this side can run alone is planned here
 from the peer's table and copied one-sidedly (:func:`_pull_direct`), with no round trip. A
 pull of a few blocks is planned from the pair of caches prepared by the first such pull
-(:func:`~.grants.plan_prepared`): what does not depend on the block indices is checked once.
+(:func:`~.prepared.plan_prepared`): what does not depend on the block indices is checked once.
 Keys are consumed by the target only after DONE reports success, so a failed pull leaves the
 key pullable (reference §8.1, §9.4).
 """
@@ -35,9 +35,10 @@ from .._messages import By, Op
 from .._planner import Plan, check_within
 from .exchange import Exchange
 from .feed import LayerFeed
-from .grants import TransferRequest, plan_prepared, plan_selection, selection_bound
+from .grants import TransferRequest, plan_selection, selection_bound
 from .host import LinkHost
 from .link import Link
+from .prepared import plan_prepared
 from .requests import Pending
 
 __all__ = ["initiate", "may_pull_directly", "pull_direct_now"]

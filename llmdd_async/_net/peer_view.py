@@ -70,7 +70,7 @@ class PeerView:
         self.caches: dict[int, dict[str, Any]] = {}
         #: cache id -> (its table entry, the layout and the data type parsed from that entry)
         self._layouts: dict[int, tuple[dict[str, Any], Layout | None, int | None, bool]] = {}
-        #: prepared pairs of the peer's caches with ours (``grants.plan_prepared``), each with
+        #: prepared pairs of the peer's caches with ours (``prepared.plan_prepared``), each with
         #: the two layouts and the regions it was made from
         self.pairs: dict[tuple[Any, ...], tuple[Layout, Layout, Any, BlockPair, bool]] = {}
         #: (address, value) of the peer's epoch counter as of that view (one-sided pulls)

@@ -29,9 +29,10 @@ from .._registry import CacheEntry
 from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
 from .eager import stream_digest
-from .grants import INLINE_PIECES, finish, plan_checked, plan_on_loop, resolve
+from .grants import INLINE_PIECES, finish, plan_checked, resolve
 from .host import LinkHost
 from .link import Link
+from .prepared import plan_on_loop
 from .requests import Serving
 from .streams import VIEWS_INLINE
 

@@ -1,5 +1,5 @@
 """A target plans a peer's request of a few blocks from the pair of caches prepared by the
-first such request (``grants.plan_on_loop``). Whatever the peer sends (layouts, layer
+first such request (``prepared.plan_on_loop``). Whatever the peer sends (layouts, layer
 ranges, block sizes, block indices in and out of range, repeated), the prepared plan is the
 full planner's, to the byte, and so is every refusal; and a cache keeps a bounded number of
 pairs however many layouts a peer names."""
@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from llmdd_async._enums import Placement
 from llmdd_async._errors import LLMException, ProtocolError
 from llmdd_async._messages import Address, By, Op, Request, Shape
-from llmdd_async._net import grants
-from llmdd_async._net.grants import _KEPT_PAIRS, Resolved, plan_checked, plan_on_loop
+from llmdd_async._net import prepared
+from llmdd_async._net.grants import Resolved, plan_checked
+from llmdd_async._net.prepared import _KEPT_PAIRS, plan_on_loop
 from llmdd_async._planner import BlockPair, Layout
 from llmdd_async._registry import CacheEntry
 
@@ -148,7 +149,7 @@ def test_a_pair_is_prepared_once_for_the_requests_that_pair_the_same_caches(
             super().__init__(*args)
             made.append(self)
 
-    monkeypatch.setattr(grants, "BlockPair", Counted)
+    monkeypatch.setattr(prepared, "BlockPair", Counted)
     entry = _entry(2, 8, 32)
     for i in range(10):
         req = Request(
@@ -200,7 +201,7 @@ def test_a_peer_layout_of_many_tensors_is_planned_in_full_and_not_kept() -> None
     # A kept key holds the peer's addresses: 8 bytes a tensor, so a layout of up to
     # _KEYED_TENSORS only (a peer naming 65536 tensors would make each key 512 KiB).
     entry = _entry(2, 8, 32)
-    n = grants._KEYED_TENSORS + 1
+    n = prepared._KEYED_TENSORS + 1
     req = Request(
         req_id=1,
         op=Op.PULL,
