@@ -147,9 +147,9 @@ def plan_on_loop(req: Request, res: Resolved) -> Planned:
                 whole = _whole(pair.dst_bases, pair.dst_count * pair.dst_unit, entry.regions)
         if len(entry.pairs) >= _KEPT_PAIRS:
             entry.pairs.clear()
-        kept = entry.pairs[key] = (pair, src_idx, whole)
-    pair, src_idx, whole = kept
-    if pair is None or not whole:
+        kept = entry.pairs[key] = (pair, src_idx if pair is not None else None, whole)
+    pair, chosen, whole = kept
+    if pair is None or chosen is None or not whole:
         return plan_checked(req, res)
     pieces = len(pair.src_bases) * len(src_b)
     if pieces > BlockPair.FEW_PIECES:
@@ -161,4 +161,4 @@ def plan_on_loop(req: Request, res: Resolved) -> Planned:
         )
     plan = pair.plan(src_b.tolist(), dst_b.tolist())
     check_total(plan, res)
-    return plan, res.slot if pull else req.local_slot, src_idx, None
+    return plan, res.slot if pull else req.local_slot, chosen, None
