@@ -436,13 +436,13 @@ def plan_blocks(
         LLMException: LLM_PARAM_INVALID for unequal or empty lists, indices out of range, or
             block sizes that do not fit.
     """
-    pair = BlockPair(src, dst, src_tensors, dst_tensors, dst_block_bytes)
     if not len(dst_blocks):
         raise_param("dst_blocks must not be empty")
     if len(src_blocks) != len(dst_blocks):
         raise_param(
             f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length"
         )
+    pair = BlockPair(src, dst, src_tensors, dst_tensors, dst_block_bytes)
     if len(src_tensors) * len(src_blocks) <= _SMALL:
         # A few descriptors: Python ints throughout (numpy costs microseconds per call).
         return pair.plan(src_blocks.tolist(), dst_blocks.tolist())

@@ -346,6 +346,8 @@ def resolve(engine: LinkHost, req: Request) -> Resolved:
         raise_param(f"the request selects up to {pieces} ranges, more than {MAX_PIECES}")
     tb, count, is_blocks = req.layout
     raise_if_false(count > 0, f"the request's own cache has {count} slots or blocks")
+    dbb = req.dst_block_bytes
+    raise_if_false(dbb is None or dbb > 0, f"destination blocks of {dbb} bytes")
     init_layout = Layout(req.local_addrs, tb, count, is_blocks)
     if entry is not None:
         tgt_layout = entry.layout

@@ -72,7 +72,7 @@ class PeerView:
         self._layouts: dict[int, tuple[dict[str, Any], Layout | None, int | None, bool]] = {}
         #: prepared pairs of the peer's caches with ours (``prepared.plan_prepared``), each with
         #: the two layouts and the regions it was made from
-        self.pairs: dict[tuple[Any, ...], tuple[Layout, Layout, Any, BlockPair, bool]] = {}
+        self.pairs: dict[tuple[Any, ...], tuple[Layout, Layout, Any, BlockPair | None, bool]] = {}
         #: (address, value) of the peer's epoch counter as of that view (one-sided pulls)
         self.epoch: tuple[int, int] | None = None
         #: (starts, ends) of the peer's memory that it let us reach directly, refreshed from

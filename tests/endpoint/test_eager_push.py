@@ -373,27 +373,36 @@ async def test_a_layer_window_longer_than_python_can_count_is_refused(
 
 
 @pytest.mark.parametrize("op", [Op.PULL, Op.PUSH])
-async def test_a_request_whose_own_cache_has_no_blocks_is_refused_clearly(
-    target: tuple[Any, np.ndarray, int], op: Op
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("layout", (4 * BLOCK, 0, True), "0 slots or blocks"),
+        ("dst_block_bytes", 0, "destination blocks of 0 bytes"),
+    ],
+    ids=["no-blocks", "empty-blocks"],
+)
+async def test_a_request_of_empty_blocks_is_refused_clearly(
+    target: tuple[Any, np.ndarray, int], op: Op, field: str, value: Any, said: str
 ) -> None:
-    # A peer's layout of 0 blocks used to reach the planner, which divided by it: the
-    # refusal said "integer division or modulo by zero".
+    # A peer's layout of 0 blocks, or blocks of 0 bytes, used to reach the planner, which
+    # divided by it: the refusal said "integer division or modulo by zero".
     peer, arr, cache_id = target
+    fields: dict[str, Any] = {"layout": (4 * BLOCK, 4, True), field: value}
     bad = Request(
         1,
         op,
         Address(By.CACHE_ID, cache_id=cache_id),
         Shape.BLOCKS,
-        (4 * BLOCK, 0, True),
-        np.array([PEER_TENSOR], np.uint64),
+        local_addrs=np.array([PEER_TENSOR], np.uint64),
         src_blocks=np.array([0], np.uint64),
         dst_blocks=np.array([2], np.uint64),
+        **fields,
     )
     await peer.send_bytes(encode(bad.encode()))
     with anyio.fail_after(5):
         grant = Grant.decode(await peer.recv(MT.GRANT))
     assert grant.status == dd.LLMStatusCode.LLM_PARAM_INVALID, grant
-    assert "0 slots or blocks" in (grant.message or ""), grant.message
+    assert said in (grant.message or ""), grant.message
     await peer.send_bytes(_push(2, cache_id, None))  # the link goes on
     with anyio.fail_after(5):
         assert Grant.decode(await peer.recv(MT.GRANT)).ok
