@@ -122,6 +122,37 @@ async def register_blocks_at(peer: Any, num_tensors: int, shape: Any, key: Any =
     )
 
 
+def blocks_entry(
+    addrs: Any,
+    blocks: int,
+    block_bytes: int,
+    *,
+    cache_id: int = 1,
+    dtype: int = 0,
+    remote_accessible: bool = True,
+) -> Any:
+    """A registry entry of a host blocks cache at ``addrs`` (one tensor each), for pure
+    checks and planning without an engine."""
+    import numpy as np
+
+    import llmdd_async as dd
+    from llmdd_async._registry import CacheEntry
+
+    return CacheEntry(
+        cache_id=cache_id,
+        num_tensors=len(addrs),
+        tensor_bytes=blocks * block_bytes,
+        count=blocks,
+        is_blocks=True,
+        placement=dd.Placement.HOST,
+        dtype=dtype,
+        shape=(blocks, block_bytes),
+        addrs=np.array(addrs, dtype=np.uint64),
+        remote_accessible=remote_accessible,
+        allocated=False,
+    )  # fmt: skip
+
+
 def expected_tensor(seed: int, tensor: int, shape: tuple[int, ...]) -> Any:
     """What a test peer wrote into tensor ``tensor`` of a cache filled with ``seed``."""
     import math

@@ -631,20 +631,27 @@ async def test_same_host_pulls_in_remote_accessible_mode_are_one_sided(ra: bool)
             assert (np.frombuffer(got, np.uint8).reshape(16, 256)[4] == 7).all()
 
 
+async def _peer_blocks(p: Any, shape: tuple[int, int], seed: int) -> int:
+    """The peer allocates a blocks cache of two tensors of ``shape`` under
+    ``BlocksCacheKey(PROMPT, 0)``, filled from ``seed``; its cache id."""
+    cache_id: int = await p.request(
+        "alloc",
+        kind="blocks",
+        num_tensors=2,
+        shape=list(shape),
+        blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
+        seed=seed,
+    )
+    return cache_id
+
+
 async def test_every_block_of_a_pool_cache_whose_tensors_touch(transport) -> None:
     """Pool tensors of a page-multiple size lie back to back: a pull of every block must not
     merge the last block of one tensor with the first of the next (each end checks ranges per
     tensor; before, 256 of 256 blocks failed with "the request leaves cache 1")."""
     async with pair(transport) as (p, d):
         shape = (256, 16384)  # 4 MiB per tensor: a whole number of pool pages
-        await p.request(
-            "alloc",
-            kind="blocks",
-            num_tensors=2,
-            shape=list(shape),
-            blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
-            seed=41,
-        )
+        await _peer_blocks(p, shape, 41)
         cm = d.cache_manager
         dst = cm.allocate_blocks_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
         every = list(range(shape[0]))
@@ -685,14 +692,7 @@ async def test_a_lying_table_never_steers_a_one_sided_pull() -> None:
     only our own planned destination is ever written."""
     async with pair("same-host", ra=True) as (p, d):
         shape = (8, 256)
-        theirs = await p.request(
-            "alloc",
-            kind="blocks",
-            num_tensors=2,
-            shape=list(shape),
-            blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
-            seed=51,
-        )
+        theirs = await _peer_blocks(p, shape, 51)
         cm = d.cache_manager
         dst = cm.allocate_blocks_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
         key = dd.BlocksCacheKey(PROMPT, 0)
@@ -728,14 +728,7 @@ async def test_one_sided_pulls_reuse_a_prepared_pair_and_it_never_widens_what_th
     block outside the published memory still goes to the peer."""
     async with pair("same-host", ra=True) as (p, d):
         shape = (8, 256)
-        theirs = await p.request(
-            "alloc",
-            kind="blocks",
-            num_tensors=2,
-            shape=list(shape),
-            blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
-            seed=53,
-        )
+        theirs = await _peer_blocks(p, shape, 53)
         cm = d.cache_manager
         dst = cm.allocate_blocks_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
         key = dd.BlocksCacheKey(PROMPT, 0)
@@ -842,14 +835,7 @@ async def test_a_cache_released_under_a_one_sided_copy_from_the_loop_is_not_kept
     not reported; the pull goes to the peer, which answers for its caches."""
     async with pair("same-host", ra=True) as (p, d):
         shape = (8, 256)
-        await p.request(
-            "alloc",
-            kind="blocks",
-            num_tensors=2,
-            shape=list(shape),
-            blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
-            seed=67,
-        )
+        await _peer_blocks(p, shape, 67)
         cm = d.cache_manager
         dst = cm.allocate_blocks_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8))
         key = dd.BlocksCacheKey(PROMPT, 0)

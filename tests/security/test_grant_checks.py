@@ -4,10 +4,10 @@ Python, on the hot path) and the vectorised path agree on every input."""
 from __future__ import annotations
 
 import numpy as np
+from helpers import blocks_entry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmdd_async._enums import Placement
 from llmdd_async._messages import Address, By
 from llmdd_async._net.grant_checks import grant_within_selection
 from llmdd_async._net.grants import TransferRequest
@@ -19,20 +19,8 @@ COUNT = 8
 
 def _entry(ntensors: int) -> CacheEntry:
     # Tensors laid out out of order, with gaps between them.
-    base = np.array([10_000, 1_000, 30_000, 20_000][:ntensors], dtype=np.uint64)
-    return CacheEntry(
-        cache_id=1,
-        num_tensors=ntensors,
-        tensor_bytes=BLOCK * COUNT,
-        count=COUNT,
-        is_blocks=True,
-        placement=Placement.HOST,
-        dtype=4,
-        shape=(COUNT, BLOCK),
-        addrs=base,
-        remote_accessible=False,
-        allocated=False,
-    )
+    base = [10_000, 1_000, 30_000, 20_000][:ntensors]
+    return blocks_entry(base, COUNT, BLOCK, dtype=4, remote_accessible=False)
 
 
 @st.composite

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import blocks_entry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmdd_async._enums import Placement
 from llmdd_async._errors import LLMException, ProtocolError
 from llmdd_async._messages import Address, By, Op, Request, Shape
 from llmdd_async._net import prepared
@@ -29,20 +29,8 @@ from llmdd_async._registry import CacheEntry
 def _entry(ntensors: int, count: int, block: int) -> CacheEntry:
     # Tensors out of address order, with gaps between them.
     tb = count * block
-    addrs = np.array([(7 - 2 * i) % 8 * (tb + 64) + 4096 for i in range(ntensors)], np.uint64)
-    return CacheEntry(
-        cache_id=3,
-        num_tensors=ntensors,
-        tensor_bytes=tb,
-        count=count,
-        is_blocks=True,
-        placement=Placement.HOST,
-        dtype=4,
-        shape=(count, block),
-        addrs=addrs,
-        remote_accessible=True,
-        allocated=False,
-    )
+    addrs = [(7 - 2 * i) % 8 * (tb + 64) + 4096 for i in range(ntensors)]
+    return blocks_entry(addrs, count, block, cache_id=3, dtype=4)
 
 
 @st.composite

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import blocks_entry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmdd_async._enums import Placement
 from llmdd_async._messages import Address, By, Op, Shape
 from llmdd_async._net.grant_checks import layer_spans
 from llmdd_async._net.grants import TransferRequest, plan_selection
@@ -20,19 +20,7 @@ _U64 = np.uint64
 
 
 def _entry(addrs: list[int], blocks: int, block_bytes: int) -> CacheEntry:
-    return CacheEntry(
-        cache_id=1,
-        num_tensors=len(addrs),
-        tensor_bytes=blocks * block_bytes,
-        count=blocks,
-        is_blocks=True,
-        placement=Placement.HOST,
-        dtype=0,
-        shape=(blocks, block_bytes),
-        addrs=np.array(addrs, dtype=_U64),
-        remote_accessible=True,
-        allocated=False,
-    )
+    return blocks_entry(addrs, blocks, block_bytes)
 
 
 def _layer_push(
