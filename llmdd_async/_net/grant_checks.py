@@ -35,6 +35,8 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
     )
     if local_blocks and blocks is None:
         return check_within(local, nbytes, *e.regions)  # every block was asked for
+    # the runs of selected units (firsts, lasts): Python ints for a few, arrays for many
+    runs: tuple[list[int], list[int]] | tuple[np.ndarray, np.ndarray]
     if local_blocks:
         unit = spec.dst_block_bytes if (local_is_dst and spec.dst_block_bytes) else e.stride
         assert blocks is not None
