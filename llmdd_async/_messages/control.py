@@ -334,9 +334,31 @@ def _no_regions() -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
 
 
+def _disjoint(starts: list[int], ends: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The regions ``[starts[i], ends[i])`` sorted, with those that overlap merged into one.
+
+    A peer's table may list caches over one another (a hostile one, to make a range check
+    answer by the wrong region): checks of a range against regions (``check_within``) look in
+    one region only, so they need them disjoint. What they then allow is the same memory:
+    the union of what the peer published.
+    """
+    if not starts:
+        return _no_regions()
+    out_s: list[int] = []
+    out_e: list[int] = []
+    for s, e in sorted(zip(starts, ends, strict=True)):
+        if out_e and s < out_e[-1]:
+            out_e[-1] = max(out_e[-1], e)
+        else:
+            out_s.append(s)
+            out_e.append(e)
+    return np.array(out_s, dtype=np.uint64), np.array(out_e, dtype=np.uint64)
+
+
 def regions_of_table(table: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted ``(starts, ends)`` of the tensors of the remote-accessible caches a peer's table
-    (or proof message) lists; malformed entries count as nothing."""
+    """Sorted, disjoint ``(starts, ends)`` of the tensors of the remote-accessible caches a
+    peer's table (or proof message) lists (overlapping ones merged); malformed entries count
+    as nothing."""
     starts: list[int] = []
     ends: list[int] = []
     caches = table.get("caches") if isinstance(table, dict) else None
@@ -350,18 +372,13 @@ def regions_of_table(table: Any) -> tuple[np.ndarray, np.ndarray]:
             if isinstance(a, int) and a > 0 and size > 0 and a + size < 2**64:
                 starts.append(a)
                 ends.append(a + size)
-    if not starts:
-        return _no_regions()
-    order = np.argsort(np.array(starts, dtype=np.uint64), kind="stable")
-    return (
-        np.array(starts, dtype=np.uint64)[order],
-        np.array(ends, dtype=np.uint64)[order],
-    )
+    return _disjoint(starts, ends)
 
 
 def regions_of(caches: Iterable[CacheInfo]) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted ``(starts, ends)`` of the tensors of the remote-accessible ``caches`` (a zero
-    address or size, or a tensor past 2**64, counts as nothing)."""
+    """Sorted, disjoint ``(starts, ends)`` of the tensors of the remote-accessible ``caches``
+    (overlapping ones merged; a zero address or size, or a tensor past 2**64, counts as
+    nothing)."""
     starts: list[int] = []
     ends: list[int] = []
     for c in caches:
@@ -371,13 +388,7 @@ def regions_of(caches: Iterable[CacheInfo]) -> tuple[np.ndarray, np.ndarray]:
             if a > 0 and a + c.tensor_bytes < 2**64:
                 starts.append(a)
                 ends.append(a + c.tensor_bytes)
-    if not starts:
-        return _no_regions()
-    order = np.argsort(np.array(starts, dtype=np.uint64), kind="stable")
-    return (
-        np.array(starts, dtype=np.uint64)[order],
-        np.array(ends, dtype=np.uint64)[order],
-    )
+    return _disjoint(starts, ends)
 
 
 # ====================================================================== handshake

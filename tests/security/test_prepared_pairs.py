@@ -18,11 +18,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmdd_async._errors import LLMException, ProtocolError
-from llmdd_async._messages import Address, By, Op, Request, Shape
+from llmdd_async._messages import (
+    Address,
+    By,
+    CacheInfo,
+    Op,
+    Request,
+    Shape,
+    regions_of,
+    regions_of_table,
+)
 from llmdd_async._net import prepared
-from llmdd_async._net.grants import Resolved, plan_checked
-from llmdd_async._net.prepared import _KEPT_PAIRS, plan_on_loop
-from llmdd_async._planner import BlockPair, Layout
+from llmdd_async._net.grants import Resolved, TransferRequest, plan_checked, plan_selection
+from llmdd_async._net.prepared import _KEPT_PAIRS, plan_on_loop, plan_prepared
+from llmdd_async._planner import BlockPair, Layout, check_within
 from llmdd_async._registry import CacheEntry
 
 
@@ -205,3 +214,73 @@ def test_a_peer_layout_of_many_tensors_is_planned_in_full_and_not_kept() -> None
     )
     assert _outcome(plan_on_loop, req, entry) == _outcome(plan_checked, req, entry)
     assert not entry.pairs
+
+
+@st.composite
+def published(draw: st.DrawFn) -> tuple[Layout, tuple[np.ndarray, np.ndarray], TransferRequest]:
+    """The cache a one-sided pull reads, as the peer's table publishes it, beside other caches
+    the table lists over, under or across its tensors (a hostile table may overlap them)."""
+    block = draw(st.sampled_from([16, 32]))
+    count, n = draw(st.integers(2, 8)), draw(st.integers(1, 4))
+    base = 1 << 30
+    tgt = Layout(
+        np.array([base + i * (count * block + 64) for i in range(n)], np.uint64),
+        count * block,
+        count,
+        True,
+    )
+    caches = [CacheInfo(7, tuple(tgt.addrs.tolist()), count * block, count, True, 0, True)]
+    span = n * (count * block + 64)
+    for k in range(draw(st.integers(0, 4))):
+        start = base + draw(st.integers(-64, span))
+        size = draw(st.integers(1, span))
+        caches.append(CacheInfo(8 + k, (start,), size, 1, False, 0, True))
+    local = blocks_entry([1 << 40, 1 << 41, 1 << 42, 1 << 43][:n], count, block, cache_id=1)
+    k = draw(st.integers(1, 4))
+    idx = st.lists(st.integers(0, count - 1), min_size=k, max_size=k)
+    spec = TransferRequest(
+        Op.PULL,
+        Address(By.CACHE_ID, cache_id=7),
+        Shape.BLOCKS,
+        local,
+        tensor_num_per_layer=1,
+        src_blocks=np.array(draw(idx), np.uint64),
+        dst_blocks=np.array(draw(idx), np.uint64),
+    )
+    return tgt, regions_of(caches), spec
+
+
+@settings(max_examples=300, deadline=None)
+@given(published())
+def test_a_prepared_pull_reads_only_what_the_full_check_allows(case: Any) -> None:
+    """An initiator's prepared one-sided pull serves only what the full plan and its range
+    check serve, whatever other caches the peer's table lists across the cache's tensors."""
+    tgt, regions, spec = case
+    got = plan_prepared({}, spec, tgt, regions)
+    want, _, _ = plan_selection(
+        Op.PULL, Shape.BLOCKS, spec.local.layout, tgt, 0, local_slot=0, src_range=None,
+        dst_range=None, tnpl=1, size=-1, src_offset=0, dst_offset=0,
+        src_blocks=spec.src_blocks, dst_blocks=spec.dst_blocks, dst_block_bytes=None,
+    )  # fmt: skip
+    allowed = check_within(want.src, want.nbytes, *regions)
+    if got is not None:
+        assert allowed, (regions, want.src.tolist(), want.nbytes.tolist())
+        assert got.src.tolist() == want.src.tolist() and got.dst.tolist() == want.dst.tolist()
+    # (The cache's own tensors are published: a request inside them is always allowed.)
+    assert allowed
+
+
+def test_a_peers_published_regions_are_disjoint_however_its_caches_overlap() -> None:
+    caches = [
+        CacheInfo(1, (1000, 5000), 100, 1, False, 0, True),
+        CacheInfo(2, (1050,), 10, 1, False, 0, True),  # inside the first tensor
+        CacheInfo(3, (1090, 4990), 20, 1, False, 0, True),  # across an end, across a start
+        CacheInfo(4, (2000,), 100, 1, False, 0, False),  # not reachable: not a region
+    ]
+    starts, ends = regions_of(caches)
+    assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == [(1000, 1110), (4990, 5100)]
+    # the same from a table as it arrives (a proof message)
+    table = {"caches": [c.encode() for c in caches]}
+    starts, ends = regions_of_table(table)
+    assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == [(1000, 1110), (4990, 5100)]
+    assert check_within(np.array([1055], np.uint64), np.array([40], np.uint64), starts, ends)
