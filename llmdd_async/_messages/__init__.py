@@ -21,7 +21,9 @@ always were; a peer's published table too (malformed entries count as nothing).
 * side channel: :class:`Prove`, :class:`ProveAck`, :class:`ProveFin` (with a :class:`Proof`);
 * handshake: :class:`Hello`, :class:`Challenge`, :class:`Identity` (a LINK_REQ's fields, and a
   successful LINK_ACK's, with its :class:`Host`), :class:`LinkRefused` (a LINK_ACK that says
-  no).
+  no);
+* regions: what a peer's table publishes as reachable memory (:func:`regions_of`, sorted
+  and disjoint).
 """
 
 from __future__ import annotations
@@ -42,8 +44,6 @@ from .control import (
     TableRequest,
     Unlink,
     UnlinkAck,
-    regions_of,
-    regions_of_table,
 )
 from .fields import (
     FLAG_EAGER,
@@ -57,6 +57,7 @@ from .fields import (
     caps_of,
     wire_status,
 )
+from .regions import regions_of, regions_of_table
 from .side_channel import Proof, Prove, ProveAck, ProveFin, tcp_binding_of
 from .transfer import Abort, Address, Data, Done, Grant, Request, Result
 

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from .._protocol import MT, Message
-from .control import CacheInfo, regions_of
+from .control import CacheInfo
 from .fields import U64_MAX, bad_field, expect_type, int_field, str_field
+from .regions import regions_of
 
 #: ``[[ip, port], [ip, port]]`` of a TCP connection (``local_peer.tcp_binding``), typed
 TcpBinding = tuple[tuple[str, int], tuple[str, int]]
