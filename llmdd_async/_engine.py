@@ -371,6 +371,13 @@ class Engine:
                 "it; from other threads use llmdd_async.sync"
             )
 
+    def loop_callback(self) -> Callable[[Callable[[], None]], None] | None:
+        """A function that, from any thread, has the loop run ``fn()`` in a loop callback (no
+        task; it must not raise): on asyncio and uvloop. None on trio, whose callbacks run
+        outside any task, where the library does not spawn tasks or take locks, and when the
+        engine is not running."""
+        return self._threadsafe if self._soon is not None else None
+
     def soon(self, fn: Callable[[], None]) -> bool:
         """On the loop thread: run ``fn()`` in a loop callback once what is ready to run now
         has run (no task); it must not raise. False, with nothing scheduled, where the

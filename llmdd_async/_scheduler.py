@@ -31,7 +31,7 @@ from ._errors import (
     is_caller_facing,
 )
 from ._layer_channel import LayerChannel
-from ._layer_gate import wait_for_layer
+from ._layer_gate import SignalPump, wait_for_layer
 from ._net.addressing import resolve_in_table, with_table
 from ._net.exchange import Exchange
 from ._net.grants import TransferRequest
@@ -366,13 +366,38 @@ async def run_layerwise(
                 ctl.layer_done(layer, ready_at[layer], started_at[layer], now, nbytes_at[layer])
 
     async def produce(channels: dict[int, LayerChannel]) -> None:
+        def hand_on(layer: int, t_wait: float) -> list[LayerChannel]:
+            # A layer ready: handed to each destination's channel; those whose window is
+            # full. No loop turn while the windows have room: a consumer that wakes then finds
+            # every layer that was ready, for one request. A layer that came at the model's
+            # pace may leave at once, from here (LayerChannel.direct); layers ready early
+            # queue, to leave together.
+            ready_at[layer] = now = ctl.now()
+            if now - t_wait > _WAITED_S:
+                waited.append(now)  # the model's pace, not a layer ready early
+            targets = [channels[d.index] for d in dests if layer in members[d.index]]
+            return [c for c in targets if not c.hand_nowait(layer, now - t_wait > _WAITED_S)]
+
+        # Layers signalled at the model's pace are handed on from the signal's loop callback;
+        # this task goes on where that needs a wait (a full window, an abort, a long wait).
+        pump = SignalPump.of(engine, sync, all_layers, sync_timeout_ms, hand_on, ctl.now)
         try:
-            for layer in all_layers:
-                ready_at[layer] = t_wait = ctl.now()
+            i = 0
+            while i < len(all_layers):
+                since = t_wait = None
+                if pump is not None:
+                    i, full = await pump.run(i)
+                    for channel in full:
+                        await channel.hand(all_layers[i - 1])
+                    if full or i == len(all_layers):
+                        continue
+                    t_wait, since = pump.t_wait, pump.since
+                layer = all_layers[i]
+                i += 1
+                ready_at[layer] = t_wait = ctl.now() if t_wait is None else t_wait
                 try:
                     if not known_ready(layer):
-                        await wait_for_layer(engine, sync, layer, sync_timeout_ms)
-                        ready_at[layer] = ctl.now()
+                        await wait_for_layer(engine, sync, layer, sync_timeout_ms, since)
                 except SynchronizerAborted as exc:
                     # Like upstream's sequential loop: layers that were already ready still
                     # go out (the channels drain), nothing after this one does.
@@ -382,17 +407,8 @@ async def run_layerwise(
                     if not failure:
                         failure.append(exc)
                     return
-                paced = ready_at[layer] - t_wait > _WAITED_S
-                if paced:
-                    waited.append(ready_at[layer])  # the model's pace, not a layer ready early
-                for d in dests:
-                    # No loop turn while the window has room: a consumer that wakes then
-                    # finds every layer that was ready, for one request. A layer that came
-                    # at the model's pace may leave at once, from here (LayerChannel.direct);
-                    # layers ready early queue, to leave together.
-                    channel = channels[d.index]
-                    if layer in members[d.index] and not channel.hand_nowait(layer, paced):
-                        await channel.hand(layer)
+                for channel in hand_on(layer, t_wait):
+                    await channel.hand(layer)
         finally:
             for channel in channels.values():
                 channel.finish()

@@ -13,7 +13,8 @@ A peer's ``status`` is read leniently everywhere (missing, malformed or unknown 
 LLM_FAILED: the safest answer), and so is a reason it gives (bounded, made a string), as they
 always were; a peer's published table too (malformed entries count as nothing).
 
-* transfer: :class:`Request` (XFER_REQ), :class:`Grant`, :class:`Data`, :class:`Done`,
+* transfer: :class:`Request` (XFER_REQ, naming the target's cache by an :class:`Address`:
+  ``address``), :class:`Grant`, :class:`Data`, :class:`Done`,
   :class:`Result`, :class:`Abort`;
 * control: :class:`TableRequest`, :class:`Table` (with its :class:`NixlInfo` or
   :class:`MooncakeInfo`), :class:`Ping`, :class:`Pong`, :class:`Unlink`, :class:`UnlinkAck`,

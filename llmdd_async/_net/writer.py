@@ -503,8 +503,7 @@ class LinkWriter:
         its payload's trailer. Call under the send lock: each frame's tag counts frames on a
         keyed link."""
         trailer = PAYLOAD_TAG if self.link.payload_auth else 0
-        data = Data(req.req_id, off, n + trailer, to_initiator)
-        header = first + encode(data.encode(), self._send_auth)
+        header = first + Data.frame(req.req_id, off, n + trailer, to_initiator, self._send_auth)
         if not trailer:
             return header, None
         assert self._send_auth is not None  # payload_auth implies a keyed link

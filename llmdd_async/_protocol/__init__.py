@@ -42,6 +42,7 @@ from .frames import (
     Message,
     PayloadBytes,
     encode,
+    encode_data,
 )
 
 __all__ = [
@@ -62,4 +63,5 @@ __all__ = [
     "PayloadBytes",
     "UNCHARGED_META",
     "encode",
+    "encode_data",
 ]

@@ -138,7 +138,16 @@ def encode(msg: Message, auth: FrameAuth | None = None) -> bytes:
         ProtocolError: an array whose size is not a multiple of 8, or meta over the limit; a
             packed message of a type that has no packed form, or with an array it has not.
     """
-    if msg.packed is not None:
+    packed = msg.packed
+    if packed is not None:
+        if msg.type is MT.DATA and len(packed) == _DATA_FIELDS and not msg.arrays:
+            return _with_tag(
+                _DATA_HEAD.pack(
+                    MAGIC, PROTOCOL_VERSION, _DATA, msg.req_id, _DATA_META + (_TAG if auth else 0),
+                    msg.flags, msg.payload_len, _DATA_FIELDS | PACKED,
+                ) + packed,
+                auth,
+            )  # fmt: skip
         return _encode_packed(msg, auth)
     arrays = [(name, memoryview(a).cast("B")) for name, a in msg.arrays.items()]
     for name, a in arrays:
@@ -178,7 +187,36 @@ def _framed(
     head = HEADER.pack(
         MAGIC, PROTOCOL_VERSION, msg.type, msg.req_id, meta_len, msg.flags, msg.payload_len
     )
-    frame = b"".join((head, *meta))
+    return _with_tag(b"".join((head, *meta)), auth)
+
+
+#: a DATA frame (the most frequent: one per layer, chunk or pulled plan) is encoded in one
+#: struct: its header, then its packed fields (the stream offset), no arrays
+_DATA = int(MT.DATA)
+_DATA_FIELDS = 8
+_DATA_META = 4 + _DATA_FIELDS
+_DATA_HEAD = struct.Struct(HEADER.format + "I")
+_DATA_FRAME = struct.Struct(HEADER.format + "IQ")
+
+
+def encode_data(
+    req_id: int, off: int, payload_len: int, flags: int, auth: FrameAuth | None = None
+) -> bytes:
+    """``encode`` of a DATA message (``_messages.Data``: ``off`` its packed field), from its
+    fields: a tenth of the cost (one struct, no message object), for frames sent one by one
+    from the loop (a layer that is ready).
+
+    Raises:
+        struct.error: a field out of its range (a bug: the caller's are checked).
+    """
+    frame = _DATA_FRAME.pack(
+        MAGIC, PROTOCOL_VERSION, _DATA, req_id, _DATA_META + (_TAG if auth else 0), flags,
+        payload_len, _DATA_FIELDS | PACKED, off,
+    )  # fmt: skip
+    return _with_tag(frame, auth)
+
+
+def _with_tag(frame: bytes, auth: FrameAuth | None) -> bytes:
     if auth is None:
         return frame
     return frame + auth.tag(memoryview(frame)[: HEADER.size], memoryview(frame)[HEADER.size :])

@@ -74,3 +74,154 @@ async def test_no_signal_by_the_bound_is_a_timeout() -> None:
     with pytest.raises(SynchronizerAborted) as info:
         await wait_for_layer(_Engine(lambda: None), ev, 0, 1000)  # type: ignore[arg-type]
     assert info.value.status_code == dd.LLMStatusCode.LLM_TIMEOUT
+
+
+class _Recording(_Timers):
+    """Timers that keep what was armed, ``(delay from now, fn)``."""
+
+    def __init__(self) -> None:
+        self.armed: list[float] = []
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> object:
+        self.armed.append(when - self.now())
+        return object()
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> object:
+        self.armed.append(delay)
+        return object()
+
+
+class _Waiting:
+    def wake(self) -> None:
+        pass
+
+    def expire(self) -> None:
+        pass
+
+    async def wait(self) -> bool:
+        return False  # the bound passed
+
+
+@pytest.mark.parametrize("waited", [2.0, 7.0])
+async def test_a_wait_that_began_before_is_bounded_from_its_start(waited: float) -> None:
+    """A signal pump hands a long wait to the task with its start: the bound (and the
+    warning, after LAYER_WAIT_WARN_S) count from then, not again from the task's wait."""
+    import time
+
+    from llmdd_async._layer_gate import LAYER_WAIT_WARN_S
+
+    timers = _Recording()
+    engine = _Engine(lambda: None)
+    engine.timers = timers
+    engine.wakeup = _Waiting  # type: ignore[assignment,method-assign]
+    ev = dd.LayerEvents()
+    with pytest.raises(SynchronizerAborted):
+        await wait_for_layer(engine, ev, 0, 10_000, since=time.monotonic() - waited)  # type: ignore[arg-type]
+    (armed,) = timers.armed
+    want = LAYER_WAIT_WARN_S - waited if waited < LAYER_WAIT_WARN_S else 10.0 - waited
+    assert want - 0.5 < armed <= want
+
+
+class _PumpEngine:
+    """What a :class:`SignalPump` uses of an engine, on the running loop."""
+
+    def __init__(self, timers: Any) -> None:
+        from llmdd_async._drivers import event_factory
+
+        self.timers = timers
+        self.new_event = event_factory()
+
+
+async def _pump(
+    layers: list[int], timeout_ms: int, step: Callable[[int, float], list[Any]]
+) -> tuple[Any, Any, Any]:
+    from llmdd_async._drivers import loop_clock, threadsafe_caller
+    from llmdd_async._layer_gate import SignalPump
+    from llmdd_async._timers import Timers
+
+    timers = Timers()
+    timers.now = loop_clock()  # (as the engine's: it works in a loop callback)
+    ev = dd.LayerEvents()
+    pump = SignalPump(
+        _PumpEngine(timers),
+        ev,
+        layers,
+        timeout_ms,
+        threadsafe_caller(),
+        step,
+        timers.now,  # type: ignore[arg-type]
+    )
+    return pump, ev, timers
+
+
+async def _run(pump: Any, i: int) -> tuple[int, list[Any]]:
+    j, full = await pump.run(i)
+    return j, list(full)
+
+
+async def test_a_signal_pump_hands_on_each_layer_from_where_its_signal_lands() -> None:
+    """Layers signalled from the model's thread are handed on in order, on the loop's thread,
+    while the producer's task sleeps: it wakes once, at the end."""
+    import threading
+    import time
+
+    import anyio
+
+    loop_thread = threading.get_ident()
+    stepped: list[tuple[int, int]] = []
+
+    def step(layer: int, t_wait: float) -> list[Any]:
+        stepped.append((layer, threading.get_ident()))
+        return []
+
+    pump, ev, timers = await _pump([0, 1, 2, 3, 4], 10_000, step)
+
+    def model() -> None:
+        for i in range(5):
+            time.sleep(0.005)
+            ev.layer_ready(i)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timers.run)
+        ev.layer_ready(0)  # ready at the call: handed on before the first wait
+        thread = threading.Thread(target=model)
+        thread.start()
+        assert await _run(pump, 0) == (5, [])
+        thread.join()
+        tg.cancel_scope.cancel()
+    assert stepped == [(i, loop_thread) for i in range(5)]
+
+
+async def test_a_signal_pump_gives_the_task_a_full_window_an_abort_and_a_long_wait() -> None:
+    import anyio
+
+    full: list[int] = []
+
+    def step(layer: int, t_wait: float) -> list[Any]:
+        return ["channel"] if layer in full else []
+
+    pump, ev, timers = await _pump([0, 1, 2, 3], 200, step)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timers.run)
+        full.append(1)
+        ev.layer_ready(0)
+        ev.layer_ready(1)
+        # layer 1 went to some destinations only: the task hands it to the rest
+        assert await _run(pump, 0) == (2, ["channel"])
+        # layer 2 never comes: after the bound (200 ms, under the warning's 5 s) the task
+        # waits on, from when the pump began waiting
+        t0 = anyio.current_time()
+        assert await _run(pump, 2) == (2, [])
+        assert pump.since is not None and anyio.current_time() - t0 >= 0.19
+        ev.layer_ready(2)
+        pump_task = anyio.Event()
+
+        async def run_then_set() -> None:
+            assert await _run(pump, 3) == (3, [])  # aborted while it waited: the task's
+            pump_task.set()
+
+        tg.start_soon(run_then_set)
+        await anyio.sleep(0.01)
+        ev.abort()
+        await pump_task.wait()
+        tg.cancel_scope.cancel()
