@@ -83,11 +83,8 @@ async def wait_for_layer(
 
                 if bound_ms < LAYER_WAIT_WARN_S * 1000:
                     timer.append(timers.call_at(end, wakeup.expire))
-                elif waited < LAYER_WAIT_WARN_S:
-                    timer.append(timers.call_later(LAYER_WAIT_WARN_S - waited, warn))
-                else:
-                    timer.append(timers.call_at(end, wakeup.expire))
-                    _warn_waiting(engine, layer, t0, bound_ms)
+                else:  # (the warning from the timers: a logging failure fails no transfer)
+                    timer.append(timers.call_later(max(0.0, LAYER_WAIT_WARN_S - waited), warn))
                 try:
                     woken = await wakeup.wait()
                 finally:
@@ -165,6 +162,7 @@ class SignalPump:
         self.since: float | None = None
         self._waiting = False  # a waker for layers[_i] is registered
         self._timer: Timer | None = None
+        self._due = 0.0  # when the wait for layers[_i] runs long (the timers' clock)
         self._back: LoopEvent | None = None  # set when the task goes on
         self._error: BaseException | None = None
         self._full: Sequence[Any] = ()
@@ -202,6 +200,9 @@ class SignalPump:
             await back.wait()
         finally:
             self._back = None  # (a late wake-up or expiry finds nobody: it does nothing)
+            if self._waiting and self._i < len(self._layers):
+                # (cancelled or expired: the waker would hold this transfer until the layer)
+                self._sync.remove_waker(self._layers[self._i], self._wake)
             self._disarm()
         if self._error is not None:
             raise self._error
@@ -217,9 +218,12 @@ class SignalPump:
                 if not sync.is_layer_ready(layer):
                     if not sync.add_waker(layer, self._wake):
                         self._waiting = True
-                        self._timer = self._engine.timers.call_later(
-                            self._first_bound_s, self._expired
-                        )
+                        # One timer for the run, not one per layer (a heap push and a cancel
+                        # each): it goes on from a later layer's due time if it comes early.
+                        timers = self._engine.timers
+                        self._due = timers.now() + self._first_bound_s
+                        if self._timer is None:
+                            self._timer = timers.call_at(self._due, self._expired)
                         return
                     if not sync.is_layer_ready(layer):
                         break  # aborted: the task raises it (wait_for_layer)
@@ -239,14 +243,21 @@ class SignalPump:
     def _woken(self) -> None:
         if self._back is None or not self._waiting:
             return  # run() ended meanwhile (cancelled, or expired first)
-        if not self._sync._settled(self._layers[self._i]):
+        layer = self._layers[self._i]
+        if not self._sync.is_layer_ready(layer) and not self._sync._settled(layer):
             return  # the wake-up of a wait that ended before (expired): this one goes on
-        self._disarm()
+        self._waiting = False
         self._advance()
 
     def _expired(self) -> None:
-        if self._back is not None:
-            self._go_on()
+        self._timer = None
+        if self._back is None or not self._waiting:
+            return  # (a layer is being handed on, or the task goes on already)
+        timers = self._engine.timers
+        if timers.now() < self._due:  # (armed for an earlier layer's wait)
+            self._timer = timers.call_at(self._due, self._expired)
+            return
+        self._go_on()
 
     def _disarm(self) -> None:
         self._waiting = False

@@ -372,6 +372,8 @@ async def run_layerwise(
             # every layer that was ready, for one request. A layer that came at the model's
             # pace may leave at once, from here (LayerChannel.direct); layers ready early
             # queue, to leave together.
+            if failure:
+                return []  # (a signal's callback as the transfer fails: nothing goes out)
             ready_at[layer] = now = ctl.now()
             if now - t_wait > _WAITED_S:
                 waited.append(now)  # the model's pace, not a layer ready early

@@ -111,6 +111,16 @@ class LayerEvents(LayerSynchronizer):
             self._wakers.setdefault(layer_index, []).append(wake)
             return False
 
+    def remove_waker(self, layer_index: int, wake: Callable[[], None]) -> None:
+        """Forget ``wake`` for ``layer_index`` (its wait ended otherwise: a bound, a cancel),
+        so that it holds nothing of its waiter until the layer comes."""
+        with self._cond:
+            wakers = self._wakers.get(layer_index)
+            if wakers is not None and wake in wakers:
+                wakers.remove(wake)
+                if not wakers:
+                    del self._wakers[layer_index]
+
     def result(self, layer_index: int) -> bool:
         """After a wake: True if the layer is ready, False if aborted.
 

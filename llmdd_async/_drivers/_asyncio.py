@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable
 
@@ -138,12 +139,17 @@ def loop_clock() -> Callable[[], float]:
 
 
 def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
-    """``loop.call_soon_threadsafe`` of the running loop (see the package's)."""
+    """``loop.call_soon_threadsafe`` of the running loop (see the package's). ``fn`` runs in
+    a copy of the caller's context (the loop's, not the calling thread's: what it spawns
+    inherits that), where anyio can tell the library, as in :meth:`AsyncioDriver._ready`."""
     loop = asyncio.get_running_loop()
+    ctx = contextvars.copy_context()
+    if _LIBRARY is not None:
+        ctx.run(_LIBRARY.set, "asyncio")
 
     def call(fn: Callable[[], None]) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(fn)
+            loop.call_soon_threadsafe(fn, context=ctx.copy())
 
     return call
 

@@ -362,3 +362,34 @@ async def test_a_task_waiting_on_a_wakeup_is_cancelled_and_a_late_wake_does_noth
     wakeup.expire()
     await anyio.sleep(0.01)
     assert errors == []
+
+
+async def test_a_threadsafe_call_runs_in_the_loops_context_where_anyio_knows_the_library() -> None:
+    """What a model thread's signal has the loop run (a layer handed on, frames sent, tasks
+    spawned) runs in the loop's context, not the signalling thread's, and anyio calls work
+    there as in a task."""
+    import contextvars
+    import threading
+
+    import anyio
+
+    from llmdd_async._drivers import threadsafe_caller
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="loop")
+    seen: list[object] = []
+    done = anyio.Event()
+    call = threadsafe_caller()
+
+    def on_loop() -> None:
+        seen.append(var.get())
+        seen.append(anyio.current_time() > 0)
+        done.set()
+
+    def thread() -> None:
+        var.set("model thread")
+        call(on_loop)
+
+    threading.Thread(target=thread).start()
+    with anyio.fail_after(5):
+        await done.wait()
+    assert seen == ["loop", True]

@@ -77,17 +77,17 @@ async def test_no_signal_by_the_bound_is_a_timeout() -> None:
 
 
 class _Recording(_Timers):
-    """Timers that keep what was armed, ``(delay from now, fn)``."""
+    """Timers that keep what was armed: ``(delay from now, fn)``."""
 
     def __init__(self) -> None:
-        self.armed: list[float] = []
+        self.armed: list[tuple[float, Callable[[], None]]] = []
 
     def call_at(self, when: float, fn: Callable[[], None]) -> object:
-        self.armed.append(when - self.now())
+        self.armed.append((when - self.now(), fn))
         return object()
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> object:
-        self.armed.append(delay)
+        self.armed.append((delay, fn))
         return object()
 
 
@@ -103,23 +103,35 @@ class _Waiting:
 
 
 @pytest.mark.parametrize("waited", [2.0, 7.0])
-async def test_a_wait_that_began_before_is_bounded_from_its_start(waited: float) -> None:
-    """A signal pump hands a long wait to the task with its start: the bound (and the
-    warning, after LAYER_WAIT_WARN_S) count from then, not again from the task's wait."""
+async def test_a_wait_that_began_before_is_bounded_from_its_start(
+    waited: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal pump hands a long wait to the task with its start: the warning (after
+    LAYER_WAIT_WARN_S, from the endpoint's timers) and the bound count from then, not again
+    from the task's wait."""
     import time
 
+    from llmdd_async import _layer_gate
     from llmdd_async._layer_gate import LAYER_WAIT_WARN_S
 
+    warned: list[int] = []
+    monkeypatch.setattr(_layer_gate, "_warn_waiting", lambda e, layer, *a: warned.append(layer))
     timers = _Recording()
     engine = _Engine(lambda: None)
     engine.timers = timers
     engine.wakeup = _Waiting  # type: ignore[assignment,method-assign]
     ev = dd.LayerEvents()
+    since = time.monotonic() - waited
     with pytest.raises(SynchronizerAborted):
-        await wait_for_layer(engine, ev, 0, 10_000, since=time.monotonic() - waited)  # type: ignore[arg-type]
-    (armed,) = timers.armed
-    want = LAYER_WAIT_WARN_S - waited if waited < LAYER_WAIT_WARN_S else 10.0 - waited
-    assert want - 0.5 < armed <= want
+        await wait_for_layer(engine, ev, 0, 10_000, since=since)  # type: ignore[arg-type]
+    ((delay, warn),) = timers.armed
+    want = max(0.0, LAYER_WAIT_WARN_S - waited)
+    assert want - 0.5 < delay <= want
+    assert not warned  # (the timers warn: a logging failure there fails no transfer)
+    warn()
+    assert warned == [0]
+    (bound, _) = timers.armed[1]
+    assert 10.0 - waited - 0.5 < bound <= 10.0 - waited
 
 
 class _PumpEngine:
@@ -224,4 +236,38 @@ async def test_a_signal_pump_gives_the_task_a_full_window_an_abort_and_a_long_wa
         await anyio.sleep(0.01)
         ev.abort()
         await pump_task.wait()
+        tg.cancel_scope.cancel()
+
+
+async def test_a_signal_pump_cancelled_while_it_waits_leaves_no_waker() -> None:
+    """A waker left with the synchronizer would hold the whole transfer until its layer comes
+    (maybe never: a forward pass that failed)."""
+    import anyio
+
+    pump, ev, timers = await _pump([0, 1], 10_000, lambda layer, t_wait: [])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timers.run)
+        with anyio.move_on_after(0.05):
+            await pump.run(0)
+        assert ev._wakers == {}
+        tg.cancel_scope.cancel()
+
+
+async def test_a_signal_pumps_long_wait_counts_from_the_layer_it_waits_for() -> None:
+    """The pump's one timer, armed while it waited for an earlier layer, does not cut the
+    wait for a later one short: that wait runs its whole bound from its own start."""
+    import anyio
+
+    pump, ev, timers = await _pump([0, 1], 200, lambda layer, t_wait: [])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timers.run)
+        t0 = anyio.current_time()
+
+        async def signal_later() -> None:
+            await anyio.sleep(0.15)
+            ev.layer_ready(0)
+
+        tg.start_soon(signal_later)
+        assert await _run(pump, 0) == (1, [])  # layer 1 waited for its bound
+        assert anyio.current_time() - t0 >= 0.34
         tg.cancel_scope.cancel()
