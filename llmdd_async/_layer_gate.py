@@ -89,6 +89,8 @@ async def wait_for_layer(
                     woken = await wakeup.wait()
                 finally:
                     timers.cancel(timer[0])
+                    # (bounded or cancelled: its waker would stay until the layer comes)
+                    sync.remove_waker(layer, wakeup.wake)
                 # (a signal or an abort may have come as the bound passed: then it counts)
                 if not woken and not sync._settled(layer):
                     raise TimeoutError

@@ -140,10 +140,11 @@ def loop_clock() -> Callable[[], float]:
 
 def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
     """``loop.call_soon_threadsafe`` of the running loop (see the package's). ``fn`` runs in
-    a copy of the caller's context (the loop's, not the calling thread's: what it spawns
-    inherits that), where anyio can tell the library, as in :meth:`AsyncioDriver._ready`."""
+    a fresh context, neither the calling thread's nor the task's that made the caller (what
+    it spawns inherits it: their context variables must not leak into the endpoint's
+    tasks), where anyio can tell the library, as in :meth:`AsyncioDriver._ready`."""
     loop = asyncio.get_running_loop()
-    ctx = contextvars.copy_context()
+    ctx = contextvars.Context()
     if _LIBRARY is not None:
         ctx.run(_LIBRARY.set, "asyncio")
 

@@ -366,8 +366,8 @@ async def test_a_task_waiting_on_a_wakeup_is_cancelled_and_a_late_wake_does_noth
 
 async def test_a_threadsafe_call_runs_in_the_loops_context_where_anyio_knows_the_library() -> None:
     """What a model thread's signal has the loop run (a layer handed on, frames sent, tasks
-    spawned) runs in the loop's context, not the signalling thread's, and anyio calls work
-    there as in a task."""
+    spawned) runs in a fresh context, neither the signalling thread's nor that of the task
+    that made the caller, and anyio calls work there as in a task."""
     import contextvars
     import threading
 
@@ -378,7 +378,9 @@ async def test_a_threadsafe_call_runs_in_the_loops_context_where_anyio_knows_the
     var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="loop")
     seen: list[object] = []
     done = anyio.Event()
+    token = var.set("the task that made the caller")  # (an endpoint's user's, say)
     call = threadsafe_caller()
+    var.reset(token)
 
     def on_loop() -> None:
         seen.append(var.get())

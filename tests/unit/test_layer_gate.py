@@ -271,3 +271,27 @@ async def test_a_signal_pumps_long_wait_counts_from_the_layer_it_waits_for() -> 
         assert await _run(pump, 0) == (1, [])  # layer 1 waited for its bound
         assert anyio.current_time() - t0 >= 0.34
         tg.cancel_scope.cancel()
+
+
+async def test_a_wait_that_ends_at_its_bound_leaves_no_waker() -> None:
+    """A task's own wait for a layer (trio, or after a pump) that times out forgets its
+    waker: a reused synchronizer whose layer never comes keeps none."""
+    import anyio
+
+    from llmdd_async._timers import Timers
+
+    class Engine:
+        def __init__(self) -> None:
+            from llmdd_async._drivers import wakeup_factory
+
+            self.timers = Timers()
+            self.wakeup = wakeup_factory()
+
+    engine = Engine()
+    ev = dd.LayerEvents()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.timers.run)
+        with pytest.raises(SynchronizerAborted):
+            await wait_for_layer(engine, ev, 0, 20)  # type: ignore[arg-type]
+        tg.cancel_scope.cancel()
+    assert ev._wakers == {}
