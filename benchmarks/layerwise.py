@@ -10,7 +10,11 @@ compute thread of this process and signals ``LayerEvents.layer_ready(i)`` after 
 * transfer CPU per layer: this process's CPU time over the layer-wise run, less the compute
   thread's own, per layer (what streaming costs the prefill worker beside its model);
   ``--compute device`` makes each layer's compute a sleep (an accelerator's: the CPU is left
-  to the transfer), ``cpu`` (the default) numpy matmuls that compete with it for the cores.
+  to the transfer), ``cpu`` (the default) numpy matmuls that compete with it for the cores;
+* its floor at that pace, measured in the same run: an asyncio loop that a thread sleeping
+  as long as a layer's compute wakes once a layer (``call_soon_threadsafe``), sending the
+  layer's bytes to another process over raw loopback TCP from the wake-up's callback; the
+  loop thread's CPU per layer (a send after the loop slept costs more than back to back).
 
 A second table takes every layer ready at the call (the per-layer cost of the transfer
 itself): wall and this process's CPU per layer, against the copy of the same bytes measured in
@@ -35,9 +39,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse
+import asyncio
 import functools
 import json
+import socket
 import statistics
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -153,6 +162,59 @@ def copy_us_per_layer(transport: str, layers: int, layer_bytes: int) -> tuple[st
     return "raw_socket", layer_bytes / raw_socket_gbps(nbytes) / 1e3
 
 
+_SINK = """
+import socket, sys
+with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as s:
+    buf = bytearray(1 << 20)
+    while s.recv_into(buf):
+        pass
+"""
+
+
+def paced_floor_us(layer_bytes: int, gap_s: float, layers: int) -> float:
+    """The floor of a layer sent at the model's pace, measured now: a thread sleeps
+    ``gap_s`` then wakes an asyncio loop (``call_soon_threadsafe``), whose callback sends the
+    layer's bytes to another process over raw loopback TCP; the loop thread's CPU per layer.
+    Runs its own loop: call it from a thread of its own."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sink = subprocess.Popen([sys.executable, "-c", _SINK, str(listener.getsockname()[1])])
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            payload = memoryview(np.ones(layer_bytes, np.uint8))
+            return asyncio.run(_paced_sends(conn, payload, gap_s, layers))
+    finally:
+        listener.close()
+        sink.wait(timeout=30)
+
+
+async def _paced_sends(conn: socket.socket, payload: memoryview, gap_s: float, n: int) -> float:
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    sent = 0
+
+    def send() -> None:
+        nonlocal sent
+        conn.sendall(payload)
+        sent += 1
+        if sent == n:
+            done.set_result(None)
+
+    def model() -> None:
+        for _ in range(n):
+            time.sleep(gap_s)
+            loop.call_soon_threadsafe(send)
+
+    thread = threading.Thread(target=model)
+    c0 = time.thread_time()
+    thread.start()
+    await done
+    cpu = time.thread_time() - c0
+    thread.join()
+    return cpu / n * 1e6
+
+
 def all_ready_row(
     transport: str, layers: int, layer_bytes: int, walls: list[float], cpus: list[float]
 ) -> dict[str, Any]:
@@ -266,6 +328,10 @@ async def run(
                     after.append(await send_all_ready(everything))
                 compute = statistics.median(layer_compute)
                 exp = statistics.median(exposed)
+                floor = await anyio.to_thread.run_sync(
+                    paced_floor_us, layer_bytes, compute, max(layers, 20)
+                )
+                transfer_cpu = statistics.median(cpu) * 1e6
                 rows.append(
                     {
                         "transport": used,
@@ -279,7 +345,9 @@ async def run(
                         "exposed ms (after prefill)": statistics.median(after) * 1e3,
                         "exposed / one layer": exp / one_layer,
                         "hidden %": hidden_percent(exp, statistics.median(after)),
-                        "transfer CPU us/layer": statistics.median(cpu) * 1e6,
+                        "transfer CPU us/layer": transfer_cpu,
+                        "paced floor CPU us/layer": floor,
+                        "CPU / floor": transfer_cpu / floor,
                         "target": 1.5 if compute >= one_layer else None,
                         "ok": exp / one_layer <= 1.5 if compute >= one_layer else None,
                     }
@@ -355,6 +423,8 @@ def main() -> None:
             "exposed / one layer",
             "hidden %",
             "transfer CPU us/layer",
+            "paced floor CPU us/layer",
+            "CPU / floor",
             "target",
             "ok",
         ],

@@ -107,6 +107,9 @@ def test_smallest_layerwise_run(tmp_path: Path, compute: str) -> None:
     assert row["KiB/layer"] == 1024 and row["layers"] == 2 and row["compute"] == compute
     assert 0.0 <= row["hidden %"] <= 100.0
     assert row["transfer CPU us/layer"] > 0  # a transfer costs its process some CPU
+    # the same pace's floor, measured in the run: a raw send from a loop woken once a layer
+    assert row["paced floor CPU us/layer"] > 0
+    assert row["CPU / floor"] == row["transfer CPU us/layer"] / row["paced floor CPU us/layer"]
 
 
 def test_smallest_peers_run(tmp_path: Path) -> None:
