@@ -375,10 +375,11 @@ async def run_layerwise(
             if failure:
                 return []  # (a signal's callback as the transfer fails: nothing goes out)
             ready_at[layer] = now = ctl.now()
-            if now - t_wait > _WAITED_S:
+            paced = now - t_wait > _WAITED_S
+            if paced:
                 waited.append(now)  # the model's pace, not a layer ready early
             targets = [channels[d.index] for d in dests if layer in members[d.index]]
-            return [c for c in targets if not c.hand_nowait(layer, now - t_wait > _WAITED_S)]
+            return [c for c in targets if not c.hand_nowait(layer, paced)]
 
         # Layers signalled at the model's pace are handed on from the signal's loop callback;
         # this task goes on where that needs a wait (a full window, an abort, a long wait).

@@ -141,13 +141,8 @@ def encode(msg: Message, auth: FrameAuth | None = None) -> bytes:
     packed = msg.packed
     if packed is not None:
         if msg.type is MT.DATA and len(packed) == _DATA_FIELDS and not msg.arrays:
-            return _with_tag(
-                _DATA_HEAD.pack(
-                    MAGIC, PROTOCOL_VERSION, _DATA, msg.req_id, _DATA_META + (_TAG if auth else 0),
-                    msg.flags, msg.payload_len, _DATA_FIELDS | PACKED,
-                ) + packed,
-                auth,
-            )  # fmt: skip
+            (off,) = _SEQ.unpack(packed)  # (its one packed field, a u64)
+            return encode_data(msg.req_id, off, msg.payload_len, msg.flags, auth)
         return _encode_packed(msg, auth)
     arrays = [(name, memoryview(a).cast("B")) for name, a in msg.arrays.items()]
     for name, a in arrays:
@@ -195,7 +190,6 @@ def _framed(
 _DATA = int(MT.DATA)
 _DATA_FIELDS = 8
 _DATA_META = 4 + _DATA_FIELDS
-_DATA_HEAD = struct.Struct(HEADER.format + "I")
 _DATA_FRAME = struct.Struct(HEADER.format + "IQ")
 
 
