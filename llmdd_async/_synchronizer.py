@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import raise_if_false
+from ._errors import raise_if_false, raise_param
 
 __all__ = ["AsyncLayerSynchronizer", "LayerEvents", "LayerSynchronizer"]
 
@@ -51,7 +51,12 @@ class LayerEvents(LayerSynchronizer):
             num_layers = _index(num_layers, "num_layers")
             raise_if_false(num_layers >= 1, f"num_layers must be at least 1, got {num_layers}")
         self.num_layers = num_layers
-        self._cond = threading.Condition()
+        # A plain lock for the state; the condition only for threads blocked in
+        # synchronize_layer, notified only when there are some (a model signals every layer
+        # of every request: the lock and a Condition's notify cost microseconds each).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._sleepers = 0
         self._ready: set[int] = set()
         self._failed: BaseException | None = None
         self._aborted = False
@@ -66,12 +71,14 @@ class LayerEvents(LayerSynchronizer):
                 ``num_layers`` when that was given.
         """
         layer_index = self.check_index(layer_index)
-        with self._cond:
+        with self._lock:
             self._ready.add(layer_index)
-            self._cond.notify_all()
-            wakers = self._wakers.pop(layer_index, [])
-        for wake in wakers:
-            wake()
+            if self._sleepers:
+                self._cond.notify_all()
+            wakers = self._wakers.pop(layer_index, None) if self._wakers else None
+        if wakers:
+            for wake in wakers:
+                wake()
 
     def check_index(self, layer_index: int) -> int:
         """``layer_index`` as an int, if :meth:`layer_ready` would take it.
@@ -79,18 +86,19 @@ class LayerEvents(LayerSynchronizer):
         Raises:
             TypeError / LLMException: as :meth:`layer_ready`.
         """
-        layer_index = _index(layer_index, "layer_index")
-        raise_if_false(layer_index >= 0, f"layer_index must be >= 0, got {layer_index}")
+        if type(layer_index) is not int:
+            layer_index = _index(layer_index, "layer_index")
+        # (no message is formatted unless it is raised: this runs once a layer)
+        if layer_index < 0:
+            raise_param(f"layer_index must be >= 0, got {layer_index}")
         n = self.num_layers
-        raise_if_false(
-            n is None or layer_index < n,
-            f"layer_index {layer_index} is outside the {n} layers of this synchronizer",
-        )
+        if n is not None and layer_index >= n:
+            raise_param(f"layer_index {layer_index} is outside the {n} layers of this synchronizer")
         return layer_index
 
     def abort(self, error: BaseException | None = None) -> None:
         """Make every pending and future wait fail: the transfer task aborts."""
-        with self._cond:
+        with self._lock:
             self._aborted = True
             self._failed = error
             self._cond.notify_all()
@@ -105,7 +113,7 @@ class LayerEvents(LayerSynchronizer):
         Returns True, without registering, if that is already the case. This is how the
         scheduler waits on the event loop without a thread.
         """
-        with self._cond:
+        with self._lock:
             if self._aborted or layer_index in self._ready:
                 return True
             self._wakers.setdefault(layer_index, []).append(wake)
@@ -114,7 +122,7 @@ class LayerEvents(LayerSynchronizer):
     def remove_waker(self, layer_index: int, wake: Callable[[], None]) -> None:
         """Forget ``wake`` for ``layer_index`` (its wait ended otherwise: a bound, a cancel),
         so that it holds nothing of its waiter until the layer comes."""
-        with self._cond:
+        with self._lock:
             wakers = self._wakers.get(layer_index)
             if wakers is not None and wake in wakers:
                 wakers.remove(wake)
@@ -127,7 +135,7 @@ class LayerEvents(LayerSynchronizer):
         Raises:
             BaseException: the error given to :meth:`abort`, if any.
         """
-        with self._cond:
+        with self._lock:
             if self._aborted:
                 if self._failed is not None:
                     raise self._failed
@@ -136,7 +144,7 @@ class LayerEvents(LayerSynchronizer):
 
     def reset(self) -> None:
         """Forget all layers, for reuse by the next request."""
-        with self._cond:
+        with self._lock:
             self._ready.clear()
             self._aborted = False
             self._failed = None
@@ -149,7 +157,7 @@ class LayerEvents(LayerSynchronizer):
 
     def _settled(self, layer_index: int) -> bool:
         """The layer is ready or the synchronizer aborted (what a waker was called for)."""
-        with self._cond:
+        with self._lock:
             return self._aborted or layer_index in self._ready
 
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
@@ -161,9 +169,13 @@ class LayerEvents(LayerSynchronizer):
         """
         timeout = None if timeout_in_millis is None else timeout_in_millis / 1000
         with self._cond:
-            ok = self._cond.wait_for(
-                lambda: self._aborted or layer_index in self._ready, timeout=timeout
-            )
+            self._sleepers += 1
+            try:
+                ok = self._cond.wait_for(
+                    lambda: self._aborted or layer_index in self._ready, timeout=timeout
+                )
+            finally:
+                self._sleepers -= 1
         if not ok:
             raise TimeoutError(f"layer {layer_index} was not ready within {timeout_in_millis} ms")
         return self.result(layer_index)
