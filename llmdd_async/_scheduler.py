@@ -24,12 +24,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._enums import LLMStatusCode
-from ._errors import (
-    CopyCancelled,
-    LLMException,
-    SynchronizerAborted,
-    is_caller_facing,
-)
+from ._errors import CopyCancelled, LLMException, SynchronizerAborted, is_caller_facing
 from ._layer_channel import LayerChannel
 from ._layer_gate import SignalPump, wait_for_layer
 from ._net.addressing import resolve_in_table, with_table
@@ -378,8 +373,14 @@ async def run_layerwise(
             paced = now - t_wait > _WAITED_S
             if paced:
                 waited.append(now)  # the model's pace, not a layer ready early
-            targets = [channels[d.index] for d in dests if layer in members[d.index]]
+            targets = targets_of[layer]
+            if len(targets) == 1:  # (one destination: most transfers)
+                return [] if targets[0].hand_nowait(layer, paced) else [targets[0]]
             return [c for c in targets if not c.hand_nowait(layer, paced)]
+
+        targets_of = {  # each layer's destinations' channels
+            n: [channels[d.index] for d in dests if n in members[d.index]] for n in all_layers
+        }
 
         # Layers signalled at the model's pace are handed on from the signal's loop callback;
         # this task goes on where that needs a wait (a full window, an abort, a long wait).

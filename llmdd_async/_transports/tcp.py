@@ -181,6 +181,11 @@ class StreamPlan:
             hi = offset + n
             i0 = bisect.bisect_right(ends_l, offset)
             i1 = min(bisect.bisect_left(ends_l, hi) + 1, len(ends_l))
+            if i0 < i1 and ends_l[i1 - 1] == hi and ends_l[i0] - nbytes_l[i0] == offset:
+                # Whole ranges (a layer's, a request's): the lists' own slices.
+                lens = nbytes_l[i0:i1]
+                if 0 not in lens:
+                    return addrs_l[i0:i1], lens
             if self._few is not None or i1 - i0 <= _FEW_IN_FRAME:
                 out_a: list[int] = []
                 out_n: list[int] = []

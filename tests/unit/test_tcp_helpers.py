@@ -95,6 +95,40 @@ def test_a_plan_of_many_ranges_cuts_frames_alike_in_python_and_numpy(pieces, cut
         assert listed.ranges(lo, hi - lo) == plain.ranges(lo, hi - lo)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 9)), min_size=1, max_size=40),
+    many=st.booleans(),
+    picks=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)), min_size=1, max_size=8),
+)
+def test_frames_of_whole_ranges_hold_their_bytes_in_order_and_no_empty_view(
+    pieces, many, picks
+) -> None:
+    """Frames cut where ranges begin and end (a layer's, a request's: the plan's own list
+    slices) hold the same bytes as any other cut, and no empty view, whatever ranges of 0
+    bytes a grant names, in plans of a few ranges and of many."""
+    if many:  # (past _FEW ranges: the plan's lists come from numpy, ranges of 0 bytes kept)
+        pieces = pieces * -(-(_FEW + 1) // len(pieces))
+    memory = np.random.default_rng(1).integers(0, 256, 11 * len(pieces) + 64, dtype=np.uint8)
+    base = memory.ctypes.data
+    addrs, lens, pos = [], [], 0
+    for gap, n in pieces:
+        pos += gap
+        addrs.append(base + pos)
+        lens.append(n)
+        pos += n
+    plan = StreamPlan(np.array(addrs, np.uint64), np.array(lens, np.uint64))
+    want = b"".join(
+        memory[a - base : a - base + n].tobytes() for a, n in zip(addrs, lens, strict=True)
+    )
+    bounds = [0, *itertools.accumulate(lens)]  # where each range begins and ends
+    for i, j in picks:
+        lo, hi = sorted((bounds[i % len(bounds)], bounds[j % len(bounds)]))
+        views = plan.views(lo, hi - lo)
+        assert all(v.nbytes for v in views)
+        assert b"".join(v.tobytes() for v in views) == want[lo:hi]
+
+
 def _bytes_of(views: list[memoryview]) -> bytes:
     return b"".join(v.tobytes() for v in views)
 
