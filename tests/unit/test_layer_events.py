@@ -21,12 +21,12 @@ class _Blocked(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.outcome = self.events.synchronize_layer(self.layer, 30_000)
+            self.outcome = self.events.synchronize_layer(self.layer, 10_000)
         except BaseException as exc:  # (reported to the test)
             self.outcome = exc
 
     def settle(self) -> object:
-        self.join(30)
+        self.join(20)
         assert not self.is_alive(), f"layer {self.layer}: still blocked"
         return self.outcome
 
@@ -36,8 +36,8 @@ def _start_blocked(events: dd.LayerEvents, *layers: int) -> list[_Blocked]:
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    # (blocked once the condition holds them: only then does a signal have to wake them)
-    while len(events._cond._waiters) < len(threads):  # type: ignore[attr-defined]
+    # (counted under the lock that their wait releases: a signal after that has to wake them)
+    while events._sleepers < len(threads):
         assert time.monotonic() < deadline, "the threads never blocked"
         time.sleep(0.001)
     return threads
