@@ -177,14 +177,17 @@ def reason_field(value: Any) -> str | None:
     return None if value is None else str(value)[:MAX_REASON]
 
 
-def u64_bytes(arr: np.ndarray) -> memoryview:
-    return np.ascontiguousarray(arr, dtype="<u8").data.cast("B")
-
-
 #: the wire's u64 (little-endian) as numpy reads it; native on little-endian hosts, so the
 #: arrays below are read with no conversion (one numpy call per array, on every request)
 _WIRE_U64 = np.dtype("<u8")
 _NATIVE = np.dtype(_U64) == _WIRE_U64
+
+
+def u64_bytes(arr: np.ndarray) -> bytes | memoryview:
+    """``arr`` as the wire's little-endian u64 bytes."""
+    if arr.dtype is _WIRE_U64 and arr.size <= 64:  # (a few: a copy costs a third of a view)
+        return arr.tobytes()
+    return np.ascontiguousarray(arr, dtype="<u8").data.cast("B")
 
 
 def u64_array(msg: Message, name: str) -> np.ndarray | None:

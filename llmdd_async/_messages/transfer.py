@@ -13,7 +13,7 @@ import numpy as np
 from .._enums import LLMStatusCode
 from .._errors import ProtocolError
 from .._planner import MAX_DESCRIPTORS
-from .._protocol import MT, FrameAuth, Message, encode_data
+from .._protocol import MT, FrameAuth, Message, encode, encode_data, encode_packed
 from . import packed
 from .address import Address
 from .fields import (
@@ -115,6 +115,20 @@ class Request(ArraysEqual):
         if body is not None:
             return Message(MT.XFER_REQ, self.req_id, {}, arrays, packed=body)
         return Message(MT.XFER_REQ, self.req_id, self._fields(), arrays)
+
+    def frame(self, auth: FrameAuth | None) -> bytes:
+        """``encode(self.encode(), auth)`` with no message object (every request's frame).
+
+        Raises:
+            ProtocolError: as ``encode`` (an array or the meta over its limits)."""
+        body = self._packed()
+        if body is None:  # (an integer outside int64: JSON carries it)
+            return encode(self.encode(), auth)
+        arrays = [self.local_addrs, self.src_blocks, self.dst_blocks, self.raw_addrs]
+        return encode_packed(
+            MT.XFER_REQ, self.req_id, body,
+            [None if a is None else u64_bytes(a) for a in arrays], auth,
+        )  # fmt: skip
 
     def _packed(self) -> bytes | None:
         t = self.target
@@ -346,18 +360,9 @@ class Grant(ArraysEqual):
             if arr is not None:
                 arrays[name] = u64_bytes(arr)
         mode, total = self.mode, self.total
-        if self.message is None:
-            present = (0 if mode is None else packed.HAS_MODE) | (
-                0 if total is None else packed.HAS_TOTAL
-            )
-            present |= 0 if self.done else packed.NO_DONE
-            with_mode = 0 if mode is None else packed.MODES.index(mode)
-            try:
-                body = packed.GRANT.pack(int(self.status), present, with_mode, total or 0)
-            except struct.error:  # a status or total that does not fit: JSON carries it
-                pass
-            else:
-                return Message(MT.GRANT, self.req_id, {}, arrays, packed=body)
+        body = self._packed()
+        if body is not None:
+            return Message(MT.GRANT, self.req_id, {}, arrays, packed=body)
         fields: dict[str, Any] = {"status": int(self.status)}
         if self.message is not None:
             fields["message"] = self.message
@@ -368,6 +373,36 @@ class Grant(ArraysEqual):
         if not self.done:
             fields["done"] = False
         return Message(MT.GRANT, self.req_id, fields, arrays)
+
+    def _packed(self) -> bytes | None:
+        """The packed fields; None where JSON carries them (a reason, or a status or total
+        that does not fit)."""
+        if self.message is not None:
+            return None
+        mode, total = self.mode, self.total
+        present = (0 if mode is None else packed.HAS_MODE) | (
+            0 if total is None else packed.HAS_TOTAL
+        )
+        present |= 0 if self.done else packed.NO_DONE
+        with_mode = 0 if mode is None else packed.MODES.index(mode)
+        try:
+            return packed.GRANT.pack(int(self.status), present, with_mode, total or 0)
+        except struct.error:
+            return None
+
+    def frame(self, auth: FrameAuth | None) -> bytes:
+        """``encode(self.encode(), auth)`` with no message object (every request's GRANT).
+
+        Raises:
+            ProtocolError: as ``encode`` (an array or the meta over its limits)."""
+        body = self._packed()
+        if body is None:
+            return encode(self.encode(), auth)
+        arrays = [self.local, self.nbytes, self.remote]
+        return encode_packed(
+            MT.GRANT, self.req_id, body, [None if a is None else u64_bytes(a) for a in arrays],
+            auth,
+        )  # fmt: skip
 
     @classmethod
     def decode(cls, msg: Message) -> Grant:

@@ -147,8 +147,7 @@ class Exchange:
         if plan is not None:
             sent = self._send_eager(plan, caps, timeout_ms)
         else:
-            wire = spec.to_wire(req.req_id, caps, timeout_ms, None).encode()
-            sent = link.send_soon([wire], [], _nothing)
+            sent = link.send_soon([spec.to_wire(req.req_id, caps, timeout_ms, None)], [], _nothing)
         if not sent:
             self._end(link.down_error())
             return
@@ -162,7 +161,7 @@ class Exchange:
         under it, once these are out: :meth:`_sent`). False if the link is down."""
         req, total = self.req, plan.total_bytes
         eager = (total, stream_digest(plan.src, plan.nbytes))
-        wire = self.spec.to_wire(req.req_id, caps, timeout_ms, eager).encode()
+        wire = self.spec.to_wire(req.req_id, caps, timeout_ms, eager)
         self._eager = Grant(
             req.req_id, mode=Mode.STREAM, total=total, local=plan.src, nbytes=plan.nbytes
         )

@@ -37,6 +37,7 @@ from .._protocol import (
     MT,
     Decoder,
     FrameAuth,
+    Framed,
     Message,
 )
 from .._transports import PeerAccess
@@ -298,7 +299,7 @@ class Link:
         await self.writer.send(msg)
 
     def send_soon(
-        self, frames: list[Message], views: list[memoryview], done: Callable[[], None]
+        self, frames: list[Message | Framed], views: list[memoryview], done: Callable[[], None]
     ) -> bool:
         """Frames for the reader, which must never wait on a send
         (:meth:`~.writer.LinkWriter.send_soon`); False when the link is down."""

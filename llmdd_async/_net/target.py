@@ -271,7 +271,7 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
         return _grant_now(engine, link, request, entries, plan, ntensors, mode, None, eager)
     grant = Grant(
         request.req_id, mode=mode, total=total, done=False, local=plan.dst, nbytes=plan.nbytes
-    ).encode()
+    )
     data = Data(request.req_id, 0, total, to_initiator=True).encode()
     registry = engine.registry
     for e in entries:
@@ -382,7 +382,7 @@ def _grant_now(
         local=local_side,
         nbytes=plan.nbytes,
         remote=target_side if local else None,
-    ).encode()
+    )
     if not link.send_soon([grant], [], _nothing):
         end()
     return True

@@ -24,7 +24,7 @@ from .._errors import map_link_errors
 from .._log import get_logger
 from .._memory import CancelToken
 from .._messages import FLAG_TO_INITIATOR, Data
-from .._protocol import PAYLOAD_TAG, FrameAuth, Message, encode
+from .._protocol import PAYLOAD_TAG, FrameAuth, Framed, Message, encode
 from .._transports.tcp import (
     CHUNK_BYTES,
     INLINE_BYTES,
@@ -47,12 +47,16 @@ _log = get_logger("link")
 
 #: frames for :meth:`LinkWriter.send_soon`: the messages, the last one's payload, what to run
 #: after
-_Outgoing = tuple[list[Message], list[memoryview], Callable[[], None]]
+_Outgoing = tuple[list[Message | Framed], list[memoryview], Callable[[], None]]
 
 #: what send_soon is handed in the rest of a loop turn, after the frames it sent at once, is held
 #: and sent together, at most this many items at a time: the peer starts on the first of a
 #: burst of requests while the rest are being issued
 _TURN_BATCH = 8
+
+
+def _frame_of(m: Message | Framed, auth: FrameAuth | None) -> bytes:
+    return encode(m, auth) if isinstance(m, Message) else m.frame(auth)
 
 
 class LinkWriter:
@@ -191,7 +195,7 @@ class LinkWriter:
         await anyio.lowlevel.checkpoint_if_cancelled()
 
     def send_soon(
-        self, frames: list[Message], views: list[memoryview], done: Callable[[], None]
+        self, frames: list[Message | Framed], views: list[memoryview], done: Callable[[], None]
     ) -> bool:
         """Send control frames and the payload ``views`` of the last one (a small DATA frame)
         for the reader, which must never wait on a send.
@@ -253,20 +257,22 @@ class LinkWriter:
         its payload. Encoded under the send lock: each frame's tag counts frames on a keyed
         link."""
         bufs: list[memoryview] = []
+        auth = self._send_auth
         for frames, views, _ in items:
             if not (self.link.payload_auth and views):
-                bufs.append(memoryview(b"".join(encode(m, self._send_auth) for m in frames)))
+                bufs.append(memoryview(b"".join([_frame_of(m, auth) for m in frames])))
                 bufs.extend(views)
                 continue
             # The last frame is the DATA frame of ``views``: its payload ends with the MAC,
             # computed here over the views (at most INLINE_BYTES: cheap on the loop). Exact:
             # these frames are never cut short, nothing cancels them.
             data = frames[-1]
+            assert isinstance(data, Message)  # (a DATA frame's payload follows a Message)
             frames = [
                 *frames[:-1],
                 dataclasses.replace(data, payload_len=data.payload_len + PAYLOAD_TAG),
             ]
-            bufs.append(memoryview(b"".join(encode(m, self._send_auth) for m in frames)))
+            bufs.append(memoryview(b"".join([_frame_of(m, auth) for m in frames])))
             bufs.extend(views)
             bufs.append(memoryview(self._payload_mac_of(views)))
         return bufs

@@ -39,15 +39,18 @@ from .frames import (
     PAYLOAD_TAG,
     PROTOCOL_VERSION,
     FrameAuth,
+    Framed,
     Message,
     PayloadBytes,
     encode,
     encode_data,
+    encode_packed,
 )
 
 __all__ = [
     "Decoder",
     "FrameAuth",
+    "Framed",
     "HEADER",
     "MAGIC",
     "MAX_FIELDS",
@@ -64,4 +67,5 @@ __all__ = [
     "UNCHARGED_META",
     "encode",
     "encode_data",
+    "encode_packed",
 ]

@@ -9,7 +9,7 @@ import hashlib
 import hmac
 import json
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 from .._errors import ProtocolError
 
@@ -82,6 +82,15 @@ class Message:
     payload_len: int = 0
     flags: int = 0
     packed: bytes | None = None
+
+
+class Framed(Protocol):
+    """A typed message that encodes its own frame (the same bytes as ``encode`` of its
+    message, without making one): what a writer sends besides :class:`Message`."""
+
+    def frame(self, auth: FrameAuth | None) -> bytes:
+        """The frame's header and meta; with ``auth`` tagged (frames in sending order)."""
+        ...
 
 
 @dataclasses.dataclass
@@ -167,21 +176,27 @@ def _frame(msg: Message, meta: list[bytes | memoryview], auth: FrameAuth | None)
     Raises:
         ProtocolError: meta over MAX_META."""
     meta_len = sum(len(m) if isinstance(m, bytes) else m.nbytes for m in meta)
-    return _framed(msg, meta, meta_len + (_TAG if auth else 0), auth)
+    return _framed(msg.type, msg.req_id, msg.flags, msg.payload_len, meta, meta_len, auth)
 
 
 def _framed(
-    msg: Message, meta: list[bytes | memoryview], meta_len: int, auth: FrameAuth | None
+    mtype: MT,
+    req_id: int,
+    flags: int,
+    payload_len: int,
+    meta: list[bytes | memoryview],
+    meta_len: int,
+    auth: FrameAuth | None,
 ) -> bytes:
-    """:func:`_frame` once the meta's length (tag included) is known.
+    """:func:`_frame` once the meta's length (tag excluded) is known.
 
     Raises:
         ProtocolError: meta over MAX_META."""
+    if auth:
+        meta_len += _TAG
     if meta_len > MAX_META:
         raise ProtocolError(f"meta of {meta_len} bytes exceeds {MAX_META}")
-    head = HEADER.pack(
-        MAGIC, PROTOCOL_VERSION, msg.type, msg.req_id, meta_len, msg.flags, msg.payload_len
-    )
+    head = HEADER.pack(MAGIC, PROTOCOL_VERSION, mtype, req_id, meta_len, flags, payload_len)
     return _with_tag(b"".join((head, *meta)), auth)
 
 
@@ -217,38 +232,66 @@ def _with_tag(frame: bytes, auth: FrameAuth | None) -> bytes:
 
 
 def _encode_packed(msg: Message, auth: FrameAuth | None) -> bytes:
-    # Every request's frames come through here, on both ends: one pass over the arrays, a
-    # struct per array count, no generator (microseconds per frame otherwise).
     packed = msg.packed
     assert packed is not None
     names = PACKED_ARRAYS.get(msg.type)
-    if names is None or len(packed) > MAX_FIELDS:
+    if names is None:
         raise ProtocolError(f"{msg.type.name} has no packed form of {len(packed)} bytes")
+    arrays = msg.arrays
+    if arrays and not arrays.keys() <= _PACKED_NAMES[msg.type]:
+        if not names:
+            raise ProtocolError(f"{msg.type.name} carries no arrays")
+        raise ProtocolError(f"{msg.type.name} carries no arrays {sorted(arrays)}")
+    return encode_packed(
+        msg.type, msg.req_id, packed, [arrays.get(name) for name in names], auth,
+        msg.flags, msg.payload_len,
+    )  # fmt: skip
+
+
+def encode_packed(
+    mtype: MT,
+    req_id: int,
+    packed: bytes,
+    arrays: list[bytes | memoryview | None],
+    auth: FrameAuth | None = None,
+    flags: int = 0,
+    payload_len: int = 0,
+) -> bytes:
+    """``encode`` of a packed message from its parts: the packed fields, and one entry per
+    array its type may carry (:data:`PACKED_ARRAYS`, in that order; None: absent). Every
+    request's frames come through here, on both ends (the typed messages' ``frame`` calls it
+    with no message object): one pass over the arrays, a struct per array count.
+
+    Raises:
+        ProtocolError: packed fields over MAX_FIELDS, arrays not as the type has them, an
+            array whose size is not a multiple of 8, or meta over the limit.
+    """
+    names = PACKED_ARRAYS.get(mtype)
+    if names is None or len(packed) > MAX_FIELDS:
+        raise ProtocolError(f"{mtype.name} has no packed form of {len(packed)} bytes")
+    if len(arrays) != len(names):
+        raise ProtocolError(f"{mtype.name} carries {len(names)} arrays, not {len(arrays)}")
     meta: list[bytes | memoryview] = [_U32.pack(len(packed) | PACKED), packed]
     meta_len = 4 + len(packed)
-    arrays = msg.arrays
     if names:
-        if not arrays.keys() <= _PACKED_NAMES[msg.type]:
-            raise ProtocolError(f"{msg.type.name} carries no arrays {sorted(arrays)}")
         sizes: list[int] = []
-        views: list[memoryview] = []
-        for name in names:
-            a = arrays.get(name)
+        views: list[bytes | memoryview] = []
+        for a in arrays:
             if a is None:
                 sizes.append(_NO_ARRAY)
                 continue
-            v = memoryview(a).cast("B")
-            if v.nbytes % 8:
-                raise ProtocolError(f"a {msg.type.name} array is not a multiple of 8 bytes")
-            sizes.append(v.nbytes)
-            views.append(v)
-            meta_len += v.nbytes
+            if type(a) is not bytes:
+                a = memoryview(a).cast("B")
+            n = len(a)
+            if n % 8:
+                raise ProtocolError(f"a {mtype.name} array is not a multiple of 8 bytes")
+            sizes.append(n)
+            views.append(a)
+            meta_len += n
         meta.append(_SIZES[len(names)].pack(*sizes))
         meta.extend(views)
         meta_len += 4 * len(names)
-    elif arrays:
-        raise ProtocolError(f"{msg.type.name} carries no arrays")
-    return _framed(msg, meta, meta_len + (_TAG if auth else 0), auth)
+    return _framed(mtype, req_id, flags, payload_len, meta, meta_len, auth)
 
 
 def _decode_packed(

@@ -629,13 +629,15 @@ async def test_a_second_grant_outside_the_selection_breaks_the_link() -> None:
             real = target_side.send_soon
             doubled = []
 
-            def send_soon(frames: list[Message], views: Any, done: Any) -> bool:
-                if frames and frames[0].type == MT.GRANT:
-                    g = Grant.decode(frames[0])
-                    assert g.ok and g.local is not None
-                    shifted = dataclasses.replace(g, local=g.local + np.uint64(3 * 64))
-                    frames = [frames[0], shifted.encode(), *frames[1:]]
-                    doubled.append(g.req_id)
+            def send_soon(frames: list[Any], views: Any, done: Any) -> bool:
+                first = frames[0] if frames else None
+                if isinstance(first, Message) and first.type == MT.GRANT:
+                    first = Grant.decode(first)
+                if isinstance(first, Grant):  # (typed, as the target's small path sends it)
+                    assert first.ok and first.local is not None
+                    shifted = dataclasses.replace(first, local=first.local + np.uint64(3 * 64))
+                    frames = [frames[0], shifted, *frames[1:]]
+                    doubled.append(first.req_id)
                 return bool(real(frames, views, done))
 
             target_side.send_soon = send_soon
@@ -703,8 +705,9 @@ async def test_the_serve_budget_tells_the_initiator_at_once() -> None:
             lnk.send_stream = stall  # type: ignore[method-assign]
             send_soon = lnk.send_soon
 
-            def drop_data(frames: list[Message], views: Any, done: Any) -> bool:
-                if frames[-1].type == MT.DATA:  # a small push's DATA, sent from the reader
+            def drop_data(frames: list[Any], views: Any, done: Any) -> bool:
+                last = frames[-1]  # (a DATA frame is a Message; a request may be typed)
+                if isinstance(last, Message) and last.type == MT.DATA:  # a small push's DATA
                     done()  # (or behind its request: the request alone goes)
                     return send_soon(frames[:-1], [], lambda: None) if frames[:-1] else True
                 return send_soon(frames, views, done)
