@@ -418,6 +418,7 @@ class Engine:
             task_id=next(self._task_ids),
             peer_cluster_ids=peer_cluster_ids,
             schedule_points=self._schedule_points,
+            new_event=self.new_event,
         )
 
     def start_task(

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -24,6 +24,9 @@ from ._errors import (
 from ._log import get_logger
 from ._memory import CancelToken
 from ._observe import Observers
+
+if TYPE_CHECKING:
+    from ._drivers import LoopEvent
 
 __all__ = ["CacheTask", "LayerTiming", "SchedulePoints", "TaskStatistics", "busy_time"]
 
@@ -176,8 +179,11 @@ class CacheTask:
         task_id: int = 0,
         peer_cluster_ids: Sequence[int] = (),
         schedule_points: SchedulePoints | None = None,
+        new_event: Callable[[], LoopEvent] | None = None,
     ) -> None:
         self.kind = kind
+        #: the loop's own event class (the engine's: an anyio.Event asks which library runs)
+        self._new_event: Callable[[], LoopEvent] = new_event or anyio.Event
         #: the endpoint's (None: every await of a finished task yields to the loop)
         self._schedule_points = schedule_points
         self._task_id = task_id
@@ -189,7 +195,7 @@ class CacheTask:
         self._timeout_code = timeout_code
         # Made by the first wait that finds the task running: a task done before anyone waits
         # (a one-sided pull copied within the call) never makes one.
-        self._done: anyio.Event | None = None
+        self._done: LoopEvent | None = None
         self._finished = False
         self._token = CancelToken()
         self._scope: anyio.CancelScope | None = None
@@ -371,7 +377,7 @@ class CacheTask:
                 await anyio.lowlevel.checkpoint_if_cancelled()
             return
         if self._done is None:
-            self._done = anyio.Event()
+            self._done = self._new_event()
         await self._done.wait()
 
     def __await__(self) -> Generator[Any, None, None]:
