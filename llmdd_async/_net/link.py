@@ -66,10 +66,6 @@ __all__ = ["Link"]
 _FENCE_POLL_S = 0.002
 
 
-#: frames for :meth:`Link.send_soon`: the messages, the last one's payload, what to run after
-_Outgoing = tuple[list[Message], list[memoryview], Callable[[], None]]
-
-
 class Link:
     """One established link. Made by its ``manager`` after a successful handshake; the
     requests the peer starts are served by ``server``."""

@@ -267,7 +267,8 @@ class LinkWriter:
             # computed here over the views (at most INLINE_BYTES: cheap on the loop). Exact:
             # these frames are never cut short, nothing cancels them.
             data = frames[-1]
-            assert isinstance(data, Message)  # (a DATA frame's payload follows a Message)
+            if not isinstance(data, Message):  # (a bug: a payload follows a DATA Message)
+                raise TypeError(f"the frame before a payload is {type(data).__name__}")
             frames = [
                 *frames[:-1],
                 dataclasses.replace(data, payload_len=data.payload_len + PAYLOAD_TAG),

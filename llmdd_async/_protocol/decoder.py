@@ -33,6 +33,9 @@ UNCHARGED_META = 64 << 10
 #: a partial frame with more meta than this is collected in a mapping of its own (a mapping
 #: costs ~0.1 ms, so smaller ones grow the buffer instead)
 _MAPPED_META = 1 << 20
+#: a meta up to this size is copied out of the buffer by slicing it (a second, small copy
+#: costs less than a view); a larger one through a view (one copy)
+_SLICED_META = 4 << 10
 _MT_OF: dict[int, MT] = {int(m): m for m in MT}
 
 
@@ -319,7 +322,11 @@ class Decoder:
     ) -> Message:
         """The frame whose checked header is at ``src[pos:]`` and whose meta follows it."""
         start = pos + HEADER.size
-        meta = bytes(src[start : start + meta_len])  # (a small slice: no view costs less)
+        if meta_len <= _SLICED_META:  # (most frames: a slice costs less than a view)
+            meta = bytes(src[start : start + meta_len])
+        else:  # (one copy, not two)
+            with memoryview(src) as view:
+                meta = bytes(view[start : start + meta_len])
         if self._auth is not None:
             with memoryview(src) as view:
                 if meta_len < _TAG or not hmac.compare_digest(

@@ -304,6 +304,27 @@ def test_a_request_reads_the_same_packed_and_as_json(r: Request) -> None:
     assert Request.decode(wire(msg)) == r == Request.decode(wire(_old_request(r)))
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: v,
+        lambda v: v[::2],  # strided
+        lambda v: np.asfortranarray(v.reshape(2, -1)),  # 2-D, Fortran order
+        lambda v: v.astype(">u8"),  # big-endian
+        lambda v: v.astype(np.int64),
+        lambda v: np.array(v[0]),  # 0-d
+        lambda v: v[:0],  # empty
+        lambda v: np.tile(v, 20),  # past the few copied
+    ],
+)
+def test_u64_bytes_are_the_little_endian_values_in_c_order(make: Any) -> None:
+    from llmdd_async._messages.fields import u64_bytes
+
+    arr = make(np.array([1, 2**63, 3, 2**64 - 1, 5, 6], dtype=np.uint64))
+    want = np.ascontiguousarray(arr).astype("<u8").tobytes()
+    assert bytes(u64_bytes(arr)) == want
+
+
 def _reshaped(a: np.ndarray | None, how: str) -> np.ndarray | None:
     if a is None or how == "as built":
         return a
