@@ -183,9 +183,14 @@ _WIRE_U64 = np.dtype("<u8")
 _NATIVE = np.dtype(_U64) == _WIRE_U64
 
 
+#: little-endian 64-bit integers: their bytes are the wire's u64 as they are (block lists are
+#: int64; a negative one wraps, as a cast to u64 does)
+_AS_WIRE = (_WIRE_U64, np.dtype("<i8"))
+
+
 def u64_bytes(arr: np.ndarray) -> bytes | memoryview:
     """``arr`` as the wire's little-endian u64 bytes."""
-    if arr.dtype is _WIRE_U64 and arr.size <= 64:  # (a few: a copy costs a third of a view)
+    if arr.dtype in _AS_WIRE and arr.size <= 64:  # (a few: a copy costs a third of a view)
         return arr.tobytes()
     return np.ascontiguousarray(arr, dtype="<u8").data.cast("B")
 
