@@ -373,10 +373,7 @@ async def run_layerwise(
             paced = now - t_wait > _WAITED_S
             if paced:
                 waited.append(now)  # the model's pace, not a layer ready early
-            targets = targets_of[layer]
-            if len(targets) == 1:  # (one destination: most transfers)
-                return [] if targets[0].hand_nowait(layer, paced) else [targets[0]]
-            return [c for c in targets if not c.hand_nowait(layer, paced)]
+            return [c for c in targets_of[layer] if not c.hand_nowait(layer, paced)]
 
         targets_of = {  # each layer's destinations' channels
             n: [channels[d.index] for d in dests if n in members[d.index]] for n in all_layers

@@ -13,7 +13,7 @@ import numpy as np
 from .._enums import LLMStatusCode
 from .._errors import ProtocolError
 from .._planner import MAX_DESCRIPTORS
-from .._protocol import MT, FrameAuth, Message, encode, encode_data, encode_packed
+from .._protocol import MT, PACKED_ARRAYS, FrameAuth, Message, encode, encode_data, encode_packed
 from . import packed
 from .address import Address
 from .fields import (
@@ -61,6 +61,15 @@ _REQ_DEFAULTS: dict[str, Any] = {
 _ABSENT = object()
 
 
+def _wire(*arrays: np.ndarray | None) -> list[bytes | memoryview | None]:
+    return [None if a is None else u64_bytes(a) for a in arrays]
+
+
+def _named(mtype: MT, arrays: list[bytes | memoryview | None]) -> dict[str, bytes | memoryview]:
+    """A message's arrays by name (``PACKED_ARRAYS``' order), the absent ones left out."""
+    return {n: a for n, a in zip(PACKED_ARRAYS[mtype], arrays, strict=True) if a is not None}
+
+
 def _wire_range(r: range | None) -> list[int] | None:
     return None if r is None else [r.start, r.stop]
 
@@ -104,14 +113,7 @@ class Request(ArraysEqual):
 
     def encode(self) -> Message:
         body = self._packed()
-        arrays: dict[str, bytes | memoryview] = {"local_addrs": u64_bytes(self.local_addrs)}
-        for name, arr in (
-            ("src_blocks", self.src_blocks),
-            ("dst_blocks", self.dst_blocks),
-            ("raw_addrs", self.raw_addrs),
-        ):
-            if arr is not None:
-                arrays[name] = u64_bytes(arr)
+        arrays = _named(MT.XFER_REQ, self._wire_arrays())
         if body is not None:
             return Message(MT.XFER_REQ, self.req_id, {}, arrays, packed=body)
         return Message(MT.XFER_REQ, self.req_id, self._fields(), arrays)
@@ -124,11 +126,11 @@ class Request(ArraysEqual):
         body = self._packed()
         if body is None:  # (an integer outside int64: JSON carries it)
             return encode(self.encode(), auth)
-        arrays = [self.local_addrs, self.src_blocks, self.dst_blocks, self.raw_addrs]
-        return encode_packed(
-            MT.XFER_REQ, self.req_id, body,
-            [None if a is None else u64_bytes(a) for a in arrays], auth,
-        )  # fmt: skip
+        return encode_packed(MT.XFER_REQ, self.req_id, body, self._wire_arrays(), auth)
+
+    def _wire_arrays(self) -> list[bytes | memoryview | None]:
+        """The arrays in ``PACKED_ARRAYS[XFER_REQ]``'s order, as wire bytes (None: absent)."""
+        return _wire(self.local_addrs, self.src_blocks, self.dst_blocks, self.raw_addrs)
 
     def _packed(self) -> bytes | None:
         t = self.target
@@ -355,10 +357,7 @@ class Grant(ArraysEqual):
         return self.status == LLMStatusCode.LLM_SUCCESS
 
     def encode(self) -> Message:
-        arrays: dict[str, bytes | memoryview] = {}
-        for name, arr in (("local", self.local), ("nbytes", self.nbytes), ("remote", self.remote)):
-            if arr is not None:
-                arrays[name] = u64_bytes(arr)
+        arrays = _named(MT.GRANT, self._wire_arrays())
         mode, total = self.mode, self.total
         body = self._packed()
         if body is not None:
@@ -398,11 +397,11 @@ class Grant(ArraysEqual):
         body = self._packed()
         if body is None:
             return encode(self.encode(), auth)
-        arrays = [self.local, self.nbytes, self.remote]
-        return encode_packed(
-            MT.GRANT, self.req_id, body, [None if a is None else u64_bytes(a) for a in arrays],
-            auth,
-        )  # fmt: skip
+        return encode_packed(MT.GRANT, self.req_id, body, self._wire_arrays(), auth)
+
+    def _wire_arrays(self) -> list[bytes | memoryview | None]:
+        """The arrays in ``PACKED_ARRAYS[GRANT]``'s order, as wire bytes (None: absent)."""
+        return _wire(self.local, self.nbytes, self.remote)
 
     @classmethod
     def decode(cls, msg: Message) -> Grant:

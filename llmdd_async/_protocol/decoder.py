@@ -322,18 +322,17 @@ class Decoder:
     ) -> Message:
         """The frame whose checked header is at ``src[pos:]`` and whose meta follows it."""
         start = pos + HEADER.size
-        if meta_len <= _SLICED_META:  # (most frames: a slice costs less than a view)
-            meta = bytes(src[start : start + meta_len])
-        else:  # (one copy, not two)
+        if meta_len <= _SLICED_META and self._auth is None:
+            meta = bytes(src[start : start + meta_len])  # (a slice costs less than a view)
+        else:  # (a view: one copy of a large meta, and the tag's input)
             with memoryview(src) as view:
                 meta = bytes(view[start : start + meta_len])
-        if self._auth is not None:
-            with memoryview(src) as view:
-                if meta_len < _TAG or not hmac.compare_digest(
-                    self._auth.tag(view[pos:start], meta[:-_TAG]), meta[-_TAG:]
-                ):
-                    raise self._fail("frame authentication failed")
-            meta = meta[:-_TAG]
+                if self._auth is not None:
+                    if meta_len < _TAG or not hmac.compare_digest(
+                        self._auth.tag(view[pos:start], meta[:-_TAG]), meta[-_TAG:]
+                    ):
+                        raise self._fail("frame authentication failed")
+                    meta = meta[:-_TAG]
         if self._charging or self._reserved:
             self._unreserve()
         try:
