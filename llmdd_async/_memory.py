@@ -15,6 +15,7 @@ import dataclasses
 import errno
 import fcntl
 import mmap
+import operator
 import os
 import threading
 import time
@@ -489,8 +490,10 @@ def copy_inline(
     # Views over each side's span: the gaps between ranges are never touched (every range was
     # checked against memory that is ours or mapped).
     s_lo, d_lo = min(src), min(dst)
-    s_hi = max(s + n for s, n in zip(src, nbytes, strict=True))
-    d_hi = max(d + n for d, n in zip(dst, nbytes, strict=True))
+    if not len(src) == len(dst) == len(nbytes):
+        raise ValueError("copy lists differ in length")
+    s_hi = max(map(operator.add, src, nbytes))
+    d_hi = max(map(operator.add, dst, nbytes))
     sv, dv = memory_view(s_lo, s_hi - s_lo), memory_view(d_lo, d_hi - d_lo)
     for s, d, n in zip(src, dst, nbytes, strict=True):
         s, d = s - s_lo, d - d_lo

@@ -19,6 +19,7 @@ import ctypes
 import fcntl
 import functools
 import mmap
+import operator
 import os
 import stat
 from collections.abc import Sequence
@@ -48,6 +49,8 @@ _VM_SPLIT_BYTES = 8 << 20
 _VM_INLINE_BYTES = _POOL_INLINE_BYTES = 1 << 20
 #: ranges up to this many are found in the mapped pools with Python ints, more with numpy
 _TRANSLATE_FEW = 32
+#: up to this many ranges, each is searched for its pool (cheaper than testing all at once)
+_TRANSLATE_ONE_SEARCH = 4
 
 
 def check_pool_fd(fd: int, size: int) -> None:
@@ -255,15 +258,17 @@ class SameHostAccess(PeerAccess):
         if len(remote) > INLINE_RANGES:
             return None
         total = u64_sum(nbytes)
-        if self._touches_pool(remote):
-            mapped = self._translate(remote, nbytes)
-            if mapped is None or total > _POOL_INLINE_BYTES:
+        mapped = self._translate(remote, nbytes) if self.pools else None
+        if mapped is not None:
+            if total > _POOL_INLINE_BYTES:
                 return None
             if token.cancelled:
                 raise CopyCancelled
             ours = local.tolist()
             src, dst = (mapped, ours) if read else (ours, mapped)
             return copy_inline(src, dst, nbytes.tolist(), token)
+        if self._touches_pool(remote):
+            return None  # partly in a mapped pool: _move splits it
         if not self.pvr or total > _VM_INLINE_BYTES:
             return None
         name = "process_vm_readv" if read else "process_vm_writev"
@@ -280,8 +285,23 @@ class SameHostAccess(PeerAccess):
                 (remote.astype(np.int64) + self._delta[where]).astype(np.uint64).tolist()
             )
             return ours
+        addrs, lens = remote.tolist(), nbytes.tolist()
+        if not addrs:
+            return []
+        # Most requests lie in one pool (a cache is one): for more than a few ranges, two
+        # reductions in C then stand for a search per range.
+        j = bisect.bisect_right(self._base_list, addrs[0]) - 1
+        if (
+            len(addrs) > _TRANSLATE_ONE_SEARCH
+            and j >= 0
+            and len(lens) == len(addrs)
+            and min(addrs) >= self._base_list[j]
+            and max(map(operator.add, addrs, lens)) <= self._end_list[j]
+        ):
+            delta = self._delta_list[j]
+            return [a + delta for a in addrs]
         out: list[int] = []
-        for a, n in zip(remote.tolist(), nbytes.tolist(), strict=True):
+        for a, n in zip(addrs, lens, strict=True):
             j = bisect.bisect_right(self._base_list, a) - 1
             if j < 0 or a + n > self._end_list[j]:
                 return None

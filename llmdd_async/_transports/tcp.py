@@ -20,6 +20,7 @@ import contextlib
 import functools
 import hmac
 import itertools
+import operator
 import os
 import select
 import socket
@@ -137,7 +138,7 @@ class StreamPlan:
         if 0 in nbytes:  # (no empty view: a send of one never advances)
             addrs = [a for a, n in zip(addrs, nbytes, strict=True) if n]
             nbytes = [n for n in nbytes if n]
-        if any(addrs[i - 1] + nbytes[i - 1] == addrs[i] for i in range(1, len(addrs))):
+        if any(map(operator.eq, map(operator.add, addrs, nbytes), addrs[1:])):
             a_out, n_out = addrs[:1], nbytes[:1]
             for a, n in zip(addrs[1:], nbytes[1:], strict=True):
                 if a_out[-1] + n_out[-1] == a:
@@ -165,7 +166,7 @@ class StreamPlan:
         if self._few is not None:
             addrs, nbytes, _ = self._few
             lo = min(addrs)
-            hi = max(a + n for a, n in zip(addrs, nbytes, strict=True))
+            hi = max(map(operator.add, addrs, nbytes))
         else:
             lo = int(self.addrs.min())
             hi = int((self.addrs + self.nbytes).max())

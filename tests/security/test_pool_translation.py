@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,9 +30,12 @@ def _access() -> SameHostAccess:
 @st.composite
 def ranges(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
     n = draw(st.integers(1, same_host._TRANSLATE_FEW))
+    # Often all in one pool, as most requests are (a few ranges, then many: the search per
+    # range, then the one test of them all)
+    one = draw(st.none() | st.integers(0, len(POOLS) - 1))
     addrs, sizes = [], []
     for _ in range(n):
-        base, size, _ = POOLS[draw(st.integers(0, len(POOLS) - 1))]
+        base, size, _ = POOLS[draw(st.integers(0, len(POOLS) - 1)) if one is None else one]
         # Mostly near a pool: inside, straddling its end, just before it.
         addrs.append(min(max(base + draw(st.integers(-64, size + 64)), 0), 2**64 - 1))
         # (and now and then a size that wraps the address past 2**64)
@@ -53,11 +57,17 @@ def test_many_ranges_are_found_in_the_pools_as_a_few_are(case) -> None:  # type:
         assert a + n <= base + size and ours == local + a - base
 
 
-def test_a_range_past_a_pools_end_is_not_found() -> None:
+@pytest.mark.parametrize("count", [2, 8, 40])  # a search per range; one test of all; numpy
+def test_a_range_past_a_pools_end_is_not_found(count: int) -> None:
     access = _access()
-    base, size, _ = POOLS[1]
-    inside = np.array([base] * 40, dtype=np.uint64)
-    assert access._translate(inside, np.full(40, size, dtype=np.uint64)) is not None
-    assert access._translate(inside, np.full(40, size + 1, dtype=np.uint64)) is None
-    wraps = np.full(40, 2**64 - 1, dtype=np.uint64)  # (base + size wraps past 2**64)
+    base, size, local = POOLS[1]
+    inside = np.array([base] * count, dtype=np.uint64)
+    assert access._translate(inside, np.full(count, size, dtype=np.uint64)) == [local] * count
+    past = np.full(count, size, dtype=np.uint64)
+    past[-1] += 1  # (one byte past the end, in the last range only)
+    assert access._translate(inside, past) is None
+    below = inside.copy()
+    below[-1] -= 1  # (one byte before the pool)
+    assert access._translate(below, np.ones(count, dtype=np.uint64)) is None
+    wraps = np.full(count, 2**64 - 1, dtype=np.uint64)  # (base + size wraps past 2**64)
     assert access._translate(inside, wraps) is None
