@@ -286,20 +286,17 @@ class SameHostAccess(PeerAccess):
             )
             return ours
         addrs, lens = remote.tolist(), nbytes.tolist()
-        if not addrs:
-            return []
-        # Most requests lie in one pool (a cache is one): for more than a few ranges, two
-        # reductions in C then stand for a search per range.
-        j = bisect.bisect_right(self._base_list, addrs[0]) - 1
-        if (
-            len(addrs) > _TRANSLATE_ONE_SEARCH
-            and j >= 0
-            and len(lens) == len(addrs)
-            and min(addrs) >= self._base_list[j]
-            and max(map(operator.add, addrs, lens)) <= self._end_list[j]
-        ):
-            delta = self._delta_list[j]
-            return [a + delta for a in addrs]
+        if len(addrs) > _TRANSLATE_ONE_SEARCH and len(lens) == len(addrs):
+            # Most requests lie in one pool (a cache is one): two reductions in C then stand
+            # for a search per range.
+            j = bisect.bisect_right(self._base_list, addrs[0]) - 1
+            if (
+                j >= 0
+                and min(addrs) >= self._base_list[j]
+                and max(map(operator.add, addrs, lens)) <= self._end_list[j]
+            ):
+                delta = self._delta_list[j]
+                return [a + delta for a in addrs]
         out: list[int] = []
         for a, n in zip(addrs, lens, strict=True):
             j = bisect.bisect_right(self._base_list, a) - 1
