@@ -259,7 +259,9 @@ class SameHostAccess(PeerAccess):
             return None
         total = u64_sum(nbytes)
         mapped = self._translate(remote, nbytes) if self.pools else None
-        if mapped is not None:
+        # (found in the pools, and not only zero-length ranges at a pool's end: those, and no
+        # range at all, go where a first look for the pools sent them)
+        if mapped is not None and (total or self._touches_pool(remote)):
             if total > _POOL_INLINE_BYTES:
                 return None
             if token.cancelled:
@@ -287,9 +289,10 @@ class SameHostAccess(PeerAccess):
             return ours
         addrs, lens = remote.tolist(), nbytes.tolist()
         if len(addrs) > _TRANSLATE_ONE_SEARCH and len(lens) == len(addrs):
-            # Most requests lie in one pool (a cache is one): two reductions in C then stand
-            # for a search per range.
-            j = bisect.bisect_right(self._base_list, addrs[0]) - 1
+            # Most requests lie in one pool (a cache is one): a few reductions in C then stand
+            # for a search per range. The pool is the highest address's: every address lies
+            # between its base and the next pool's, where each one's own search finds it too.
+            j = bisect.bisect_right(self._base_list, max(addrs)) - 1
             if (
                 j >= 0
                 and min(addrs) >= self._base_list[j]

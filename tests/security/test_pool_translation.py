@@ -1,7 +1,8 @@
 """Where a one-sided same-host copy finds a peer's ranges in the pools it mapped
 (``SameHostAccess._translate``): a range counts only if it lies wholly inside one pool (never
-straddling its end, never wrapping past 2**64), in Python ints for a few ranges and with numpy
-for many; both give the same answer."""
+straddling its end, never wrapping past 2**64), in Python ints for a few ranges (a search
+each, or one test of them all) and with numpy for many; all give the same answer, also where
+one pool ends and the next begins. And ``copy_now``, which copies through them."""
 
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmdd_async._memory import CancelToken
 from llmdd_async._transports import same_host
 from llmdd_async._transports.same_host import SameHostAccess
 
 #: (the peer's base, size, our base) of each mapped pool, out of order (a pool's base is
 #: below 2**63 - its size: _MappedPool refuses others)
-POOLS = [(1 << 40, 4096, 7 << 30), (1 << 20, 8192, 3 << 30), (2**63 - 8192, 4096, 5 << 30)]
+POOLS = [
+    (1 << 40, 4096, 7 << 30),
+    (1 << 20, 8192, 3 << 30),
+    ((1 << 20) + 8192, 4096, 9 << 30),  # (starts where the one before ends)
+    (2**63 - 8192, 4096, 5 << 30),
+]
 
 
 def _access() -> SameHostAccess:
@@ -39,7 +46,7 @@ def ranges(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
         # Mostly near a pool: inside, straddling its end, just before it.
         addrs.append(min(max(base + draw(st.integers(-64, size + 64)), 0), 2**64 - 1))
         # (and now and then a size that wraps the address past 2**64)
-        sizes.append(draw(st.one_of(st.integers(1, 2 * size), st.just(2**64 - 1))))
+        sizes.append(draw(st.one_of(st.integers(0, 2 * size), st.just(2**64 - 1))))
     return np.array(addrs, dtype=np.uint64), np.array(sizes, dtype=np.uint64)
 
 
@@ -53,7 +60,8 @@ def test_many_ranges_are_found_in_the_pools_as_a_few_are(case) -> None:  # type:
     many = access._translate(np.tile(remote, reps), np.tile(nbytes, reps))
     assert many == (None if few is None else few * reps)
     for a, n, ours in zip(remote.tolist(), nbytes.tolist(), few or [], strict=False):
-        base, size, local = next(p for p in POOLS if p[0] <= a < p[0] + p[1])
+        # (the pool a range starts in; an empty range may also sit at a pool's very end)
+        base, size, local = max((p for p in POOLS if p[0] <= a), key=lambda p: p[0])
         assert a + n <= base + size and ours == local + a - base
 
 
@@ -71,3 +79,45 @@ def test_a_range_past_a_pools_end_is_not_found(count: int) -> None:
     assert access._translate(below, np.ones(count, dtype=np.uint64)) is None
     wraps = np.full(count, 2**64 - 1, dtype=np.uint64)  # (base + size wraps past 2**64)
     assert access._translate(inside, wraps) is None
+
+
+@pytest.mark.parametrize("count", [2, 8, 40])
+def test_an_empty_range_where_a_pool_meets_the_next_is_the_next_ones(count: int) -> None:
+    # However many ranges a request has (each searched; all tested at once; numpy), an
+    # address where one pool ends and the next begins is found in the next, as its own
+    # search finds it.
+    access = _access()
+    base, size, local = POOLS[1]
+    nxt_base, _, nxt_local = POOLS[2]
+    assert nxt_base == base + size
+    remote = np.array([base] * (count - 1) + [base + size], dtype=np.uint64)
+    nbytes = np.array([16] * (count - 1) + [0], dtype=np.uint64)
+    assert access._translate(remote, nbytes) == [local] * (count - 1) + [nxt_local]
+
+
+@pytest.mark.parametrize("count", [2, 8])
+def test_a_copy_through_a_pool_lands_and_empty_ranges_at_its_end_do_not_pass(
+    count: int,
+) -> None:
+    # A copy of ranges inside a mapped pool moves their bytes from our mapping of it; only
+    # empty ranges at the pool's very end (or none at all) are not the pool's: with no
+    # process_vm_* allowed, they are not copied here (None) but left to the task.
+    pool = (np.arange(8192) % 251).astype(np.uint8)
+    ours = np.zeros(16 * count, dtype=np.uint8)
+    access = object.__new__(SameHostAccess)
+    remote_base = 1 << 30
+    mapped = SimpleNamespace(remote_base=remote_base, size=pool.nbytes, local_base=pool.ctypes.data)
+    access.pools = [mapped]  # type: ignore[list-item]
+    access._index_pools()
+    access.pvr = False
+    token = CancelToken()
+    offsets = [100 * i for i in range(count)]
+    remote = np.array([remote_base + o for o in offsets], dtype=np.uint64)
+    local = np.array([ours.ctypes.data + 16 * i for i in range(count)], dtype=np.uint64)
+    sixteen = np.full(count, 16, dtype=np.uint64)
+    assert access.copy_now(remote, local, sixteen, token, True) == 16 * count
+    assert ours.tobytes() == b"".join(pool[o : o + 16].tobytes() for o in offsets)
+    at_end = np.full(count, remote_base + pool.nbytes, dtype=np.uint64)
+    assert access.copy_now(at_end, local, np.zeros(count, dtype=np.uint64), token, True) is None
+    none = np.zeros(0, dtype=np.uint64)
+    assert access.copy_now(none, none, none, token, True) is None
