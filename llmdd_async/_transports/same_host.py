@@ -139,6 +139,17 @@ class SameHostAccess(PeerAccess):
             except (OSError, TypeError, ValueError, OverflowError) as exc:
                 # Not safe to map: those ranges go through pvr or the stream.
                 self.refused.append(str(exc))
+        # The peer names each pool's base: two pools over the same addresses would give one
+        # address two meanings. The first (lowest) keeps them; the other is refused.
+        self.pools.sort(key=lambda p: p.remote_base)
+        kept: list[_MappedPool] = []
+        for pool in self.pools:
+            if kept and pool.remote_base < kept[-1].remote_base + kept[-1].size:
+                pool.close()
+                self.refused.append("a pool over addresses another pool of the peer holds")
+            else:
+                kept.append(pool)
+        self.pools = kept
         if pidfd_exited(self.pidfd):  # the pid may have been reused while we opened its files
             self.close()
         self._index_pools()

@@ -6,6 +6,8 @@ one pool ends and the next begins. And ``copy_now``, which copies through them."
 
 from __future__ import annotations
 
+import fcntl
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -121,3 +123,38 @@ def test_a_copy_through_a_pool_lands_and_empty_ranges_at_its_end_do_not_pass(
     assert access.copy_now(at_end, local, np.zeros(count, dtype=np.uint64), token, True) is None
     none = np.zeros(0, dtype=np.uint64)
     assert access.copy_now(none, none, none, token, True) is None
+
+
+def _memfd(size: int) -> int:
+    fd = os.memfd_create("pool", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+
+
+def test_pools_over_the_same_addresses_are_refused_but_the_lowest() -> None:
+    # A peer names each pool's base: a second pool over addresses one already holds would
+    # give them two meanings (two memfds). It is not mapped; the rest are.
+    base, size = 1 << 32, 8192
+    fds = [_memfd(size) for _ in range(4)]
+    claims = [
+        (fds[0], base + 4096, size),  # overlaps the next one's end
+        (fds[1], base, size),
+        (fds[2], base, size),  # the same base as another
+        (fds[3], base + size, size),  # starts where the lowest ends: kept
+    ]
+    access = SameHostAccess(os.getpid(), None, claims, (0, ""), None)  # type: ignore[arg-type]
+    try:
+        assert [(p.remote_base, p.size) for p in access.pools] == [
+            (base, size),
+            (base + size, size),
+        ]
+        assert len(access.refused) == 2
+        assert all("another pool" in why for why in access.refused)
+        remote = np.array([base + size - 16, base + size], dtype=np.uint64)
+        mapped = access._translate(remote, np.full(2, 16, dtype=np.uint64))
+        assert mapped == [access.pools[0].local_base + size - 16, access.pools[1].local_base]
+    finally:
+        access.close()
+        for fd in fds:
+            os.close(fd)
