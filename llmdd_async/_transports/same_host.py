@@ -139,8 +139,14 @@ class SameHostAccess(PeerAccess):
             except (OSError, TypeError, ValueError, OverflowError) as exc:
                 # Not safe to map: those ranges go through pvr or the stream.
                 self.refused.append(str(exc))
-        # The peer names each pool's base: two pools over the same addresses would give one
-        # address two meanings. The first (lowest) keeps them; the other is refused.
+        if pidfd_exited(self.pidfd):  # the pid may have been reused while we opened its files
+            self.close()
+        self._index_pools()
+
+    def _index_pools(self) -> None:
+        """Where each mapped pool lies in the peer's memory and in ours, sorted; a pool over
+        addresses a lower one holds is unmapped and refused (the peer names each pool's base:
+        two pools there would give one address two meanings)."""
         self.pools.sort(key=lambda p: p.remote_base)
         kept: list[_MappedPool] = []
         for pool in self.pools:
@@ -150,13 +156,6 @@ class SameHostAccess(PeerAccess):
             else:
                 kept.append(pool)
         self.pools = kept
-        if pidfd_exited(self.pidfd):  # the pid may have been reused while we opened its files
-            self.close()
-        self._index_pools()
-
-    def _index_pools(self) -> None:
-        """Where each mapped pool lies in the peer's memory and in ours, sorted."""
-        self.pools.sort(key=lambda p: p.remote_base)
         self._bases = np.array([p.remote_base for p in self.pools], dtype=np.uint64)
         self._ends = np.array([p.remote_base + p.size for p in self.pools], dtype=np.uint64)
         self._delta = np.array([p.local_base - p.remote_base for p in self.pools], dtype=np.int64)
