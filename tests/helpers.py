@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +293,57 @@ async def raw_link(
         s.close()
         raise
     return peer
+
+
+def server_identity(cluster_id: int, **fields: Any) -> dict[str, Any]:
+    """What a hand-made prompt endpoint (the server of a link) says about itself."""
+    import llmdd_async as dd
+
+    return peer_identity(cluster_id, role=int(dd.LLMRole.PROMPT), **fields)
+
+
+@contextlib.asynccontextmanager
+async def hostile_server(
+    cluster_id: int, serve: Callable[[RawPeer, dict[str, Any]], Any]
+) -> AsyncIterator[tuple[str, int]]:
+    """A listener that answers one handshake as ``cluster_id`` (identity from ``serve``'s
+    first call), then hands the connection to ``serve`` (``serve.after(peer)``, if set, then
+    runs until the test ends or the endpoint hangs up)."""
+    import socket
+
+    import anyio
+
+    from llmdd_async._net.handshake import new_nonce
+    from llmdd_async._protocol import MT, Message
+
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(4)
+    lsock.setblocking(False)
+
+    async def run() -> None:
+        await anyio.wait_readable(lsock)
+        conn, _ = lsock.accept()
+        conn.setblocking(False)
+        h = RawPeer(conn)
+        hello = await h.recv(MT.HELLO)
+        await h.send(Message(MT.CHALLENGE, 0, {"nonce": new_nonce(), "auth": False}))
+        req = await h.recv(MT.LINK_REQ)
+        ident = serve(h, req.fields)
+        assert hello.fields["version"]
+        await h.send(Message(MT.LINK_ACK, 0, {"status": 0, **ident}))
+        # The endpoint hanging up on us is what these attacks should get.
+        with contextlib.suppress(EOFError, OSError):
+            await serve.after(h)  # type: ignore[attr-defined]
+        conn.close()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        try:
+            yield lsock.getsockname()[:2]
+        finally:
+            tg.cancel_scope.cancel()
+            lsock.close()
 
 
 async def run_spec(engine: Any, lnk: Any, spec: Any) -> Any:

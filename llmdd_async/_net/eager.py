@@ -1,4 +1,4 @@
-"""A push in one round trip: its bytes follow its XFER_REQ at once, before any GRANT.
+"""Small requests planned by the initiator from the peer's table, so that no GRANT waits.
 
 A small push over the stream waits a round trip for its GRANT before its bytes may leave,
 then another for the RESULT. In remote-accessible mode the initiator knows the target's cache
@@ -11,6 +11,13 @@ with a GRANT, as for any push, discards the early bytes (DATA flagged ``FLAG_EAG
 only where the target took the push as sent), and the initiator sends them again under the
 GRANT. Every check of the target stays: the early bytes change who waits, not what may land
 where.
+
+A small pull is planned the same way (:func:`eager_pull_plan`): the initiator sets up where
+its stream lands before the request leaves, and the request carries the digest of those
+ranges of its own cache. A target whose plan has that digest sends the DATA alone, flagged
+``FLAG_EAGER``, with no GRANT to decode and check; otherwise the GRANT and unflagged DATA, as
+always. Flagged DATA lands only in the plan the initiator made (inside its own cache) and
+only until a GRANT replaces that plan.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from .link import Link
 from .prepared import plan_prepared
 from .streams import VIEWS_INLINE
 
-__all__ = ["EAGER_BYTES", "eager_plan", "stream_digest"]
+__all__ = ["EAGER_BYTES", "eager_plan", "eager_pull_plan", "stream_digest"]
 
 #: pushes of at most this much go with their request (what the target lands from its reader)
 EAGER_BYTES = INLINE_BYTES
@@ -55,26 +62,62 @@ def eager_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | No
     ``EAGER_BYTES`` of host memory in at most ``VIEWS_INLINE`` ranges: what the target serves
     from its reader. A selection that does not fit is left to the target, which says why.
     """
-    target = spec.target
-    if spec.op != Op.PUSH or not engine.options.remote_accessible or target.by is not By.CACHE_ID:
+    if spec.op != Op.PUSH:
         return None
-    nbytes, ranges = selection_bound(spec)
-    if nbytes > EAGER_BYTES or ranges > VIEWS_INLINE:
-        return None  # not planned here as well as there
+    planned = _plan_here(engine, link, spec)
+    return planned[0] if planned is not None and engine.host_reachable(planned[0].src) else None
+
+
+def eager_pull_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | None:
+    """The plan of a pull whose DATA may come with no GRANT before it (where its stream lands
+    in our cache, in the order the target sends it), or None: then the GRANT says where.
+
+    As :func:`eager_plan`, for a pull into host memory: the target compares the digest of its
+    own plan's ranges of our cache with ours and, only where they are the same, sends its
+    DATA flagged ``FLAG_EAGER`` and no GRANT; it lands where we planned, inside our own cache
+    (the peer's table shapes the plan, so a plan in full is checked here). A GRANT that comes
+    instead replaces this plan.
+    """
+    if spec.op != Op.PULL or not engine.host_reachable(spec.local.addrs):
+        return None
+    planned = _plan_here(engine, link, spec)
+    if planned is None:
+        return None
+    plan, prepared = planned
+    # (a prepared pair places blocks of our own layout, its indices checked: in our cache)
+    return plan if prepared or check_within(plan.dst, plan.nbytes, *spec.local.regions) else None
+
+
+def _plan_here(engine: LinkHost, link: Link, spec: TransferRequest) -> tuple[Plan, bool] | None:
+    """A small request over the stream planned from the peer's table (see the module), and
+    whether a prepared pair planned it; None where the target must plan it (it then also says
+    what does not fit)."""
+    target = spec.target
+    if not engine.options.remote_accessible or target.by is not By.CACHE_ID:
+        return None
     view = link.view
-    tgt = view.layout(target.cache_id)
-    if tgt is None or view.device_memory(target.cache_id):
+    cache_id = target.cache_id
+    tgt = view.layout(cache_id)
+    if tgt is None or view.device_memory(cache_id):
         return None  # (the target stages device memory from a task: it would grant)
+    push = spec.op == Op.PUSH
     try:
-        check_same_dtype(spec.local.dtype, view.dtype(target.cache_id), "push")
-        # A few blocks from the pair kept for them (it checked they lie in our cache).
-        planned = plan_prepared(view.pairs, spec, tgt, spec.local.regions, EAGER_BYTES)
+        theirs = view.dtype(cache_id)
+        if theirs != spec.local.dtype:  # (the message costs microseconds)
+            check_same_dtype(spec.local.dtype, theirs, spec.op.value)
+        # A few blocks from the pair kept for them (it checked that the source lies in its
+        # regions: our cache for a push, what the peer published for a pull).
+        regions = spec.local.regions if push else view.regions
+        planned = plan_prepared(view.pairs, spec, tgt, regions, EAGER_BYTES)
         if planned is not None:
             if not 0 < planned.total_bytes <= EAGER_BYTES or len(planned) > VIEWS_INLINE:
                 return None
-            return planned if engine.host_reachable(planned.src) else None
+            return planned, True
+        nbytes, ranges = selection_bound(spec)
+        if nbytes > EAGER_BYTES or ranges > VIEWS_INLINE:
+            return None  # not planned here as well as there
         plan, _, _ = plan_selection(
-            Op.PUSH,
+            spec.op,
             spec.shape,
             spec.local.layout,
             tgt,
@@ -96,9 +139,8 @@ def eager_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan | No
     if (
         not 0 < plan.total_bytes <= EAGER_BYTES
         or len(plan) > VIEWS_INLINE
-        or not engine.host_reachable(plan.src)
         # (the peer's table shapes the plan: whatever it says, we read only our own cache)
-        or not check_within(plan.src, plan.nbytes, *spec.local.regions)
+        or (push and not check_within(plan.src, plan.nbytes, *spec.local.regions))
     ):
         return None
-    return plan
+    return plan, False

@@ -24,7 +24,7 @@ from .._planner import Plan, check_within, u64_sum
 from .._protocol import Message
 from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
-from .eager import eager_plan, stream_digest
+from .eager import eager_plan, eager_pull_plan, stream_digest
 from .feed import LayerFeed, send_layers
 from .grant_checks import grant_within_selection, layer_spans
 from .grants import TransferRequest
@@ -141,13 +141,17 @@ class Exchange:
         # Rounded up: the target must not give up before we do (its ABORT would then end the
         # request with its words instead of our deadline's).
         timeout_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000)) if deadline else 0
-        plan = None
-        if spec.op == Op.PUSH and self.feed is None and not self._direct:
-            plan = eager_plan(engine, link, spec)
+        plan = eager = None
+        if self.feed is None and not self._direct:
+            if spec.op == Op.PUSH:
+                plan = eager_plan(engine, link, spec)
+            else:
+                eager = self._expect_eager(eager_pull_plan(engine, link, spec))
         if plan is not None:
             sent = self._send_eager(plan, caps, timeout_ms)
         else:
-            sent = link.send_soon([spec.to_wire(req.req_id, caps, timeout_ms, None)], [], _nothing)
+            wire = spec.to_wire(req.req_id, caps, timeout_ms, eager)
+            sent = link.send_soon([wire], [], _nothing)
         if not sent:
             self._end(link.down_error())
             return
@@ -173,6 +177,20 @@ class Exchange:
             self._sending = False
             return False
         return True
+
+    def _expect_eager(self, plan: Plan | None) -> tuple[int, int] | None:
+        """Get ready for a pull's DATA with no GRANT before it (:mod:`.eager`): its stream
+        set where we planned it. Returns what the request says of that plan, or None."""
+        if plan is None:
+            return None
+        req, total = self.req, plan.total_bytes
+        req.stream = StreamPlan(plan.dst, plan.nbytes)
+        req.eager = True
+        self._eager = Grant(
+            req.req_id, mode=Mode.STREAM, total=total, done=False, local=plan.dst,
+            nbytes=plan.nbytes,
+        )  # fmt: skip
+        return total, stream_digest(plan.dst, plan.nbytes)
 
     def _grant_late(self) -> None:
         """A layer-wise push's GRANT did not come in time (its deadline is the feed's)."""
@@ -210,10 +228,13 @@ class Exchange:
                     grant.local, grant.nbytes, self.link.threads
                 )
                 # Checked in a worker for a big grant: the request may have ended meanwhile
-                # (then _end closed what it found, and this one is closed here).
+                # (then _end closed what it found, and this one is closed here). A stream we
+                # planned for DATA with no GRANT (.eager) is replaced: only this one lands.
+                req = self.req
                 with _STREAM_HANDOVER:
                     if not self.ended:
-                        self.req.stream, stream = stream, None
+                        req.stream, stream = stream, req.stream
+                        req.eager, req.received = False, 0
                 if stream is not None:
                     stream.close()
         # Only a checked grant is ever acted on; a peer that granted twice: the last one, as
@@ -353,7 +374,9 @@ class Exchange:
         if self.ended or self._running:
             return
         req, grant = self.req, self._grant
-        if req.error is not None or grant is None or req.grant is None:
+        if grant is None and req.grant is None:
+            grant = self._eager  # the target sent it as we planned it (no GRANT came)
+        if req.error is not None or grant is None:
             self.stop(req.error or LinkBroken("link closed before the peer answered"))
             return
         if req.token.cancelled:

@@ -24,7 +24,7 @@ from .._enums import LLMStatusCode
 from .._errors import LinkBroken, LLMException, is_caller_facing
 from .._messages import FLAG_TO_INITIATOR, Abort, Data, Done, Grant, Mode, Op, Request, Result
 from .._planner import Plan
-from .._protocol import Message
+from .._protocol import Framed, Message
 from .._registry import CacheEntry
 from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
@@ -269,10 +269,18 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
             stream_digest(plan.src, plan.nbytes),
         )
         return _grant_now(engine, link, request, entries, plan, ntensors, mode, None, eager)
-    grant = Grant(
-        request.req_id, mode=mode, total=total, done=False, local=plan.dst, nbytes=plan.nbytes
+    # A pull the initiator planned as we did (.eager) takes its DATA alone, flagged so.
+    eager = request.eager is not None and request.eager == (
+        total,
+        stream_digest(plan.dst, plan.nbytes),
     )
-    data = Data(request.req_id, 0, total, to_initiator=True).encode()
+    data = Data(request.req_id, 0, total, to_initiator=True, eager=eager).encode()
+    frames: list[Message | Framed] = [data]
+    if not eager:
+        grant = Grant(
+            request.req_id, mode=mode, total=total, done=False, local=plan.dst, nbytes=plan.nbytes
+        )
+        frames.insert(0, grant)
     registry = engine.registry
     for e in entries:
         registry.pin(e)
@@ -282,7 +290,7 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
             registry.unpin(e)
 
     views = StreamPlan(plan.src, plan.nbytes).views(0, total)
-    if not link.send_soon([grant, data], views, unpin):
+    if not link.send_soon(frames, views, unpin):
         unpin()
         return False
     link.stats_bytes += total

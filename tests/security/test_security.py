@@ -9,14 +9,22 @@ import contextlib
 import dataclasses
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
-from helpers import RawPeer, cluster, endpoint_options, link, peer_identity, raw_link, run_spec
+from helpers import (
+    RawPeer,
+    cluster,
+    endpoint_options,
+    hostile_server,
+    link,
+    peer_identity,
+    raw_link,
+    run_spec,
+    server_identity,
+)
 
 import llmdd_async as dd
 from llmdd_async._messages import Address
@@ -40,48 +48,6 @@ pytestmark = pytest.mark.anyio
 S = dd.LLMStatusCode
 
 
-# ---------------------------------------------------------------------------- a hostile peer
-def _server_identity(cluster_id: int, **fields: Any) -> dict[str, Any]:
-    """What a hand-made prompt endpoint (the server of a link) says about itself."""
-    return peer_identity(cluster_id, role=int(dd.LLMRole.PROMPT), **fields)
-
-
-@asynccontextmanager
-async def hostile_server(
-    cluster_id: int, serve: Callable[[RawPeer, dict[str, Any]], Any]
-) -> AsyncIterator[tuple[str, int]]:
-    """A listener that answers one handshake as ``cluster_id`` (identity from ``serve``'s
-    first call), then hands the connection to ``serve``."""
-    lsock = socket.socket()
-    lsock.bind(("127.0.0.1", 0))
-    lsock.listen(4)
-    lsock.setblocking(False)
-
-    async def run() -> None:
-        await anyio.wait_readable(lsock)
-        conn, _ = lsock.accept()
-        conn.setblocking(False)
-        h = RawPeer(conn)
-        hello = await h.recv(MT.HELLO)
-        await h.send(Message(MT.CHALLENGE, 0, {"nonce": new_nonce(), "auth": False}))
-        req = await h.recv(MT.LINK_REQ)
-        ident = serve(h, req.fields)
-        assert hello.fields["version"]
-        await h.send(Message(MT.LINK_ACK, 0, {"status": 0, **ident}))
-        # The endpoint hanging up on us is what these attacks should get.
-        with contextlib.suppress(EOFError, OSError):
-            await serve.after(h)  # type: ignore[attr-defined]
-        conn.close()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run)
-        try:
-            yield lsock.getsockname()[:2]
-        finally:
-            tg.cancel_scope.cancel()
-            lsock.close()
-
-
 # ---------------------------------------------------------------------------- memory isolation
 async def test_a_peer_cannot_make_us_write_our_own_memory_with_a_lying_identity() -> None:
     """The old attack: claim our pid (wrapped past a C int), echo our probe, then grant a
@@ -93,7 +59,7 @@ async def test_a_peer_cannot_make_us_write_our_own_memory_with_a_lying_identity(
     def serve(h: RawPeer, peer: dict[str, Any]) -> dict[str, Any]:
         # What the old handshake trusted: pid, pools and probe, all taken from the message.
         probe = peer.get("probe") or [0, ""]
-        return _server_identity(
+        return server_identity(
             1,
             host={**peer["host"], "pid": os.getpid() + 2**32},
             probe=probe,
@@ -161,7 +127,7 @@ async def test_a_relayed_side_channel_is_refused() -> None:
         assert own
 
         def serve(h: RawPeer, peer: dict[str, Any]) -> dict[str, Any]:
-            return _server_identity(1)
+            return server_identity(1)
 
         async def after(h: RawPeer) -> None:
             # Pretend to be the server proving itself, but for a connection that is not ours.
@@ -665,7 +631,7 @@ async def test_a_malformed_host_field_only_costs_the_peer_its_link() -> None:
             await link(d, 1, p.listen_address)  # the endpoint is fine
 
     def serve(h: RawPeer, peer: dict[str, Any]) -> dict[str, Any]:
-        return _server_identity(1, host=["not", "a", "dict"])
+        return server_identity(1, host=["not", "a", "dict"])
 
     serve.after = lambda h: anyio.sleep(0.2)  # type: ignore[attr-defined]
     async with hostile_server(1, serve) as addr:

@@ -1,7 +1,10 @@
-"""A small push over TCP in remote-accessible mode takes one round trip: its bytes follow its
-request at once, and the target lands them only where its own plan of the push is the one
-the initiator sent them by (``_net/eager.py``); otherwise it grants the push as always, the
-early bytes are discarded, and they come again under the GRANT."""
+"""Small requests over TCP in remote-accessible mode, planned by the initiator from the peer's
+table (``_net/eager.py``). A push takes one round trip: its bytes follow its request at once,
+and the target lands them only where its own plan of the push is the one the initiator sent
+them by; otherwise it grants the push as always, the early bytes are discarded, and they come
+again under the GRANT. A pull's DATA comes with no GRANT before it where the target plans it
+as the initiator did, and lands where the initiator planned it; otherwise the GRANT says
+where, as always."""
 
 from __future__ import annotations
 
@@ -16,7 +19,18 @@ import pytest
 from helpers import endpoint_options, raw_link
 
 import llmdd_async as dd
-from llmdd_async._messages import Address, By, Data, Grant, Op, Ping, Request, Result, Shape
+from llmdd_async._messages import (
+    FLAG_EAGER,
+    Address,
+    By,
+    Data,
+    Grant,
+    Op,
+    Ping,
+    Request,
+    Result,
+    Shape,
+)
 from llmdd_async._net import exchange
 from llmdd_async._net.eager import EAGER_BYTES, stream_digest
 from llmdd_async._planner import Plan
@@ -189,25 +203,39 @@ async def test_a_layer_window_of_a_many_tensor_cache_goes_with_its_request(
         assert decoder.link_statistics(1).recent[-1].mode == "eager"
 
 
-async def test_a_push_into_device_memory_waits_for_its_grant(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("op", ["push", "pull"])
+async def test_a_request_of_device_memory_on_the_target_waits_for_its_grant(
+    monkeypatch: pytest.MonkeyPatch, op: str
 ) -> None:
     # The target stages device memory from a task, which grants: the initiator sees that in
-    # the peer's table and does not send the bytes twice.
+    # the peer's table and neither sends a push's bytes twice nor plans a pull's landing.
     torch = pytest.importorskip("torch")
     sent = _spy(monkeypatch)
+    pulls: list[Plan | None] = []
+    planned = exchange.eager_pull_plan
+
+    def spied(*args: Any) -> Plan | None:
+        pulls.append(planned(*args))
+        return pulls[-1]
+
+    monkeypatch.setattr(exchange, "eager_pull_plan", spied)
     device = {"llm.DeviceAdapter": "torch", "llm.TorchDevice": "cpu"}
     async with linked_pair(OPTIONS, prompt_options=device) as (prompt, decoder):
         desc = dd.CacheDesc(2, [8, BLOCK], dd.DataType.DT_UINT8)
-        theirs = [torch.zeros((8, BLOCK), dtype=torch.uint8) for _ in range(2)]
+        theirs = [torch.full((8, BLOCK), 3, dtype=torch.uint8) for _ in range(2)]
         prompt.cache_manager.register_blocks_cache(desc, theirs, dd.BlocksCacheKey(1, 0))
         ours = [np.full((8, BLOCK), 9, np.uint8) for _ in range(2)]
         cache = decoder.cache_manager.register_blocks_cache(desc, ours)
         cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
-        await cm.push_blocks(key, cache, [0], [0])
+        move = cm.push_blocks if op == "push" else cm.pull_blocks
+        await move(key, cache, [0], [0])
         before = prompt.link_statistics(2).bytes
-        await cm.push_blocks(key, cache, [3], [5])
-        assert all((t[5] == 9).all() for t in theirs)
+        await move(key, cache, [3], [5])
+        if op == "push":
+            assert all((t[5] == 9).all() for t in theirs)
+        else:
+            assert all((o[5] == 3).all() for o in ours)
+            assert pulls and all(plan is None for plan in pulls)
         assert sent == []
         assert prompt.link_statistics(2).bytes - before == 2 * BLOCK
         assert decoder.link_statistics(1).recent[-1].mode == "stream"
@@ -246,6 +274,83 @@ async def test_small_pushes_behind_a_large_one_on_a_slow_socket_all_succeed() ->
         assert all((t[done] == 7).all() for t in theirs)
 
 
+# ---------------------------------------------------------------------- pulls
+async def test_a_small_pull_comes_with_no_grant_and_a_large_one_after_its_grant() -> None:
+    async with linked_pair(OPTIONS) as (prompt, decoder):
+        cache, ours, theirs = await _pair_caches(prompt, decoder)
+        theirs.add(list(range(BLOCKS)), 7)
+        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        await cm.pull_blocks(key, cache, [0], [0])  # the first fetches the peer's table
+        await cm.pull_blocks(key, cache, [3, 7], [9, 1])
+        assert np.array_equal(ours[:, [9, 1]], theirs[:, [3, 7]])
+        assert decoder.link_statistics(1).recent[-1].mode == "eager"
+        big = list(range(BLOCKS))
+        assert 2 * BLOCKS * BLOCK > EAGER_BYTES
+        theirs.add(big, 1)
+        await cm.pull_blocks(key, cache, big, big[::-1])
+        assert np.array_equal(ours[:, big[::-1]], theirs[:, big])
+        assert decoder.link_statistics(1).recent[-1].mode == "stream"
+
+
+async def test_shuffled_pulls_of_a_few_blocks_land_exactly_with_no_grant() -> None:
+    async with linked_pair(OPTIONS) as (prompt, decoder):
+        cache, ours, theirs = await _pair_caches(prompt, decoder)
+        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        await cm.pull_blocks(key, cache, [0], [0])  # the first fetches the peer's table
+        rng = np.random.default_rng(12)
+        for _ in range(30):
+            k = int(rng.integers(1, 9))
+            src, dst = rng.permutation(BLOCKS)[:k].tolist(), rng.permutation(BLOCKS)[:k].tolist()
+            theirs.add(src, 1)  # (bytes we do not hold yet)
+            await cm.pull_blocks(key, cache, src, dst)
+            assert np.array_equal(ours[:, dst], theirs[:, src])
+            assert decoder.link_statistics(1).recent[-1].mode == "eager"
+
+
+async def test_a_pull_of_many_ranges_planned_in_full_comes_with_no_grant() -> None:
+    # More tensors x blocks than a prepared pair plans: planned in full, and checked to land in
+    # our own cache, on this side.
+    tensors, blocks, block = 8, 32, 1024
+    async with linked_pair(OPTIONS) as (prompt, decoder):
+        desc = dd.CacheDesc(tensors, [blocks, block], dd.DataType.DT_UINT8)
+        rng = np.random.default_rng(5)
+        theirs = [rng.integers(0, 255, (blocks, block), dtype=np.uint8) for _ in range(tensors)]
+        prompt.cache_manager.register_blocks_cache(desc, theirs, dd.BlocksCacheKey(1, 0))
+        ours = [np.zeros((blocks, block), np.uint8) for _ in range(tensors)]
+        cache = decoder.cache_manager.register_blocks_cache(desc, ours)
+        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        await cm.pull_blocks(key, cache, [0], [0])
+        src, dst = rng.permutation(blocks)[:20].tolist(), rng.permutation(blocks)[:20].tolist()
+        await cm.pull_blocks(key, cache, src, dst)
+        assert all(np.array_equal(o[dst], t[src]) for o, t in zip(ours, theirs, strict=True))
+        assert decoder.link_statistics(1).recent[-1].mode == "eager"
+
+
+async def test_a_pull_planned_otherwise_than_the_target_plans_it_lands_where_its_grant_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As if the peer's table no longer said what it holds: our plan lands the stream in
+    # another order. The target's digest differs, it grants the pull, and the bytes land
+    # where the GRANT says (ours would have swapped the two blocks).
+    planned = exchange.eager_pull_plan
+
+    def stale(*args: Any) -> Plan | None:
+        plan = planned(*args)
+        if plan is None:
+            return None
+        return Plan(plan.src[::-1].copy(), plan.dst[::-1].copy(), plan.nbytes[::-1].copy())
+
+    monkeypatch.setattr(exchange, "eager_pull_plan", stale)
+    async with linked_pair(OPTIONS) as (prompt, decoder):
+        cache, ours, theirs = await _pair_caches(prompt, decoder)
+        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        for _ in range(3):
+            theirs.add([3, 7], 1)  # (each round: bytes we do not hold yet)
+            await cm.pull_blocks(key, cache, [3, 7], [9, 1])
+            assert np.array_equal(ours[:, [9, 1]], theirs[:, [3, 7]])
+            assert decoder.link_statistics(1).recent[-1].mode == "stream"
+
+
 # ---------------------------------------------------------------------- a hand-made initiator
 PEER_TENSOR = 1 << 40  # the raw peer's one tensor (its bytes are sent by hand)
 
@@ -274,13 +379,15 @@ async def target() -> AsyncIterator[tuple[Any, np.ndarray, int]]:
             peer.close()
 
 
-def _push(req_id: int, cache_id: int, eager: tuple[int, int] | None, **fields: Any) -> bytes:
-    """A push of the peer's block 0 into block 2 of ``cache_id`` (``fields``: the request's
-    other fields, e.g. a layer window)."""
+def _push(
+    req_id: int, cache_id: int, eager: tuple[int, int] | None, op: Op = Op.PUSH, **fields: Any
+) -> bytes:
+    """A push of the peer's block 0 into block 2 of ``cache_id`` (a pull with ``op``: of its
+    block 0 into the peer's block 2; ``fields``: the request's other fields)."""
     return encode(
         Request(
             req_id,
-            Op.PUSH,
+            op,
             Address(By.CACHE_ID, cache_id=cache_id),
             Shape.BLOCKS,
             (4 * BLOCK, 4, True),
@@ -410,3 +517,27 @@ async def test_a_request_of_empty_blocks_is_refused_clearly(
     with anyio.fail_after(5):
         assert Result.decode(await peer.recv(MT.RESULT)).ok
     assert (arr[2] == 0xEF).all() and (arr[[0, 1, 3]] == 0).all()
+
+
+async def test_a_pull_planned_as_the_target_plans_it_gets_its_data_with_no_grant(
+    target: tuple[Any, np.ndarray, int],
+) -> None:
+    # Only the digest of the target's own plan of where the stream lands makes it send the
+    # DATA alone (flagged); any other gets the GRANT first, and unflagged DATA.
+    peer, arr, cache_id = target
+    arr[0] = 0x5C
+    landing = np.array([PEER_TENSOR + 2 * BLOCK], np.uint64)
+    right = (BLOCK, stream_digest(landing, np.array([BLOCK], np.uint64)))
+    cases = [(right, True), ((BLOCK, right[1] ^ 1), False), ((2 * BLOCK, right[1]), False)]
+    for req_id, (eager, alone) in enumerate([*cases, (None, False)], 1):
+        await peer.send_bytes(_push(req_id, cache_id, eager, Op.PULL))
+        with anyio.fail_after(5):
+            first = await peer.frame()
+            if not alone:
+                grant = Grant.decode(first)
+                assert grant.ok and grant.local is not None
+                assert grant.local.tolist() == landing.tolist()
+                first = await peer.frame()
+        assert first.type == MT.DATA and first.req_id == req_id
+        assert bool(first.flags & FLAG_EAGER) is alone
+        assert first.payload_len == BLOCK

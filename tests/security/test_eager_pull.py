@@ -1,0 +1,123 @@
+"""A hostile target against a pull planned on this side (``_net/eager.py``): DATA flagged
+``FLAG_EAGER`` lands only in the plan this side made, inside its own cache, and only until a
+GRANT comes; a GRANT replaces that plan, and flagged bytes after it land nowhere."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from helpers import RawPeer, cluster, endpoint_options, hostile_server, server_identity
+
+import llmdd_async as dd
+from llmdd_async._messages import Data, Grant, Mode, Request
+from llmdd_async._protocol import MT, Message, encode
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 64 << 10
+THEIRS = 1 << 40  # the hostile peer's one tensor, as its table publishes it
+
+
+def _table() -> Message:
+    cache = {
+        "cache_id": 1,
+        "addrs": [THEIRS],
+        "tensor_bytes": 4 * BLOCK,
+        "count": 4,
+        "is_blocks": True,
+        "placement": 0,
+        "remote_accessible": True,
+    }
+    return Message(MT.TABLE, 0, {"caches": [cache], "blocks_keys": {"0": 1}})
+
+
+def _data(req_id: int, fill: int, eager: bool, n: int = BLOCK) -> bytes:
+    return encode(Data(req_id, 0, n, to_initiator=True, eager=eager).encode()) + bytes([fill]) * n
+
+
+async def _pull_from(
+    answer: Callable[[RawPeer, Request], Awaitable[None]],
+) -> tuple[np.ndarray, dd.LLMException | None]:
+    """Pull block 0 of the hostile peer's cache into block 2 of ours (one tensor of 4 blocks,
+    zeros) after ``answer`` answered the XFER_REQ (which must say this side planned it):
+    our cache, and what the pull failed with."""
+    requests: list[Request] = []
+
+    def serve(h: RawPeer, peer: dict[str, Any]) -> dict[str, Any]:
+        return server_identity(1, remote_accessible=True)
+
+    async def after(h: RawPeer) -> None:
+        while True:
+            msg = await h.frame()
+            if msg.type == MT.TABLE_REQ:
+                await h.send(_table())
+            elif msg.type == MT.XFER_REQ:
+                req = Request.decode(msg)
+                requests.append(req)
+                await answer(h, req)
+
+    serve.after = after  # type: ignore[attr-defined]
+    async with hostile_server(1, serve) as addr:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options(ra=True)) as d:
+            code, _ = await d.link_clusters([cluster(1, addr)], 3000)
+            assert code == dd.LLMStatusCode.LLM_SUCCESS
+            ours = np.zeros((4, BLOCK), np.uint8)
+            desc = dd.CacheDesc(1, [4, BLOCK], dd.DataType.DT_UINT8)
+            cache = d.cache_manager.register_blocks_cache(desc, [ours])
+            error = None
+            try:
+                with anyio.fail_after(10):
+                    await d.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), cache, [0], [2])
+            except dd.LLMException as exc:
+                error = exc
+            assert requests and requests[0].eager is not None  # planned here
+            return ours, error
+
+
+@pytest.mark.parametrize("early", [BLOCK, BLOCK // 2], ids=["none-early", "half-early"])
+async def test_a_grant_replaces_the_plan_and_flagged_bytes_after_it_never_land(early: int) -> None:
+    # The peer sends flagged bytes (all, or half: they land where we planned), then grants the
+    # pull, sends flagged bytes again, then the bytes its GRANT announced in two halves: the
+    # pull ends only once those all landed, and they are what it holds.
+    async def answer(h: RawPeer, req: Request) -> None:
+        local = req.local_addrs[:1] + np.uint64(2 * BLOCK)
+        nbytes = np.array([BLOCK], np.uint64)
+        grant = Grant(req.req_id, mode=Mode.STREAM, total=BLOCK, local=local, nbytes=nbytes)
+        if early < BLOCK:
+            await h.send_bytes(_data(req.req_id, 0xAB, eager=True, n=early))
+        await h.send(grant.encode())
+        await h.send_bytes(_data(req.req_id, 0xAB, eager=True))
+        half = BLOCK // 2
+        for off in (0, half):
+            header = encode(Data(req.req_id, off, half, to_initiator=True).encode())
+            await h.send_bytes(header + bytes([0xCD]) * half)
+
+    ours, error = await _pull_from(answer)
+    assert error is None
+    assert (ours[2] == 0xCD).all()
+    assert (ours[[0, 1, 3]] == 0).all()
+
+
+async def test_flagged_bytes_beyond_the_plan_break_the_link_and_land_nowhere() -> None:
+    async def answer(h: RawPeer, req: Request) -> None:
+        await h.send_bytes(_data(req.req_id, 0xAB, eager=True, n=2 * BLOCK))
+
+    ours, error = await _pull_from(answer)
+    assert error is not None and error.status_code == dd.LLMStatusCode.LLM_LINK_FAILED, error
+    assert "outside its plan" in str(error)
+    assert (ours == 0).all()
+
+
+async def test_flagged_bytes_of_the_planned_size_land_where_this_side_planned_them() -> None:
+    # (what an honest peer does: the pull ends with them, no GRANT, no DONE)
+    async def answer(h: RawPeer, req: Request) -> None:
+        await h.send_bytes(_data(req.req_id, 0x5A, eager=True))
+
+    ours, error = await _pull_from(answer)
+    assert error is None
+    assert (ours[2] == 0x5A).all()
+    assert (ours[[0, 1, 3]] == 0).all()
