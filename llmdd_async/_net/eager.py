@@ -28,8 +28,8 @@ import numpy as np
 
 from .._checks import check_same_dtype
 from .._errors import LLMException
-from .._messages import By, Op
-from .._planner import Plan, check_within
+from .._messages import By, Grant, Mode, Op
+from .._planner import Plan, check_within, u64_sum
 from .._transports.tcp import INLINE_BYTES
 from .grants import TransferRequest, plan_selection, selection_bound
 from .host import LinkHost
@@ -37,7 +37,7 @@ from .link import Link
 from .prepared import plan_prepared
 from .streams import VIEWS_INLINE
 
-__all__ = ["EAGER_BYTES", "eager_plan", "eager_pull_plan", "stream_digest"]
+__all__ = ["EAGER_BYTES", "as_planned", "eager_plan", "eager_pull_plan", "stream_digest"]
 
 #: pushes of at most this much go with their request (what the target lands from its reader)
 EAGER_BYTES = INLINE_BYTES
@@ -86,6 +86,14 @@ def eager_pull_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan
     plan, prepared = planned
     # (a prepared pair places blocks of our own layout, its indices checked: in our cache)
     return plan if prepared or check_within(plan.dst, plan.nbytes, *spec.local.regions) else None
+
+
+def as_planned(req_id: int, ours: np.ndarray, nbytes: np.ndarray) -> tuple[Grant, tuple[int, int]]:
+    """The grant a request planned here stands for (``ours``: its ranges of our cache, a push's
+    source or a pull's destination, in stream order), and the request's ``eager`` field."""
+    total = u64_sum(nbytes)
+    grant = Grant(req_id, mode=Mode.STREAM, total=total, done=False, local=ours, nbytes=nbytes)
+    return grant, (total, stream_digest(ours, nbytes))
 
 
 def _plan_here(engine: LinkHost, link: Link, spec: TransferRequest) -> tuple[Plan, bool] | None:

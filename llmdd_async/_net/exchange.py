@@ -24,9 +24,9 @@ from .._planner import Plan, check_within, u64_sum
 from .._protocol import Message
 from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
-from .eager import eager_plan, eager_pull_plan, stream_digest
+from .eager import as_planned, eager_plan, eager_pull_plan
 from .feed import LayerFeed, send_layers
-from .grant_checks import grant_within_selection, layer_spans
+from .grant_checks import grant_within_selection, layer_spans, raise_unless_ok, refusal_of
 from .grants import TransferRequest
 from .host import LinkHost
 from .link import Link
@@ -41,21 +41,6 @@ _STREAM_HANDOVER = threading.Lock()
 
 #: how a pull names a cache by the key that grants it
 KEYS = (By.REQ_KEY, By.PREFIX_KEY, By.BLOCKS_KEY)
-
-
-def _refusal(answer: Grant | Result, default: str) -> LLMException | None:
-    """The failure the peer's GRANT or RESULT reports (its status code), None on success."""
-    if answer.ok:
-        return None
-    text = default if answer.message is None else answer.message
-    return LLMException(text, status_code=answer.status)
-
-
-def _raise_unless_ok(answer: Grant | Result, default: str) -> None:
-    """Raises LLMException with the peer's status code unless ``answer`` reports success."""
-    refusal = _refusal(answer, default)
-    if refusal is not None:
-        raise refusal
 
 
 def _nothing() -> None:
@@ -150,8 +135,7 @@ class Exchange:
         if plan is not None:
             sent = self._send_eager(plan, caps, timeout_ms)
         else:
-            wire = spec.to_wire(req.req_id, caps, timeout_ms, eager)
-            sent = link.send_soon([wire], [], _nothing)
+            sent = link.send_soon([spec.to_wire(req.req_id, caps, timeout_ms, eager)], [], _nothing)
         if not sent:
             self._end(link.down_error())
             return
@@ -163,12 +147,10 @@ class Exchange:
         """Send a push's bytes right behind its request (:mod:`.eager`): the RESULT alone
         answers one the target took as sent, a GRANT one it did not (they are sent again
         under it, once these are out: :meth:`_sent`). False if the link is down."""
-        req, total = self.req, plan.total_bytes
-        eager = (total, stream_digest(plan.src, plan.nbytes))
+        req = self.req
+        self._eager, eager = as_planned(req.req_id, plan.src, plan.nbytes)
+        total = eager[0]
         wire = self.spec.to_wire(req.req_id, caps, timeout_ms, eager)
-        self._eager = Grant(
-            req.req_id, mode=Mode.STREAM, total=total, local=plan.src, nbytes=plan.nbytes
-        )
         req.result_event.callback = self._answered
         self._sending = True
         data = Data(req.req_id, 0, total, eager=True).encode()
@@ -183,14 +165,10 @@ class Exchange:
         set where we planned it. Returns what the request says of that plan, or None."""
         if plan is None:
             return None
-        req, total = self.req, plan.total_bytes
-        req.stream = StreamPlan(plan.dst, plan.nbytes)
-        req.eager = True
-        self._eager = Grant(
-            req.req_id, mode=Mode.STREAM, total=total, done=False, local=plan.dst,
-            nbytes=plan.nbytes,
-        )  # fmt: skip
-        return total, stream_digest(plan.dst, plan.nbytes)
+        req = self.req
+        self._eager, eager = as_planned(req.req_id, plan.dst, plan.nbytes)
+        req.stream, req.eager = StreamPlan(plan.dst, plan.nbytes), True
+        return eager
 
     def _grant_late(self) -> None:
         """A layer-wise push's GRANT did not come in time (its deadline is the feed's)."""
@@ -255,7 +233,7 @@ class Exchange:
         if req.grant is None or grant is None:
             self.stop(req.error or LinkBroken("link closed before the peer answered"))
             return
-        refusal = _refusal(grant, "refused by peer")
+        refusal = refusal_of(grant, "refused by peer")
         if refusal is not None:
             self.stop(refusal)
             return
@@ -358,7 +336,7 @@ class Exchange:
         if req.result is None or grant is None:
             self.stop(req.error or LinkBroken("link closed before the peer answered"))
             return
-        refusal = _refusal(Result.decode(req.result), "peer failed")
+        refusal = refusal_of(Result.decode(req.result), "peer failed")
         if refusal is not None:
             self.stop(refusal)
             return
@@ -592,7 +570,7 @@ class Exchange:
             with anyio.fail_after(self.feed.timeout_s):
                 await req.wait_result()
         assert req.result is not None
-        _raise_unless_ok(Result.decode(req.result), "peer failed")
+        raise_unless_ok(Result.decode(req.result), "peer failed")
 
     async def _send_layers(
         self,

@@ -12,12 +12,13 @@ import bisect
 
 import numpy as np
 
-from .._messages import Op, Shape
+from .._errors import LLMException
+from .._messages import Grant, Op, Result, Shape
 from .._planner import check_within, region_of
 from .._registry import CacheEntry
 from .grants import TransferRequest
 
-__all__ = ["grant_within_selection", "layer_spans"]
+__all__ = ["grant_within_selection", "layer_spans", "raise_unless_ok", "refusal_of"]
 
 _U64 = np.uint64
 
@@ -181,3 +182,18 @@ def _within_units_small(
         elif b1 - b0 > len(selected) or any(b not in selected for b in range(b0, b1 + 1)):
             return False
     return True
+
+
+def refusal_of(answer: Grant | Result, default: str) -> LLMException | None:
+    """The failure the peer's GRANT or RESULT reports (its status code), None on success."""
+    if answer.ok:
+        return None
+    text = default if answer.message is None else answer.message
+    return LLMException(text, status_code=answer.status)
+
+
+def raise_unless_ok(answer: Grant | Result, default: str) -> None:
+    """Raises LLMException with the peer's status code unless ``answer`` reports success."""
+    refusal = refusal_of(answer, default)
+    if refusal is not None:
+        raise refusal
