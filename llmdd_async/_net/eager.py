@@ -78,10 +78,10 @@ def eager_pull_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan
     (the peer's table shapes the plan, so a plan in full is checked here). A GRANT that comes
     instead replaces this plan.
     """
-    if spec.op != Op.PULL or not engine.host_reachable(spec.local.addrs):
+    if spec.op != Op.PULL:
         return None
     planned = _plan_here(engine, link, spec)
-    if planned is None:
+    if planned is None or not engine.host_reachable(planned[0].dst):
         return None
     plan, prepared = planned
     # (a prepared pair places blocks of our own layout, its indices checked: in our cache)
@@ -110,9 +110,10 @@ def _plan_here(engine: LinkHost, link: Link, spec: TransferRequest) -> tuple[Pla
         return None  # (the target stages device memory from a task: it would grant)
     push = spec.op == Op.PUSH
     try:
-        theirs = view.dtype(cache_id)
-        if theirs != spec.local.dtype:  # (the message costs microseconds)
-            check_same_dtype(spec.local.dtype, theirs, spec.op.value)
+        theirs, ours = view.dtype(cache_id), spec.local.dtype
+        if theirs != ours:  # (the message costs microseconds)
+            src, dst = (ours, theirs) if push else (theirs, ours)
+            check_same_dtype(src, dst, spec.op.value)
         # A few blocks from the pair kept for them (it checked that the source lies in its
         # regions: our cache for a push, what the peer published for a pull).
         regions = spec.local.regions if push else view.regions

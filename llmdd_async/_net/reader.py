@@ -95,10 +95,16 @@ class _Landing:
             # Early bytes of a push the target did not take as sent (it granted the push, and
             # they come again under the grant), or late ones for one it did: discarded.
             stream = None
-        if stream is None:
+        if req is None or stream is None:
             req = None  # nothing of ours receives this frame: discard it, touching no request
         elif off + n > stream.total:
             raise ProtocolError(f"DATA frame [{off}, +{n}) outside its plan")
+        elif msg.flags & FLAG_TO_INITIATOR and off != req.received:
+            # A pull's bytes come in order (the target sends one frame after another): a
+            # pull ends once ``total`` bytes landed, which then cover its plan exactly.
+            raise ProtocolError(
+                f"DATA frame at {off} of a pull whose bytes so far end at {req.received}"
+            )
         self.msg = msg
         self.n = n
         self.off = off

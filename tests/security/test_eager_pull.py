@@ -1,6 +1,7 @@
 """A hostile target against a pull planned on this side (``_net/eager.py``): DATA flagged
 ``FLAG_EAGER`` lands only in the plan this side made, inside its own cache, and only until a
-GRANT comes; a GRANT replaces that plan, and flagged bytes after it land nowhere."""
+GRANT comes; a GRANT replaces that plan, and flagged bytes after it land nowhere. A pull's
+bytes, planned here or granted, come in order: a pull ends only when they cover its plan."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def _table() -> Message:
     return Message(MT.TABLE, 0, {"caches": [cache], "blocks_keys": {"0": 1}})
 
 
-def _data(req_id: int, fill: int, eager: bool, n: int = BLOCK) -> bytes:
-    return encode(Data(req_id, 0, n, to_initiator=True, eager=eager).encode()) + bytes([fill]) * n
+def _data(req_id: int, fill: int, eager: bool, n: int = BLOCK, off: int = 0) -> bytes:
+    header = Data(req_id, off, n, to_initiator=True, eager=eager).encode()
+    return encode(header) + bytes([fill]) * n
 
 
 async def _pull_from(
@@ -78,7 +80,7 @@ async def _pull_from(
             return ours, error
 
 
-@pytest.mark.parametrize("early", [BLOCK, BLOCK // 2], ids=["none-early", "half-early"])
+@pytest.mark.parametrize("early", [BLOCK, BLOCK // 2], ids=["granted-first", "half-early"])
 async def test_a_grant_replaces_the_plan_and_flagged_bytes_after_it_never_land(early: int) -> None:
     # The peer sends flagged bytes (all, or half: they land where we planned), then grants the
     # pull, sends flagged bytes again, then the bytes its GRANT announced in two halves: the
@@ -93,8 +95,7 @@ async def test_a_grant_replaces_the_plan_and_flagged_bytes_after_it_never_land(e
         await h.send_bytes(_data(req.req_id, 0xAB, eager=True))
         half = BLOCK // 2
         for off in (0, half):
-            header = encode(Data(req.req_id, off, half, to_initiator=True).encode())
-            await h.send_bytes(header + bytes([0xCD]) * half)
+            await h.send_bytes(_data(req.req_id, 0xCD, eager=False, n=half, off=off))
 
     ours, error = await _pull_from(answer)
     assert error is None
@@ -121,3 +122,21 @@ async def test_flagged_bytes_of_the_planned_size_land_where_this_side_planned_th
     assert error is None
     assert (ours[2] == 0x5A).all()
     assert (ours[[0, 1, 3]] == 0).all()
+
+
+@pytest.mark.parametrize("granted", [False, True], ids=["planned-here", "granted"])
+async def test_a_pulls_bytes_sent_twice_instead_of_in_full_break_the_link(granted: bool) -> None:
+    # Two frames over the first half make as many bytes as the whole block: counted, that
+    # ended the pull as a success with half of the block never written.
+    async def answer(h: RawPeer, req: Request) -> None:
+        if granted:
+            local = req.local_addrs[:1] + np.uint64(2 * BLOCK)
+            nbytes = np.array([BLOCK], np.uint64)
+            grant = Grant(req.req_id, mode=Mode.STREAM, total=BLOCK, local=local, nbytes=nbytes)
+            await h.send(grant.encode())
+        for fill in (0xAB, 0xCD):
+            await h.send_bytes(_data(req.req_id, fill, eager=not granted, n=BLOCK // 2))
+
+    _, error = await _pull_from(answer)
+    assert error is not None and error.status_code == dd.LLMStatusCode.LLM_LINK_FAILED, error
+    assert "so far end at" in str(error)
