@@ -114,13 +114,16 @@ async def test_pushes_of_a_few_blocks_are_planned_from_one_prepared_pair() -> No
         assert list(view.pairs.values()) == [prepared]
 
 
-async def test_a_push_planned_otherwise_than_the_target_plans_it_is_sent_again_under_its_grant(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("op", ["push", "pull"])
+async def test_a_request_planned_otherwise_than_the_target_plans_it_goes_by_its_grant(
+    monkeypatch: pytest.MonkeyPatch, op: str
 ) -> None:
-    # As if the peer's table no longer said what it holds: our plan reads the blocks in
-    # another order. The target's digest differs, it grants the push, and the bytes land
-    # where the GRANT says.
-    planned = exchange.eager_plan
+    # As if the peer's table no longer said what it holds: our plan takes the blocks in
+    # another order. The target's digest differs and it grants the request: a push's bytes
+    # are sent again under the GRANT, a pull's land where the GRANT says (ours would have
+    # swapped the two blocks).
+    name = "eager_plan" if op == "push" else "eager_pull_plan"
+    planned = getattr(exchange, name)
 
     def stale(*args: Any) -> Plan | None:
         plan = planned(*args)
@@ -128,15 +131,17 @@ async def test_a_push_planned_otherwise_than_the_target_plans_it_is_sent_again_u
             return None
         return Plan(plan.src[::-1].copy(), plan.dst[::-1].copy(), plan.nbytes[::-1].copy())
 
-    monkeypatch.setattr(exchange, "eager_plan", stale)
+    monkeypatch.setattr(exchange, name, stale)
     async with linked_pair(OPTIONS) as (prompt, decoder):
         cache, ours, theirs = await _pair_caches(prompt, decoder)
         cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
+        src, dst = (ours, theirs) if op == "push" else (theirs, ours)
+        move = cm.push_blocks if op == "push" else cm.pull_blocks
         for _ in range(3):
-            await cm.push_blocks(key, cache, [3, 7], [9, 1])
-            assert np.array_equal(theirs[:, [9, 1]], ours[:, [3, 7]])
+            src.add([3, 7], 1)  # (each round: bytes the destination does not hold yet)
+            await move(key, cache, [3, 7], [9, 1])
+            assert np.array_equal(dst[:, [9, 1]], src[:, [3, 7]])
             assert decoder.link_statistics(1).recent[-1].mode == "stream"
-            ours.add([3, 7], 1)  # (each round: bytes the target does not hold yet)
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -324,31 +329,6 @@ async def test_a_pull_of_many_ranges_planned_in_full_comes_with_no_grant() -> No
         await cm.pull_blocks(key, cache, src, dst)
         assert all(np.array_equal(o[dst], t[src]) for o, t in zip(ours, theirs, strict=True))
         assert decoder.link_statistics(1).recent[-1].mode == "eager"
-
-
-async def test_a_pull_planned_otherwise_than_the_target_plans_it_lands_where_its_grant_says(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # As if the peer's table no longer said what it holds: our plan lands the stream in
-    # another order. The target's digest differs, it grants the pull, and the bytes land
-    # where the GRANT says (ours would have swapped the two blocks).
-    planned = exchange.eager_pull_plan
-
-    def stale(*args: Any) -> Plan | None:
-        plan = planned(*args)
-        if plan is None:
-            return None
-        return Plan(plan.src[::-1].copy(), plan.dst[::-1].copy(), plan.nbytes[::-1].copy())
-
-    monkeypatch.setattr(exchange, "eager_pull_plan", stale)
-    async with linked_pair(OPTIONS) as (prompt, decoder):
-        cache, ours, theirs = await _pair_caches(prompt, decoder)
-        cm, key = decoder.cache_manager, dd.BlocksCacheKey(1, 0)
-        for _ in range(3):
-            theirs.add([3, 7], 1)  # (each round: bytes we do not hold yet)
-            await cm.pull_blocks(key, cache, [3, 7], [9, 1])
-            assert np.array_equal(ours[:, [9, 1]], theirs[:, [3, 7]])
-            assert decoder.link_statistics(1).recent[-1].mode == "stream"
 
 
 # ---------------------------------------------------------------------- a hand-made initiator
