@@ -39,7 +39,7 @@ from .streams import VIEWS_INLINE
 
 __all__ = ["EAGER_BYTES", "as_planned", "eager_plan", "eager_pull_plan", "stream_digest"]
 
-#: pushes of at most this much go with their request (what the target lands from its reader)
+#: requests of at most this much are planned here (what the target serves from its reader)
 EAGER_BYTES = INLINE_BYTES
 
 
