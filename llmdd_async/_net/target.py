@@ -262,25 +262,22 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
         or len(plan.nbytes) > VIEWS_INLINE
     ):
         return False
-    if not pull:
-        # A push whose bytes follow its request (.eager) is taken as sent only as we planned it.
-        eager = request.eager is not None and request.eager == (
-            total,
-            stream_digest(plan.src, plan.nbytes),
-        )
-        return _grant_now(engine, link, request, entries, plan, ntensors, mode, None, eager)
-    # A pull the initiator planned as we did (.eager) takes its DATA alone, flagged so.
+    # A request the initiator planned as we did (.eager: the digest of its own ranges) is a
+    # push taken as sent, or a pull whose DATA goes alone, flagged so.
+    theirs = plan.dst if pull else plan.src
     eager = request.eager is not None and request.eager == (
         total,
-        stream_digest(plan.dst, plan.nbytes),
+        stream_digest(theirs, plan.nbytes),
     )
+    if not pull:
+        return _grant_now(engine, link, request, entries, plan, ntensors, mode, None, eager)
     data = Data(request.req_id, 0, total, to_initiator=True, eager=eager).encode()
     frames: list[Message | Framed] = [data]
     if not eager:
         grant = Grant(
-            request.req_id, mode=mode, total=total, done=False, local=plan.dst, nbytes=plan.nbytes
+            request.req_id, mode=mode, total=total, done=False, local=theirs, nbytes=plan.nbytes
         )
-        frames.insert(0, grant)
+        frames = [grant, data]
     registry = engine.registry
     for e in entries:
         registry.pin(e)
