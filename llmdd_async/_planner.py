@@ -362,7 +362,10 @@ class BlockPair:
         LLMException: LLM_PARAM_INVALID for block sizes that do not fit (as plan_blocks).
     """
 
-    __slots__ = ("dst_bases", "dst_count", "dst_unit", "piece", "src_bases", "src_count")
+    __slots__ = (
+        "dst_arr", "dst_bases", "dst_count", "dst_unit", "piece", "src_arr", "src_bases",
+        "src_count",
+    )  # fmt: skip
     FEW_PIECES = _SMALL  # (the most descriptors, tensors x blocks, :meth:`plan` serves)
 
     def __init__(
@@ -393,9 +396,12 @@ class BlockPair:
                 )
         self.piece, self.dst_unit, self.dst_count = piece, dst_unit, dst.tensor_bytes // dst_unit
         self.src_count = src.count
-        #: the selected tensors' addresses on each side, as Python ints
-        self.src_bases: list[int] = src.addrs[src_tensors].tolist()
-        self.dst_bases: list[int] = dst.addrs[dst_tensors].tolist()
+        #: the selected tensors' addresses on each side (copies, never views of a layout), and
+        #: as Python ints
+        self.src_arr: np.ndarray = src.addrs[src_tensors].astype(_U64)
+        self.dst_arr: np.ndarray = dst.addrs[dst_tensors].astype(_U64)
+        self.src_bases: list[int] = self.src_arr.tolist()
+        self.dst_bases: list[int] = self.dst_arr.tolist()
 
     def plan(self, src_blocks: list[int], dst_blocks: list[int]) -> Plan:
         """Block ``src_blocks[i]`` of every selected tensor to ``dst_blocks[i]`` in Python
@@ -416,6 +422,28 @@ class BlockPair:
             sa, da, [b * piece for b in src_blocks], [b * unit for b in dst_blocks],
             [piece] * len(src_blocks),
         )  # fmt: skip
+
+    def plan_arrays(self, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Plan:
+        """:meth:`plan` for any number of blocks (equal non-empty arrays of any integer type),
+        in numpy past a few descriptors.
+
+        Raises:
+            LLMException: LLM_PARAM_INVALID for an index out of range, or more than
+                ``MAX_PIECES`` ranges or ``MAX_DESCRIPTORS`` descriptors.
+        """
+        if len(self.src_bases) * len(src_blocks) <= _SMALL:
+            return self.plan(src_blocks.tolist(), dst_blocks.tolist())
+        # (an index of 2**63 or more, from the wire, turns negative here: refused as such)
+        src_blocks, dst_blocks = src_blocks.astype(np.int64), dst_blocks.astype(np.int64)
+        _check_blocks(src_blocks, self.src_count, "src")
+        _check_blocks(dst_blocks, self.dst_count, "dst")
+        return _outer(
+            self.src_arr,
+            self.dst_arr,
+            src_blocks.astype(_U64) * _U64(self.piece),
+            dst_blocks.astype(_U64) * _U64(self.dst_unit),
+            np.full(len(src_blocks), self.piece, dtype=_U64),
+        )
 
 
 def plan_blocks(
@@ -442,19 +470,8 @@ def plan_blocks(
         raise_param(
             f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length"
         )
-    pair = BlockPair(src, dst, src_tensors, dst_tensors, dst_block_bytes)
-    if len(src_tensors) * len(src_blocks) <= _SMALL:
-        # A few descriptors: Python ints throughout (numpy costs microseconds per call).
-        return pair.plan(src_blocks.tolist(), dst_blocks.tolist())
-    src_blocks, dst_blocks = src_blocks.astype(np.int64), dst_blocks.astype(np.int64)
-    _check_blocks(src_blocks, src.count, "src")
-    _check_blocks(dst_blocks, pair.dst_count, "dst")
-    return _outer(
-        src.addrs[src_tensors],
-        dst.addrs[dst_tensors],
-        src_blocks.astype(_U64) * _U64(pair.piece),
-        dst_blocks.astype(_U64) * _U64(pair.dst_unit),
-        np.full(len(src_blocks), pair.piece, dtype=_U64),
+    return BlockPair(src, dst, src_tensors, dst_tensors, dst_block_bytes).plan_arrays(
+        src_blocks, dst_blocks
     )
 
 

@@ -1,6 +1,6 @@
 """Prepared transfers: plan once, reuse per request (NIXL's prepared descriptor lists).
 
-A request of a few blocks between the same two caches, with the same layer windows, is
+A request of blocks between the same two caches, with the same layer windows, is
 planned from a :class:`~.._planner.BlockPair` made by the first: the tensor windows, the
 selected tensors' addresses and the block sizes, checked once, and whether the side that must
 stay inside a region (the source of a one-sided pull, our own cache on the target) lies
@@ -13,8 +13,9 @@ The next requests only place their blocks, with the full planner's answers and r
   bytes follow its request) keeps its pairs in its view of that table, made again when
   either layout or the region changes (:func:`plan_prepared`).
 
-A pair holds ints and lists only, never a layout (a peer's is a view of its request frame),
-and each place keeps at most ``_KEPT_PAIRS``. Pure: no I/O.
+A pair holds ints, lists and arrays of its own only, never a layout (a peer's is a view of
+its request frame), pairs at most ``_KEYED_TENSORS`` tensors, and each place keeps at most
+``_KEPT_PAIRS``. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ _U64 = np.uint64
 #: a link's view of the peer's table, or a cache of ours, keeps at most this many prepared
 #: pairs (then starts again)
 _KEPT_PAIRS = 64
+#: a pair of more tensors is never made (such requests are planned in full), and a peer's
+#: layout of more is never a kept pair's key (which holds 8 bytes a tensor)
+_KEYED_TENSORS = 256
 
 
 def plan_prepared(
@@ -44,7 +48,7 @@ def plan_prepared(
     regions: tuple[np.ndarray, np.ndarray],
     max_bytes: int | None = None,
 ) -> Plan | None:
-    """The plan of a request of a few blocks between our cache and the peer's cache ``tgt``
+    """The plan of a request of blocks between our cache and the peer's cache ``tgt``
     (as its table describes it), from the pair of the two kept in ``pairs`` (the link's view
     of the peer's table; :class:`BlockPair`: tensor windows, addresses and block sizes, checked
     by the first request that paired them); None when it must be planned in full
@@ -58,7 +62,7 @@ def plan_prepared(
     src_b, dst_b = spec.src_blocks, spec.dst_blocks
     if spec.shape is not Shape.BLOCKS or src_b is None or dst_b is None:
         return None
-    if not 0 < len(src_b) == len(dst_b) <= BlockPair.FEW_PIECES:
+    if not 0 < len(src_b) == len(dst_b):
         return None
     pull, ours = spec.op is Op.PULL, spec.local.layout
     key = (
@@ -75,7 +79,7 @@ def plan_prepared(
                 src.num_tensors, dst.num_tensors, spec.src_range, spec.dst_range,
                 spec.tensor_num_per_layer,
             )  # fmt: skip
-            if len(src_idx) <= BlockPair.FEW_PIECES:  # (more never fit a few descriptors)
+            if len(src_idx) <= _KEYED_TENSORS:  # (a pair holds its tensors' addresses)
                 pair = BlockPair(src, dst, src_idx, dst_idx, spec.dst_block_bytes)
                 whole = _whole(pair.src_bases, src.count * pair.piece, regions)
         except LLMException:
@@ -86,10 +90,9 @@ def plan_prepared(
     pair, whole = kept[3], kept[4]
     if pair is None or not whole:
         return None
-    pieces = len(pair.src_bases) * len(src_b)
-    if pieces > BlockPair.FEW_PIECES or (max_bytes is not None and pieces * pair.piece > max_bytes):
+    if max_bytes is not None and len(pair.src_bases) * len(src_b) * pair.piece > max_bytes:
         return None
-    return pair.plan(src_b.tolist(), dst_b.tolist())
+    return pair.plan_arrays(src_b, dst_b)
 
 
 def _whole(bases: list[int], extent: int, regions: tuple[np.ndarray, np.ndarray]) -> bool:
@@ -99,13 +102,8 @@ def _whole(bases: list[int], extent: int, regions: tuple[np.ndarray, np.ndarray]
     )
 
 
-#: a peer's layout of more tensors than this is never kept as a prepared pair's key (its
-#: requests are planned in full): a kept key holds 8 bytes a tensor
-_KEYED_TENSORS = 256
-
-
 def plan_on_loop(req: Request, res: Resolved) -> Planned:
-    """:func:`plan_checked` on the loop: a request of a few blocks of a cache it named (by
+    """:func:`plan_checked` on the loop: a request of blocks of a cache it named (by
     key or id) is planned from the pair of that cache with the peer's layout prepared by the
     first such request (:class:`BlockPair`: tensor windows, addresses and block sizes, checked
     once, kept on our cache's entry), and serves only where our selected tensors lie whole in
@@ -117,7 +115,7 @@ def plan_on_loop(req: Request, res: Resolved) -> Planned:
     entry, src_b, dst_b = res.entry, req.src_blocks, req.dst_blocks
     if entry is None or req.shape is not Shape.BLOCKS or src_b is None or dst_b is None:
         return plan_checked(req, res)
-    if not 0 < len(src_b) == len(dst_b) <= BlockPair.FEW_PIECES:
+    if not 0 < len(src_b) == len(dst_b):
         return plan_checked(req, res)
     pull, theirs = req.op is Op.PULL, res.init_layout
     if theirs.num_tensors > _KEYED_TENSORS:
@@ -135,7 +133,7 @@ def plan_on_loop(req: Request, res: Resolved) -> Planned:
         )  # fmt: skip
         pair: BlockPair | None = None
         whole = False
-        if len(src_idx) <= BlockPair.FEW_PIECES:  # (more never fit a few descriptors)
+        if len(src_idx) <= _KEYED_TENSORS:  # (a pair holds its tensors' addresses)
             try:
                 pair = BlockPair(src, dst, src_idx, dst_idx, req.dst_block_bytes)
             except LLMException:
@@ -152,13 +150,11 @@ def plan_on_loop(req: Request, res: Resolved) -> Planned:
     if pair is None or chosen is None or not whole:
         return plan_checked(req, res)
     pieces = len(pair.src_bases) * len(src_b)
-    if pieces > BlockPair.FEW_PIECES:
-        return plan_checked(req, res)
     if pieces * pair.piece > res.held:  # (before the blocks are looked at, as plan_selection)
         raise_param(
             f"the request would move {pieces * pair.piece} bytes, more than the {res.held} "
             "bytes of the caches it touches"
         )
-    plan = pair.plan(src_b.tolist(), dst_b.tolist())
+    plan = pair.plan_arrays(src_b, dst_b)
     check_total(plan, res)
     return plan, res.slot if pull else req.local_slot, chosen, None

@@ -52,7 +52,7 @@ def requests(draw: st.DrawFn) -> tuple[CacheEntry, Request]:
     is_blocks = draw(st.booleans()) or draw(st.booleans())
     addrs = np.array([1 << 40 | i * (count * their_block + 8) for i in range(n)], np.uint64)
     layers = st.one_of(st.none(), st.builds(range, st.integers(0, 3), st.integers(1, 5)))
-    k = draw(st.integers(1, 12))
+    k = draw(st.integers(1, 12) | st.integers(13, 48))  # (past 64 ranges: planned in numpy)
     index = st.integers(0, 9) | st.sampled_from([2**63, 2**64 - 1])
     src_b = np.array(draw(st.lists(index, min_size=k, max_size=k)), np.uint64)
     dst_b = np.array(draw(st.lists(index, min_size=k, max_size=k)), np.uint64)
@@ -136,8 +136,9 @@ def test_a_cache_keeps_a_bounded_number_of_pairs() -> None:
 
 
 @pytest.mark.parametrize("op", [Op.PULL, Op.PUSH])
+@pytest.mark.parametrize("tensors", [2, 160])  # (160 x 2 blocks: planned in numpy)
 def test_a_pair_is_prepared_once_for_the_requests_that_pair_the_same_caches(
-    op: Op, monkeypatch: pytest.MonkeyPatch
+    op: Op, tensors: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made: list[BlockPair] = []
 
@@ -147,7 +148,9 @@ def test_a_pair_is_prepared_once_for_the_requests_that_pair_the_same_caches(
             made.append(self)
 
     monkeypatch.setattr(prepared, "BlockPair", Counted)
-    entry = _entry(2, 8, 32)
+    entry = blocks_entry(
+        [4096 + t * (8 * 32 + 64) for t in range(tensors)], 8, 32, cache_id=3, dtype=4
+    )
     for i in range(10):
         req = Request(
             req_id=i,
@@ -155,7 +158,7 @@ def test_a_pair_is_prepared_once_for_the_requests_that_pair_the_same_caches(
             target=Address(By.CACHE_ID, cache_id=entry.cache_id),
             shape=Shape.BLOCKS,
             layout=(8 * 32, 8, True),
-            local_addrs=np.array([1 << 40, 1 << 41], np.uint64),
+            local_addrs=np.array([1 << 40 | t << 12 for t in range(tensors)], np.uint64),
             src_blocks=np.array([i % 8, (i + 3) % 8], np.uint64),
             dst_blocks=np.array([(i + 5) % 8, i % 8], np.uint64),
         )
@@ -236,7 +239,7 @@ def published(draw: st.DrawFn) -> tuple[Layout, tuple[np.ndarray, np.ndarray], T
         size = draw(st.integers(1, span))
         caches.append(CacheInfo(8 + k, (start,), size, 1, False, 0, True))
     local = blocks_entry([1 << 40, 1 << 41, 1 << 42, 1 << 43][:n], count, block, cache_id=1)
-    k = draw(st.integers(1, 4))
+    k = draw(st.integers(1, 4) | st.integers(17, 40))  # (past 64 ranges: planned in numpy)
     idx = st.lists(st.integers(0, count - 1), min_size=k, max_size=k)
     spec = TransferRequest(
         Op.PULL,
