@@ -131,8 +131,6 @@ def start_request_now(
     ctl = task.begin(None)
     ctl.set_deadline(budget)  # the link is ours: the deadline runs from now
     run = _RunNow(engine, task, link, spec, ctl, on_end)
-    run.timer = engine.timers.call_later(budget, run.expire)
-    task.on_cancel(run.stop)
     try:
         run.launch(True)
     except Exception as exc:  # a bug: the task reports it, nothing stays held
@@ -142,6 +140,11 @@ def start_request_now(
             engine.log.exception("transfer.crashed")
         else:
             run.finish(None, exc)
+    # Armed once the request left, while the peer serves it (nothing else runs before the
+    # loop does); not for one that already ended (a link found down).
+    if not run.finished:
+        run.timer = engine.timers.call_later(budget, run.expire)
+        task.on_cancel(run.stop)
     return True
 
 

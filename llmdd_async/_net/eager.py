@@ -37,7 +37,14 @@ from .link import Link
 from .prepared import plan_prepared
 from .streams import VIEWS_INLINE
 
-__all__ = ["EAGER_BYTES", "as_planned", "eager_plan", "eager_pull_plan", "stream_digest"]
+__all__ = [
+    "EAGER_BYTES",
+    "as_planned",
+    "eager_field",
+    "eager_plan",
+    "eager_pull_plan",
+    "stream_digest",
+]
 
 #: requests of at most this much are planned here (what the target serves from its reader)
 EAGER_BYTES = INLINE_BYTES
@@ -88,12 +95,15 @@ def eager_pull_plan(engine: LinkHost, link: Link, spec: TransferRequest) -> Plan
     return plan if prepared or check_within(plan.dst, plan.nbytes, *spec.local.regions) else None
 
 
-def as_planned(req_id: int, ours: np.ndarray, nbytes: np.ndarray) -> tuple[Grant, tuple[int, int]]:
-    """The grant a request planned here stands for (``ours``: its ranges of our cache, a push's
-    source or a pull's destination, in stream order), and the request's ``eager`` field."""
-    total = u64_sum(nbytes)
-    grant = Grant(req_id, mode=Mode.STREAM, total=total, done=False, local=ours, nbytes=nbytes)
-    return grant, (total, stream_digest(ours, nbytes))
+def eager_field(ours: np.ndarray, nbytes: np.ndarray) -> tuple[int, int]:
+    """The ``eager`` field of a request planned here (``ours``: its ranges of our cache, a
+    push's source or a pull's destination, in stream order): its bytes and their digest."""
+    return u64_sum(nbytes), stream_digest(ours, nbytes)
+
+
+def as_planned(req_id: int, ours: np.ndarray, nbytes: np.ndarray, eager: tuple[int, int]) -> Grant:
+    """The grant a request planned here stands for (``eager``: its :func:`eager_field`)."""
+    return Grant(req_id, mode=Mode.STREAM, total=eager[0], done=False, local=ours, nbytes=nbytes)
 
 
 def _plan_here(engine: LinkHost, link: Link, spec: TransferRequest) -> tuple[Plan, bool] | None:

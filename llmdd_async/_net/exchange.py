@@ -24,7 +24,7 @@ from .._planner import Plan, check_within, u64_sum
 from .._protocol import Message
 from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan
-from .eager import as_planned, eager_plan, eager_pull_plan
+from .eager import as_planned, eager_field, eager_plan, eager_pull_plan
 from .feed import LayerFeed, send_layers
 from .grant_checks import grant_within_selection, layer_spans, raise_unless_ok, refusal_of
 from .grants import TransferRequest
@@ -126,12 +126,13 @@ class Exchange:
         # Rounded up: the target must not give up before we do (its ABORT would then end the
         # request with its words instead of our deadline's).
         timeout_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000)) if deadline else 0
-        plan = eager = None
+        plan = pulled = eager = None
         if self.feed is None and not self._direct:
             if spec.op == Op.PUSH:
                 plan = eager_plan(engine, link, spec)
             else:
-                eager = self._expect_eager(eager_pull_plan(engine, link, spec))
+                pulled = eager_pull_plan(engine, link, spec)
+                eager = None if pulled is None else eager_field(pulled.dst, pulled.nbytes)
         if plan is not None:
             sent = self._send_eager(plan, caps, timeout_ms)
         else:
@@ -139,6 +140,12 @@ class Exchange:
         if not sent:
             self._end(link.down_error())
             return
+        if pulled is not None and eager is not None and not self.ended:
+            # Ready for its DATA with no GRANT before it (.eager), where we planned it: set up
+            # after the request left, while the peer plans it (the reader acts on that DATA
+            # once the loop runs again).
+            self._eager = as_planned(req.req_id, pulled.dst, pulled.nbytes, eager)
+            req.stream, req.eager = StreamPlan(pulled.dst, pulled.nbytes), True
         if self.feed is not None:
             when = engine.timers.now() + self.feed.grant_timeout_s
             self._grant_timer = engine.timers.call_at(when, self._grant_late)
@@ -148,7 +155,8 @@ class Exchange:
         answers one the target took as sent, a GRANT one it did not (they are sent again
         under it, once these are out: :meth:`_sent`). False if the link is down."""
         req = self.req
-        self._eager, eager = as_planned(req.req_id, plan.src, plan.nbytes)
+        eager = eager_field(plan.src, plan.nbytes)
+        self._eager = as_planned(req.req_id, plan.src, plan.nbytes, eager)
         total = eager[0]
         wire = self.spec.to_wire(req.req_id, caps, timeout_ms, eager)
         req.result_event.callback = self._answered
@@ -159,16 +167,6 @@ class Exchange:
             self._sending = False
             return False
         return True
-
-    def _expect_eager(self, plan: Plan | None) -> tuple[int, int] | None:
-        """Get ready for a pull's DATA with no GRANT before it (:mod:`.eager`): its stream
-        set where we planned it. Returns what the request says of that plan, or None."""
-        if plan is None:
-            return None
-        req = self.req
-        self._eager, eager = as_planned(req.req_id, plan.dst, plan.nbytes)
-        req.stream, req.eager = StreamPlan(plan.dst, plan.nbytes), True
-        return eager
 
     def _grant_late(self) -> None:
         """A layer-wise push's GRANT did not come in time (its deadline is the feed's)."""
