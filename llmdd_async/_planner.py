@@ -355,8 +355,8 @@ def _check_blocks(blocks: np.ndarray | list[int], count: int, side: str) -> None
 class BlockPair:
     """Two caches and their selected tensors as :func:`plan_blocks` pairs them, before the
     block indices: checked once, kept for the requests that pair them again (a prepared
-    transfer, ``_net.prepared``). It holds ints only, never a layout (a peer's is a view of its
-    request). :meth:`plan` is plan_blocks for a few descriptors.
+    transfer, ``_net.prepared``). It holds ints and arrays of its own, never a layout (a peer's
+    is a view of its request). :meth:`plan_arrays` is plan_blocks for the block indices.
 
     Raises:
         LLMException: LLM_PARAM_INVALID for block sizes that do not fit (as plan_blocks).
@@ -396,8 +396,7 @@ class BlockPair:
                 )
         self.piece, self.dst_unit, self.dst_count = piece, dst_unit, dst.tensor_bytes // dst_unit
         self.src_count = src.count
-        #: the selected tensors' addresses on each side (copies, never views of a layout), and
-        #: as Python ints
+        #: the selected tensors' addresses on each side (copies), and as Python ints
         self.src_arr: np.ndarray = src.addrs[src_tensors].astype(_U64)
         self.dst_arr: np.ndarray = dst.addrs[dst_tensors].astype(_U64)
         self.src_bases: list[int] = self.src_arr.tolist()
@@ -424,26 +423,17 @@ class BlockPair:
         )  # fmt: skip
 
     def plan_arrays(self, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Plan:
-        """:meth:`plan` for any number of blocks (equal non-empty arrays of any integer type),
-        in numpy past a few descriptors.
-
-        Raises:
-            LLMException: LLM_PARAM_INVALID for an index out of range, or more than
-                ``MAX_PIECES`` ranges or ``MAX_DESCRIPTORS`` descriptors.
-        """
+        """:meth:`plan` for any number of blocks (equal non-empty integer arrays), in numpy
+        past a few descriptors. Raises as :meth:`plan`, and LLMException (LLM_PARAM_INVALID)
+        for more than ``MAX_PIECES`` ranges or ``MAX_DESCRIPTORS`` descriptors."""
         if len(self.src_bases) * len(src_blocks) <= _SMALL:
             return self.plan(src_blocks.tolist(), dst_blocks.tolist())
         # (an index of 2**63 or more, from the wire, turns negative here: refused as such)
-        src_blocks, dst_blocks = src_blocks.astype(np.int64), dst_blocks.astype(np.int64)
-        _check_blocks(src_blocks, self.src_count, "src")
-        _check_blocks(dst_blocks, self.dst_count, "dst")
-        return _outer(
-            self.src_arr,
-            self.dst_arr,
-            src_blocks.astype(_U64) * _U64(self.piece),
-            dst_blocks.astype(_U64) * _U64(self.dst_unit),
-            np.full(len(src_blocks), self.piece, dtype=_U64),
-        )
+        sb, db = src_blocks.astype(np.int64), dst_blocks.astype(np.int64)
+        _check_blocks(sb, self.src_count, "src")
+        _check_blocks(db, self.dst_count, "dst")
+        so, do = sb.astype(_U64) * _U64(self.piece), db.astype(_U64) * _U64(self.dst_unit)
+        return _outer(self.src_arr, self.dst_arr, so, do, np.full(len(sb), self.piece, _U64))
 
 
 def plan_blocks(

@@ -39,16 +39,13 @@ from .._errors import (
 from .._memory import CancelToken
 from .._messages import FLAG_EAGER, FLAG_TO_INITIATOR, Abort, Data
 from .._protocol import MT, NEED_DATA, PAYLOAD_TAG, Decoder, Message
+from .._transports._bufs import FEW_VIEWS, IOV_MAX, batch, moved
 from .._transports.tcp import (
     CHUNK_BYTES,
-    FEW_VIEWS,
     INLINE_BYTES,
-    IOV_MAX,
     Fence,
     PayloadMac,
     StreamPlan,
-    advance,
-    batch,
     recv_views,
     scratch_views,
 )
@@ -197,25 +194,26 @@ class _Inflow:
                 self.idx = 0
                 self.diverted = True
             chunk = batch(bufs, self.idx)
+            views = chunk[0]
             last = (  # (the tail must not make it one buffer more than a call takes)
-                self.tail is not None and len(chunk) < IOV_MAX and sum(map(len, chunk)) == self.left
+                self.tail is not None and len(views) < IOV_MAX and chunk[1] == self.left
             )
             if last:  # the payload's last call: what follows it lands in the tail
                 assert self.tail is not None
-                chunk.append(self.tail)
+                views = [*views, self.tail]
             try:
-                n = sock.recvmsg_into(chunk, 0, socket.MSG_DONTWAIT)[0]
+                n = sock.recvmsg_into(views, 0, socket.MSG_DONTWAIT)[0]
             except (BlockingIOError, InterruptedError):
                 return False
             if n == 0:
                 raise EOFError("peer closed the connection in the middle of a frame")
             if last:
-                self.drained = n < self.left + len(chunk[-1])
+                self.drained = n < self.left + len(views[-1])
                 if n > self.left:
                     self.after, n = n - self.left, self.left
             if pmac is not None and not self.diverted:
                 pmac.passed(bufs, self.idx, n)
-            self.idx = advance(bufs, self.idx, n)
+            self.idx = moved(bufs, self.idx, n, chunk)
             self.left -= n
         return True
 

@@ -30,12 +30,11 @@ import anyio
 import numpy as np
 
 from .._memory import CancelToken, memory_view
+from ._bufs import Chunk, batch, moved
 from ._fence import TRIPPED_GRACE_S, Fence, FrameClock, bytes_left, grace_s
 
 __all__ = [
     "INLINE_BYTES",
-    "advance",
-    "batch",
     "PayloadMac",
     "mac_update",
     "send_nowait",
@@ -56,10 +55,6 @@ __all__ = [
 #: cancel or an abort takes effect quickly.
 CHUNK_BYTES = 32 << 20
 _SLICE_S = 0.05
-IOV_MAX = 1024
-#: bytes per sendmsg/recvmsg call: measured here, 4 MiB calls stream loopback at 3-4.5 GB/s
-#: where 32 MiB calls stay near 2 GB/s (frames stay big; only the syscalls are cut)
-_SYSCALL_BYTES = 4 << 20
 _SCRATCH = 4 << 20
 #: plans of up to this many ranges are kept as Python ints (numpy's fixed cost per call is
 #: more than a Python loop over as many)
@@ -112,6 +107,7 @@ class StreamPlan:
         return type(self).commit is not StreamPlan.commit
 
     def __init__(self, addrs: np.ndarray, nbytes: np.ndarray) -> None:
+        self._whole: list[memoryview] | None = None
         if len(nbytes) <= _FEW:
             self._init_few(np.asarray(addrs).tolist(), np.asarray(nbytes).tolist())
             return
@@ -210,8 +206,11 @@ class StreamPlan:
 
     def views(self, offset: int, n: int) -> list[memoryview]:
         """Memory views covering stream bytes ``[offset, offset + n)`` in order."""
-        if offset == 0 and n >= self.total:  # the whole plan (most frames)
-            return self._whole_views()
+        if offset == 0 and n >= self.total:  # the whole plan (most frames): made once
+            whole = self._whole
+            if whole is None:
+                whole = self._whole = self._whole_views()
+            return list(whole)
         addrs, lens = self.ranges(offset, n)
         if not addrs:
             return []
@@ -290,54 +289,6 @@ class StagedStream(StreamPlan):
             self._adapter.unstage(buf)
 
 
-def batch(bufs: list[memoryview], idx: int) -> list[memoryview]:
-    """The buffers for one syscall: from ``idx``, at most IOV_MAX of them and about
-    ``_SYSCALL_BYTES`` (a larger first buffer is cut). ``bufs`` are 1-D byte views, so
-    ``len`` is their size (C speed over the many views of a many-tensor plan)."""
-    out = bufs[idx : idx + IOV_MAX]
-    if sum(map(len, out)) <= _SYSCALL_BYTES:  # (most calls: no buffer is cut)
-        return out
-    total = 0
-    for i, b in enumerate(out):
-        room = _SYSCALL_BYTES - total
-        if room <= 0:
-            return out[:i]
-        if b.nbytes > room:
-            out[i] = b[:room]
-            return out[: i + 1]
-        total += b.nbytes
-    return out
-
-
-#: past this many buffers, :func:`advance` finds where ``n`` bytes end by bisecting their
-#: running sizes (C speed); below it a Python loop costs less
-FEW_VIEWS = 16
-
-
-def advance(bufs: list[memoryview], idx: int, n: int) -> int:
-    """Past ``n`` bytes moved from ``bufs[idx:]`` (1-D byte views): the index of the first
-    buffer not fully moved, that buffer trimmed in place to what is left of it."""
-    if len(bufs) - idx > FEW_VIEWS and n > 0:
-        ends = list(itertools.accumulate(map(len, bufs[idx : idx + IOV_MAX])))
-        k = bisect.bisect_right(ends, n)
-        if k == len(ends):  # (a call moves at most a batch: IOV_MAX buffers)
-            return idx + k if n == ends[-1] else advance(bufs, idx + k, n - ends[-1])
-        rest = n - ends[k - 1] if k else n
-        idx += k
-        if rest:
-            bufs[idx] = bufs[idx][rest:]
-        return idx
-    while n > 0:
-        first = bufs[idx]
-        if n >= first.nbytes:
-            n -= first.nbytes
-            idx += 1
-        else:
-            bufs[idx] = first[n:]
-            n = 0
-    return idx
-
-
 class PayloadMac:
     """The MAC of one DATA frame's payload, fed what each syscall moved: the first ``skip``
     bytes (the frame's header) are not hashed, nor anything after ``payload`` bytes (the
@@ -390,13 +341,13 @@ def mac_update(mac: hmac.HMAC, views: list[memoryview]) -> None:
         mac.update(v)
 
 
-def _step(bufs: list[memoryview], idx: int, n: int, tagger: PayloadMac | None) -> int:
-    """:func:`advance` past ``n`` sent bytes, hashing them first; with every payload byte out
-    the trailer joins ``bufs`` (so a loop over ``bufs`` sends it next)."""
+def _step(bufs: list[memoryview], idx: int, n: int, tagger: PayloadMac | None, chunk: Chunk) -> int:
+    """:func:`moved` past ``n`` bytes sent of ``chunk``, hashing them first; with every
+    payload byte out the trailer joins ``bufs`` (so a loop over ``bufs`` sends it next)."""
     if tagger is None:
-        return advance(bufs, idx, n)
+        return moved(bufs, idx, n, chunk)
     tagger.passed(bufs, idx, n)
-    idx = advance(bufs, idx, n)
+    idx = moved(bufs, idx, n, chunk)
     if idx == len(bufs):
         tagger.finish(bufs)
     return idx
@@ -443,11 +394,12 @@ def send_nowait(
     """
     idx = 0
     for _ in range(1 if tagger is None else 2):
+        chunk = batch(bufs, idx)
         try:
-            n = sock.sendmsg(batch(bufs, idx), [], socket.MSG_DONTWAIT)
+            n = sock.sendmsg(chunk[0], [], socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             break
-        idx = _step(bufs, idx, n, tagger)
+        idx = _step(bufs, idx, n, tagger, chunk)
         if idx == len(bufs):
             break
     return idx
@@ -478,12 +430,13 @@ async def send_views_inline(
             keep = max(idx, 1)
             bufs = bufs[:keep] + _scratch_like(bufs, keep, _zeros())
             padded = True
+        chunk = batch(bufs, idx)
         try:
-            n = sock.sendmsg(batch(bufs, idx), [], socket.MSG_DONTWAIT)
+            n = sock.sendmsg(chunk[0], [], socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             await anyio.wait_writable(sock)
             continue
-        idx = _step(bufs, idx, n, tagger)
+        idx = _step(bufs, idx, n, tagger, chunk)
 
 
 def _wait_ready(sock: socket.socket, event: int) -> None:
@@ -529,14 +482,15 @@ def send_views(
                 fence.released.set()
                 clock.tripped(bytes_left(bufs, idx))
             clock.late(bufs, idx)
+            chunk = batch(bufs, idx)
             try:
-                n = sock.sendmsg(batch(bufs, idx))
+                n = sock.sendmsg(chunk[0])
             except (BlockingIOError, InterruptedError):
                 clock.check(0)
                 _wait_ready(sock, select.POLLOUT)
                 continue
             clock.check(n)
-            idx = _step(bufs, idx, n, tagger)
+            idx = _step(bufs, idx, n, tagger, chunk)
     finally:
         fence.released.set()
 
@@ -571,8 +525,9 @@ def recv_views(
                 fence.released.set()
                 clock.tripped(bytes_left(bufs, idx))
             clock.late(bufs, idx)
+            chunk = batch(bufs, idx)
             try:
-                n = sock.recvmsg_into(batch(bufs, idx), 0, socket.MSG_WAITALL)[0]
+                n = sock.recvmsg_into(chunk[0], 0, socket.MSG_WAITALL)[0]
             except (BlockingIOError, InterruptedError):
                 clock.check(0)
                 _wait_ready(sock, select.POLLIN)
@@ -582,7 +537,7 @@ def recv_views(
             clock.check(n)
             if mac is not None and not diverted:
                 mac.passed(bufs, idx, n)
-            idx = advance(bufs, idx, n)
+            idx = moved(bufs, idx, n, chunk)
     finally:
         fence.released.set()
     return not diverted

@@ -392,6 +392,7 @@ def test_the_payload_mac_covers_exactly_what_passed_however_the_syscalls_cut_it(
     import hashlib
     import hmac
 
+    from llmdd_async._transports._bufs import batch
     from llmdd_async._transports.tcp import PayloadMac, _step
 
     rng = np.random.default_rng(11)
@@ -408,14 +409,17 @@ def test_the_payload_mac_covers_exactly_what_passed_however_the_syscalls_cut_it(
         bufs = [memoryview(header), *views]
         idx, out = 0, bytearray()
         while idx < len(bufs):
+            chunk = batch(bufs, idx)
             room = sum(b.nbytes for b in bufs[idx:])
             n = int(rng.integers(1, room + 1))  # what one "syscall" took
+            if rng.integers(0, 3) == 0:
+                n = room  # (all of the batch: passed with no look at each view)
             took, left = bytearray(), n
             for b in bufs[idx:]:
                 took += b[:left]
                 left -= min(left, b.nbytes)
             out += took
-            idx = _step(bufs, idx, n, mac)
+            idx = _step(bufs, idx, n, mac, chunk)
         want = hmac.new(b"k", b"s", hashlib.sha256)
         want.update(payload)
         assert bytes(out) == header + payload + want.digest()

@@ -19,16 +19,13 @@ from hypothesis import strategies as st
 
 from llmdd_async._memory import CancelToken
 from llmdd_async._net.reader import _slice_views
+from llmdd_async._transports._bufs import _SYSCALL_BYTES, FEW_VIEWS, advance, batch, moved
 from llmdd_async._transports.tcp import (
     _FEW,
     _LISTED,
-    _SYSCALL_BYTES,
-    FEW_VIEWS,
     TRIPPED_GRACE_S,
     Fence,
     StreamPlan,
-    advance,
-    batch,
     configure_socket,
     recv_views,
     send_nowait,
@@ -154,9 +151,14 @@ def test_syscall_batches_and_what_they_moved_walk_the_buffers_in_order(
     idx = int(rng.integers(0, 3)) if count > 3 else 0
     done = sum(sizes[:idx])
     while idx < len(bufs):
-        assert _bytes_of(batch(bufs, idx)) == memory[done:]  # (all of it: under a syscall's cap)
+        chunk = batch(bufs, idx)
+        assert _bytes_of(chunk[0]) == memory[done:]  # (all of it: under a syscall's cap)
+        assert chunk[1] == len(memory) - done
+        # (some calls move all the batch: then it is passed with no look at each view)
         n = min(int(rng.integers(1, 3 * largest + 1)), len(memory) - done)
-        idx = advance(bufs, idx, n)
+        if rng.integers(0, 3) == 0:
+            n = len(memory) - done
+        idx = moved(bufs, idx, n, chunk) if rng.integers(0, 2) else advance(bufs, idx, n)
         done += n
         assert _bytes_of(bufs[idx:]) == memory[done:]
         assert idx == len(bufs) or bufs[idx].nbytes > 0
@@ -199,10 +201,14 @@ def test_a_payloads_last_read_takes_what_follows_within_the_kernels_buffer_limit
 def test_a_syscall_batch_is_cut_at_its_byte_cap() -> None:
     big = memoryview(bytearray(_SYSCALL_BYTES))
     bufs = [big[:100], big, big[:7]]
-    out = batch(bufs, 0)
+    out, size = batch(bufs, 0)
     assert [v.nbytes for v in out] == [100, _SYSCALL_BYTES - 100]
-    assert batch(bufs, 1)[0].nbytes == _SYSCALL_BYTES and len(batch(bufs, 1)) == 1
-    assert [v.nbytes for v in batch([big, big], 0)] == [_SYSCALL_BYTES]
+    assert size == -1  # (a buffer was cut: what moved is walked view by view)
+    assert batch(bufs, 1)[0][0].nbytes == _SYSCALL_BYTES and len(batch(bufs, 1)[0]) == 1
+    assert [v.nbytes for v in batch([big, big], 0)[0]] == [_SYSCALL_BYTES]
+    # Moving the whole cut batch leaves the rest of the cut buffer, not the next one.
+    assert moved(bufs, 0, _SYSCALL_BYTES, (out, size)) == 1
+    assert bufs[1].nbytes == 100
 
 
 @pytest.mark.parametrize("ranges", [3, _FEW + 5, _LISTED + 5])
