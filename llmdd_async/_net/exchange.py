@@ -146,7 +146,7 @@ class Exchange:
             # once the loop runs again).
             self._eager = as_planned(req.req_id, pulled.dst, pulled.nbytes, eager)
             req.stream, req.eager = StreamPlan(pulled.dst, pulled.nbytes), True
-            req.stream.receive_views(0, eager[0])  # (its views are made once, now too)
+            req.stream.make_views()
         if self.feed is not None:
             when = engine.timers.now() + self.feed.grant_timeout_s
             self._grant_timer = engine.timers.call_at(when, self._grant_late)

@@ -217,6 +217,13 @@ class StreamPlan:
         # Part of a plan sent in several frames (a layer's, a chunk's).
         return self._slices(addrs, lens)
 
+    def make_views(self) -> None:
+        """Make the whole plan's views now, while nothing waits for them, where they cost more
+        than a view each (a plan of many ranges: slices of one view over their span)."""
+        ranges = len(self._few[0]) if self._few is not None else len(self.addrs)
+        if self._whole is None and ranges > _OWN_VIEWS and self.total:
+            self._whole = self._whole_views()
+
     def _slices(self, addrs: list[int], lens: list[int]) -> list[memoryview]:
         """Views of local ranges as slices of the span's one view, made once for the stream
         (a view of its own costs a microsecond, a slice a fifth of that)."""

@@ -505,3 +505,16 @@ def test_a_worker_on_a_non_blocking_socket_waits_for_the_peer_instead_of_spinnin
                 recv_views(counted, [memoryview(dst)], fence, memoryview(bytearray(64)))
             a.close()
     assert counted.calls < 100, counted.calls
+
+
+@pytest.mark.parametrize("ranges", [2, 20])  # (a view each; slices of one view over the span)
+def test_a_plans_whole_views_are_made_once_and_handed_out_as_copies(ranges: int) -> None:
+    memory = np.arange(64 * 2 * ranges, dtype=np.uint8)
+    starts = [memory.ctypes.data + 128 * i for i in range(ranges)]
+    plan = StreamPlan(np.array(starts, np.uint64), np.full(ranges, 32, np.uint64))
+    plan.make_views()  # (a pull's, while its request is out)
+    first = plan.views(0, plan.total)
+    first.clear()  # (a caller may cut its list: the next one still gets every view)
+    want = b"".join(memory[128 * i : 128 * i + 32].tobytes() for i in range(ranges))
+    assert _bytes_of(plan.views(0, plan.total)) == want
+    assert _bytes_of(plan.receive_views(0, plan.total)) == want
