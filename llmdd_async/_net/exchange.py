@@ -23,7 +23,7 @@ from .._messages import Abort, By, Cap, Data, Done, Grant, Mode, Op, Result
 from .._planner import Plan, check_within, u64_sum
 from .._protocol import Message
 from .._timers import Timer
-from .._transports.tcp import INLINE_BYTES, StreamPlan
+from .._transports.tcp import INLINE_BYTES, StreamPlan, host_views
 from .eager import as_planned, eager_field, eager_plan, eager_pull_plan
 from .feed import LayerFeed, send_layers
 from .grant_checks import grant_within_selection, layer_spans, raise_unless_ok, refusal_of
@@ -163,7 +163,7 @@ class Exchange:
         req.result_event.callback = self._answered
         self._sending = True
         data = Data(req.req_id, 0, total, eager=True).encode()
-        views = StreamPlan(plan.src, plan.nbytes).views(0, total)
+        views = host_views(plan.src, plan.nbytes)
         if not self.link.send_soon([wire, data], views, self._sent):
             self._sending = False
             return False
@@ -269,7 +269,7 @@ class Exchange:
         if req.result_event.is_set():  # a RESULT before anything was sent: not an honest peer
             self.stop(ProtocolError("RESULT before the push's DATA was sent"))
             return True
-        views = StreamPlan(local, nbytes).views(0, total)
+        views = host_views(local, nbytes)
         req.result_event.callback = self._answered
         self._sending = True
         data = Data(req.req_id, 0, total, to_initiator=False).encode()

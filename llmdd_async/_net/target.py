@@ -27,7 +27,7 @@ from .._planner import Plan
 from .._protocol import Framed, Message
 from .._registry import CacheEntry
 from .._timers import Timer
-from .._transports.tcp import INLINE_BYTES, StreamPlan
+from .._transports.tcp import INLINE_BYTES, StreamPlan, host_views
 from .eager import stream_digest
 from .grants import INLINE_PIECES, finish, plan_checked, resolve
 from .host import LinkHost
@@ -286,7 +286,7 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
         for e in entries:
             registry.unpin(e)
 
-    views = StreamPlan(plan.src, plan.nbytes).views(0, total)
+    views = host_views(plan.src, plan.nbytes)
     if not link.send_soon(frames, views, unpin):
         unpin()
         return False

@@ -27,6 +27,7 @@ from llmdd_async._transports.tcp import (
     Fence,
     StreamPlan,
     configure_socket,
+    host_views,
     recv_views,
     send_nowait,
     send_views,
@@ -518,3 +519,15 @@ def test_a_plans_whole_views_are_made_once_and_handed_out_as_copies(ranges: int)
     want = b"".join(memory[128 * i : 128 * i + 32].tobytes() for i in range(ranges))
     assert _bytes_of(plan.views(0, plan.total)) == want
     assert _bytes_of(plan.receive_views(0, plan.total)) == want
+
+
+@pytest.mark.parametrize("ranges", [3, 20])  # (a view each; slices of one view over the span)
+def test_host_views_are_the_ranges_in_order_with_no_empty_view(ranges: int) -> None:
+    memory = np.random.default_rng(ranges).integers(0, 256, 128 * ranges, dtype=np.uint8)
+    order = list(range(ranges))[::-1]  # (not in address order)
+    addrs = np.array([memory.ctypes.data + 128 * i for i in order], np.uint64)
+    nbytes = np.array([0 if i % 3 == 1 else 8 + i for i in order], np.uint64)
+    views = host_views(addrs, nbytes)
+    assert all(v.nbytes for v in views)
+    want = b"".join(memory[128 * i : 128 * i + 8 + i].tobytes() for i in order if i % 3 != 1)
+    assert _bytes_of(views) == want
