@@ -364,9 +364,8 @@ class BlockPair:
 
     __slots__ = (
         "dst_arr", "dst_bases", "dst_count", "dst_unit", "piece", "src_arr", "src_bases",
-        "src_count",
+        "src_count", "tensors",
     )  # fmt: skip
-    FEW_PIECES = _SMALL  # (the most descriptors, tensors x blocks, :meth:`plan` serves)
 
     def __init__(
         self,
@@ -396,15 +395,17 @@ class BlockPair:
                 )
         self.piece, self.dst_unit, self.dst_count = piece, dst_unit, dst.tensor_bytes // dst_unit
         self.src_count = src.count
-        #: the selected tensors' addresses on each side (copies), and as Python ints
+        #: the selected tensors' addresses on each side (copies), and as Python ints for a
+        #: few tensors (:meth:`plan`'s: an int costs 40 bytes, and more are planned in numpy)
         self.src_arr: np.ndarray = src.addrs[src_tensors].astype(_U64)
         self.dst_arr: np.ndarray = dst.addrs[dst_tensors].astype(_U64)
-        self.src_bases: list[int] = self.src_arr.tolist()
-        self.dst_bases: list[int] = self.dst_arr.tolist()
+        self.tensors = few = len(self.src_arr)
+        self.src_bases: list[int] = self.src_arr.tolist() if few <= _SMALL else []
+        self.dst_bases: list[int] = self.dst_arr.tolist() if few <= _SMALL else []
 
     def plan(self, src_blocks: list[int], dst_blocks: list[int]) -> Plan:
         """Block ``src_blocks[i]`` of every selected tensor to ``dst_blocks[i]`` in Python
-        ints: a few descriptors, equal non-empty lists (as plan_blocks checks).
+        ints: a few descriptors (tensors x blocks at most 64), equal non-empty lists.
 
         Raises:
             LLMException: LLM_PARAM_INVALID for an index out of range.
@@ -426,8 +427,11 @@ class BlockPair:
         """:meth:`plan` for any number of blocks (equal non-empty integer arrays), in numpy
         past a few descriptors. Raises as :meth:`plan`, and LLMException (LLM_PARAM_INVALID)
         for more than ``MAX_PIECES`` ranges or ``MAX_DESCRIPTORS`` descriptors."""
-        if len(self.src_bases) * len(src_blocks) <= _SMALL:
+        pieces = self.tensors * len(src_blocks)
+        if pieces <= _SMALL:
             return self.plan(src_blocks.tolist(), dst_blocks.tolist())
+        if pieces > MAX_PIECES:  # (before the indices, as plan_selection)
+            raise_param(f"the request selects {pieces} ranges, more than {MAX_PIECES}")
         # (an index of 2**63 or more, from the wire, turns negative here: refused as such)
         sb, db = src_blocks.astype(np.int64), dst_blocks.astype(np.int64)
         _check_blocks(sb, self.src_count, "src")
@@ -446,7 +450,6 @@ def plan_blocks(
     dst_block_bytes: int | None = None,
 ) -> Plan:
     """Blocks -> blocks: block ``src_blocks[i]`` of every selected tensor to ``dst_blocks[i]``.
-
     Destination blocks are ``dst_block_bytes`` apart (default: the destination's own block
     size, which must then equal the source's); each copy is one source block.
 
@@ -460,9 +463,8 @@ def plan_blocks(
         raise_param(
             f"src_blocks ({len(src_blocks)}) and dst_blocks ({len(dst_blocks)}) differ in length"
         )
-    return BlockPair(src, dst, src_tensors, dst_tensors, dst_block_bytes).plan_arrays(
-        src_blocks, dst_blocks
-    )
+    pair = BlockPair(src, dst, src_tensors, dst_tensors, dst_block_bytes)
+    return pair.plan_arrays(src_blocks, dst_blocks)
 
 
 def plan_slot_to_blocks(

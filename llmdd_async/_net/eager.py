@@ -124,7 +124,10 @@ def _plan_here(engine: LinkHost, link: Link, spec: TransferRequest) -> tuple[Pla
         if theirs != ours:  # (the message costs microseconds)
             src, dst = (ours, theirs) if push else (theirs, ours)
             check_same_dtype(src, dst, spec.op.value)
-        # A few blocks from the pair kept for them (it checked that the source lies in its
+        nbytes, ranges = selection_bound(spec)
+        if nbytes > EAGER_BYTES or ranges > VIEWS_INLINE:
+            return None  # not planned here as well as there (nor planned at all: cheap)
+        # Blocks from the pair kept for them (it checked that the source lies in its
         # regions: our cache for a push, what the peer published for a pull).
         regions = spec.local.regions if push else view.regions
         planned = plan_prepared(view.pairs, spec, tgt, regions, EAGER_BYTES)
@@ -132,9 +135,6 @@ def _plan_here(engine: LinkHost, link: Link, spec: TransferRequest) -> tuple[Pla
             if not 0 < planned.total_bytes <= EAGER_BYTES or len(planned) > VIEWS_INLINE:
                 return None
             return planned, True
-        nbytes, ranges = selection_bound(spec)
-        if nbytes > EAGER_BYTES or ranges > VIEWS_INLINE:
-            return None  # not planned here as well as there
         plan, _, _ = plan_selection(
             spec.op,
             spec.shape,

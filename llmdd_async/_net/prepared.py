@@ -81,7 +81,7 @@ def plan_prepared(
             )  # fmt: skip
             if len(src_idx) <= _KEYED_TENSORS:  # (a pair holds its tensors' addresses)
                 pair = BlockPair(src, dst, src_idx, dst_idx, spec.dst_block_bytes)
-                whole = _whole(pair.src_bases, src.count * pair.piece, regions)
+                whole = _whole(pair.src_arr, src.count * pair.piece, regions)
         except LLMException:
             return None
         if len(pairs) >= _KEPT_PAIRS:
@@ -90,16 +90,14 @@ def plan_prepared(
     pair, whole = kept[3], kept[4]
     if pair is None or not whole:
         return None
-    if max_bytes is not None and len(pair.src_bases) * len(src_b) * pair.piece > max_bytes:
+    if max_bytes is not None and pair.tensors * len(src_b) * pair.piece > max_bytes:
         return None
     return pair.plan_arrays(src_b, dst_b)
 
 
-def _whole(bases: list[int], extent: int, regions: tuple[np.ndarray, np.ndarray]) -> bool:
+def _whole(bases: np.ndarray, extent: int, regions: tuple[np.ndarray, np.ndarray]) -> bool:
     """True if ``[base, base + extent)`` lies inside one of ``regions`` for every base."""
-    return check_within(
-        np.asarray(bases, dtype=_U64), np.full(len(bases), extent, dtype=_U64), *regions
-    )
+    return check_within(bases, np.full(len(bases), extent, dtype=_U64), *regions)
 
 
 def plan_on_loop(req: Request, res: Resolved) -> Planned:
@@ -140,16 +138,16 @@ def plan_on_loop(req: Request, res: Resolved) -> Planned:
                 return plan_checked(req, res)  # (it says what does not fit, as it always did)
             # Our side: the source of a pull, the destination of a push.
             if pull:
-                whole = _whole(pair.src_bases, src.count * pair.piece, entry.regions)
+                whole = _whole(pair.src_arr, src.count * pair.piece, entry.regions)
             else:
-                whole = _whole(pair.dst_bases, pair.dst_count * pair.dst_unit, entry.regions)
+                whole = _whole(pair.dst_arr, pair.dst_count * pair.dst_unit, entry.regions)
         if len(entry.pairs) >= _KEPT_PAIRS:
             entry.pairs.clear()
         kept = entry.pairs[key] = (pair, src_idx if pair is not None else None, whole)
     pair, chosen, whole = kept
     if pair is None or chosen is None or not whole:
         return plan_checked(req, res)
-    pieces = len(pair.src_bases) * len(src_b)
+    pieces = pair.tensors * len(src_b)
     if pieces * pair.piece > res.held:  # (before the blocks are looked at, as plan_selection)
         raise_param(
             f"the request would move {pieces * pair.piece} bytes, more than the {res.held} "

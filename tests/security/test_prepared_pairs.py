@@ -1,4 +1,4 @@
-"""A target plans a peer's request of a few blocks from the pair of caches prepared by the
+"""A target plans a peer's request of blocks from the pair of caches prepared by the
 first such request (``prepared.plan_on_loop``). Whatever the peer sends (layouts, layer
 ranges, block sizes, block indices in and out of range, repeated), the prepared plan is the
 full planner's, to the byte, and so is every refusal; and a cache keeps a bounded number of
@@ -287,3 +287,80 @@ def test_a_peers_published_regions_are_disjoint_however_its_caches_overlap() -> 
     starts, ends = regions_of_table(table)
     assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == [(1000, 1110), (4990, 5100)]
     assert check_within(np.array([1055], np.uint64), np.array([40], np.uint64), starts, ends)
+
+
+def test_a_caches_kept_pairs_of_many_tensors_hold_bounded_memory() -> None:
+    """A peer naming a new layout of 256 tensors in each request fills the cache's pairs: each
+    holds its tensors' addresses once (arrays; Python ints only for a few tensors)."""
+    import tracemalloc
+
+    tensors = prepared._KEYED_TENSORS
+    entry = blocks_entry(
+        [4096 + t * (8 * 32 + 64) for t in range(tensors)], 8, 32, cache_id=3, dtype=4
+    )
+    _ = entry.regions
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(2 * _KEPT_PAIRS):
+            req = Request(
+                req_id=i,
+                op=Op.PULL,
+                target=Address(By.CACHE_ID, cache_id=entry.cache_id),
+                shape=Shape.BLOCKS,
+                layout=(8 * 32, 8, True),
+                local_addrs=np.array(
+                    [1 << 40 | i << 20 | t << 12 for t in range(tensors)], np.uint64
+                ),
+                src_blocks=np.array([i % 8], np.uint64),
+                dst_blocks=np.array([1], np.uint64),
+            )
+            plan_on_loop(req, _resolved(entry, req))
+        assert 0 < len(entry.pairs) <= _KEPT_PAIRS
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # Each pair: our tensors' and the peer's addresses (2 KiB each) and the key (2 KiB).
+    assert held < _KEPT_PAIRS * 10 * 1024, held
+
+
+def test_an_initiator_plans_no_small_request_whose_selection_is_too_large(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The peer's table may say its blocks are a byte (or none): what this side selects of its
+    own cache bounds a request sent with its bytes planned (.eager) before anything is
+    planned, so such a table never makes it plan thousands of ranges on the loop."""
+    import types
+
+    from llmdd_async._net import eager
+
+    planned: list[Any] = []
+    monkeypatch.setattr(eager, "plan_prepared", lambda *a: planned.append(a))
+    local = blocks_entry([(1 << 40) + t * (4096 * 16384) for t in range(160)], 4096, 16384)
+    addrs = tuple((1 << 30) + t * 64 for t in range(160))
+    table = [CacheInfo(7, addrs, 1, 1 << 20, True, 0, True)]  # (blocks of no byte at all)
+    view = types.SimpleNamespace(
+        layout=lambda _: Layout.of(addrs, 1, 1 << 20, True),
+        device_memory=lambda _: False,
+        dtype=lambda _: local.dtype,
+        regions=regions_of(table),
+        pairs={},
+    )
+    engine = types.SimpleNamespace(
+        options=types.SimpleNamespace(remote_accessible=True), host_reachable=lambda _: True
+    )
+    spec = TransferRequest(
+        Op.PULL,
+        Address(By.CACHE_ID, cache_id=7),
+        Shape.BLOCKS,
+        local,
+        tensor_num_per_layer=1,
+        src_blocks=np.arange(4096, dtype=np.uint64),
+        dst_blocks=np.arange(4096, dtype=np.uint64),
+        dst_block_bytes=16384,
+    )
+    link = types.SimpleNamespace(view=view)
+    assert eager.eager_pull_plan(engine, link, spec) is None  # type: ignore[arg-type]
+    assert not planned
