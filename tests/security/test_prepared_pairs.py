@@ -114,25 +114,41 @@ def test_a_prepared_plan_is_the_full_planners_plan_or_refusal(case: Any, data: A
         assert _outcome(plan_on_loop, req, entry) == _outcome(plan_checked, req, entry)
 
 
-def test_a_cache_keeps_a_bounded_number_of_pairs() -> None:
-    entry = _entry(2, 8, 32)
-    for i in range(3 * _KEPT_PAIRS):
-        req = Request(
-            req_id=i,
-            op=Op.PULL,
-            target=Address(By.CACHE_ID, cache_id=entry.cache_id),
-            shape=Shape.BLOCKS,
-            layout=(8 * 32, 8, True),
-            local_addrs=np.array([1 << 40 | i << 12, 1 << 41 | i << 12], np.uint64),
-            src_blocks=np.array([i % 8], np.uint64),
-            dst_blocks=np.array([7 - i % 8], np.uint64),
-        )
-        plan, _, _, _ = plan_on_loop(req, _resolved(entry, req))
-        assert plan.dst.tolist() == [
-            (1 << 40 | i << 12) + (7 - i % 8) * 32,
-            (1 << 41 | i << 12) + (7 - i % 8) * 32,
-        ]
-        assert 0 < len(entry.pairs) <= _KEPT_PAIRS
+@pytest.mark.parametrize("tensors", [2, prepared._KEYED_TENSORS])
+def test_a_cache_keeps_a_bounded_number_of_pairs(tensors: int) -> None:
+    """A peer naming a new layout in each request fills the cache's pairs up to a bound, and
+    each holds its tensors' addresses once (arrays; Python ints only for a few tensors)."""
+    import tracemalloc
+
+    entry = blocks_entry(
+        [4096 + t * (8 * 32 + 64) for t in range(tensors)], 8, 32, cache_id=3, dtype=4
+    )
+    _ = entry.regions
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(3 * _KEPT_PAIRS):
+            local = [1 << 40 | i << 20 | t << 12 for t in range(tensors)]
+            req = Request(
+                req_id=i,
+                op=Op.PULL,
+                target=Address(By.CACHE_ID, cache_id=entry.cache_id),
+                shape=Shape.BLOCKS,
+                layout=(8 * 32, 8, True),
+                local_addrs=np.array(local, np.uint64),
+                src_blocks=np.array([i % 8], np.uint64),
+                dst_blocks=np.array([7 - i % 8], np.uint64),
+            )
+            plan, _, _, _ = plan_on_loop(req, _resolved(entry, req))
+            assert plan.dst.tolist() == [a + (7 - i % 8) * 32 for a in local]
+            assert 0 < len(entry.pairs) <= _KEPT_PAIRS
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # Each pair of 256 tensors: ours and the peer's addresses (2 KiB each), its key (2 KiB).
+    assert held < _KEPT_PAIRS * 10 * 1024, held
 
 
 @pytest.mark.parametrize("op", [Op.PULL, Op.PUSH])
@@ -241,16 +257,24 @@ def published(draw: st.DrawFn) -> tuple[Layout, tuple[np.ndarray, np.ndarray], T
     local = blocks_entry([1 << 40, 1 << 41, 1 << 42, 1 << 43][:n], count, block, cache_id=1)
     k = draw(st.integers(1, 4) | st.integers(17, 40))  # (past 64 ranges: planned in numpy)
     idx = st.lists(st.integers(0, count - 1), min_size=k, max_size=k)
-    spec = TransferRequest(
+    spec = _pull_of_cache_7(local, np.array(draw(idx), np.uint64), np.array(draw(idx), np.uint64))
+    return tgt, regions_of(caches), spec
+
+
+def _pull_of_cache_7(
+    local: CacheEntry, src: np.ndarray, dst: np.ndarray, dst_block_bytes: int | None = None
+) -> TransferRequest:
+    """A pull of blocks of the peer's cache 7 into ``local``, every tensor."""
+    return TransferRequest(
         Op.PULL,
         Address(By.CACHE_ID, cache_id=7),
         Shape.BLOCKS,
         local,
         tensor_num_per_layer=1,
-        src_blocks=np.array(draw(idx), np.uint64),
-        dst_blocks=np.array(draw(idx), np.uint64),
+        src_blocks=src,
+        dst_blocks=dst,
+        dst_block_bytes=dst_block_bytes,
     )
-    return tgt, regions_of(caches), spec
 
 
 @settings(max_examples=300, deadline=None)
@@ -289,43 +313,6 @@ def test_a_peers_published_regions_are_disjoint_however_its_caches_overlap() -> 
     assert check_within(np.array([1055], np.uint64), np.array([40], np.uint64), starts, ends)
 
 
-def test_a_caches_kept_pairs_of_many_tensors_hold_bounded_memory() -> None:
-    """A peer naming a new layout of 256 tensors in each request fills the cache's pairs: each
-    holds its tensors' addresses once (arrays; Python ints only for a few tensors)."""
-    import tracemalloc
-
-    tensors = prepared._KEYED_TENSORS
-    entry = blocks_entry(
-        [4096 + t * (8 * 32 + 64) for t in range(tensors)], 8, 32, cache_id=3, dtype=4
-    )
-    _ = entry.regions
-    gc.collect()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        for i in range(2 * _KEPT_PAIRS):
-            req = Request(
-                req_id=i,
-                op=Op.PULL,
-                target=Address(By.CACHE_ID, cache_id=entry.cache_id),
-                shape=Shape.BLOCKS,
-                layout=(8 * 32, 8, True),
-                local_addrs=np.array(
-                    [1 << 40 | i << 20 | t << 12 for t in range(tensors)], np.uint64
-                ),
-                src_blocks=np.array([i % 8], np.uint64),
-                dst_blocks=np.array([1], np.uint64),
-            )
-            plan_on_loop(req, _resolved(entry, req))
-        assert 0 < len(entry.pairs) <= _KEPT_PAIRS
-        gc.collect()
-        held = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
-    # Each pair: our tensors' and the peer's addresses (2 KiB each) and the key (2 KiB).
-    assert held < _KEPT_PAIRS * 10 * 1024, held
-
-
 def test_an_initiator_plans_no_small_request_whose_selection_is_too_large(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -351,16 +338,8 @@ def test_an_initiator_plans_no_small_request_whose_selection_is_too_large(
     engine = types.SimpleNamespace(
         options=types.SimpleNamespace(remote_accessible=True), host_reachable=lambda _: True
     )
-    spec = TransferRequest(
-        Op.PULL,
-        Address(By.CACHE_ID, cache_id=7),
-        Shape.BLOCKS,
-        local,
-        tensor_num_per_layer=1,
-        src_blocks=np.arange(4096, dtype=np.uint64),
-        dst_blocks=np.arange(4096, dtype=np.uint64),
-        dst_block_bytes=16384,
-    )
+    blocks = np.arange(4096, dtype=np.uint64)
+    spec = _pull_of_cache_7(local, blocks, blocks, dst_block_bytes=16384)
     link = types.SimpleNamespace(view=view)
     assert eager.eager_pull_plan(engine, link, spec) is None  # type: ignore[arg-type]
     assert not planned
