@@ -397,11 +397,11 @@ class BlockPair:
         self.src_count = src.count
         #: the selected tensors' addresses on each side (copies), and as Python ints for a
         #: few tensors (:meth:`plan`'s: an int costs 40 bytes, and more are planned in numpy)
-        self.src_arr: np.ndarray = src.addrs[src_tensors].astype(_U64)
-        self.dst_arr: np.ndarray = dst.addrs[dst_tensors].astype(_U64)
-        self.tensors = few = len(self.src_arr)
-        self.src_bases: list[int] = self.src_arr.tolist() if few <= _SMALL else []
-        self.dst_bases: list[int] = self.dst_arr.tolist() if few <= _SMALL else []
+        self.src_arr: np.ndarray = src.addrs[src_tensors].astype(_U64, copy=False)
+        self.dst_arr: np.ndarray = dst.addrs[dst_tensors].astype(_U64, copy=False)
+        self.tensors = n = len(self.src_arr)
+        self.src_bases: list[int] = self.src_arr.tolist() if n <= _SMALL else []
+        self.dst_bases: list[int] = self.dst_arr.tolist() if n <= _SMALL else []
 
     def plan(self, src_blocks: list[int], dst_blocks: list[int]) -> Plan:
         """Block ``src_blocks[i]`` of every selected tensor to ``dst_blocks[i]`` in Python

@@ -235,13 +235,7 @@ class StreamPlan:
         if not self.total:
             return []
         few = self._few
-        if few is None:  # (many ranges: numpy finds where each lies in the span)
-            base, span = self._span
-            keep = self.nbytes > 0  # (no empty view: a send of one never advances)
-            starts = self.addrs[keep] - np.uint64(base)
-            ends = starts + self.nbytes[keep]
-            return [span[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
-        return _views_of(few[0], few[1])
+        return host_views(self.addrs, self.nbytes) if few is None else _views_of(few[0], few[1])
 
     # The link calls these three, so host and device memory look the same to it.
     async def prepare(self, offset: int, n: int, token: CancelToken) -> list[memoryview]:
