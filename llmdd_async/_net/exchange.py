@@ -26,7 +26,7 @@ from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan, host_views
 from .eager import as_planned, eager_field, eager_plan, eager_pull_plan
 from .feed import LayerFeed, send_layers
-from .grant_checks import grant_within_selection, layer_spans, raise_unless_ok, refusal_of
+from .grant_checks import grant_fault, layer_spans, raise_unless_ok, refusal_of
 from .grants import TransferRequest
 from .host import LinkHost
 from .link import Link
@@ -179,11 +179,11 @@ class Exchange:
     def _check_grant(self, msg: Message) -> None:
         """The reader's look at the GRANT, before any DATA of this request is read (in a
         worker thread for a grant of many descriptors): set up where the stream lands, after
-        checking that every range lies inside our own cache.
+        checking that it moves what this request selected of our cache, and only that.
 
         Raises:
-            ProtocolError: the grant points outside what this request selected (the reader
-                then breaks the link).
+            ProtocolError: the grant points outside what this request selected, or moves less
+                or more (the reader then breaks the link).
         """
         grant = Grant.decode(msg)
         if grant.mode is Mode.LOCAL and not self._direct:
@@ -192,8 +192,9 @@ class Exchange:
             # Grant.decode: a successful grant has a plan
             assert grant.local is not None
             assert grant.nbytes is not None
-            if not grant_within_selection(self.spec, grant.local, grant.nbytes):
-                raise ProtocolError("GRANT points outside what this request selected of our cache")
+            fault = grant_fault(self.spec, grant.local, grant.nbytes)
+            if fault is not None:
+                raise ProtocolError(fault)
             if self.feed is not None:
                 self._spans = layer_spans(self.spec, grant.local, grant.nbytes)
                 if self._spans is None:

@@ -1,9 +1,10 @@
 """The initiator's checks of a peer's GRANT against its own request (pure: no I/O, no anyio):
 every range the grant names in our cache lies in what the request selected
-(:func:`grant_within_selection`), and a layer-wise push's grant is in layer order
-(:func:`layer_spans`). A few ranges (most requests) are checked in Python ints, many with
-numpy: both give the same answer (offsets compared in uint64: an address 2**63 past a tensor
-does not wrap into it).
+(:func:`grant_within_selection`) and the grant moves as many bytes as the selection holds
+(:func:`grant_covers_selection`), both by :func:`grant_fault`; a layer-wise push's grant is
+in layer order (:func:`layer_spans`). A few ranges (most requests) are checked in Python
+ints, many with numpy: both give the same answer (offsets compared in uint64: an address
+2**63 past a tensor does not wrap into it).
 """
 
 from __future__ import annotations
@@ -14,13 +15,24 @@ import numpy as np
 
 from .._errors import LLMException
 from .._messages import Grant, Op, Result, Shape
-from .._planner import check_within, region_of
+from .._planner import check_within, region_of, u64_sum
 from .._registry import CacheEntry
 from .grants import TransferRequest
 
-__all__ = ["grant_within_selection", "layer_spans", "raise_unless_ok", "refusal_of"]
+__all__ = [
+    "grant_covers_selection", "grant_fault", "grant_within_selection", "layer_spans",
+    "raise_unless_ok", "refusal_of",
+]  # fmt: skip
 
 _U64 = np.uint64
+
+
+def grant_fault(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) -> str | None:
+    """Why a successful GRANT of ``(local, nbytes)`` does not fit the request, or None: a range
+    outside what it selected of our cache, or other than the bytes the selection holds."""
+    if not grant_within_selection(spec, local, nbytes):
+        return "GRANT points outside what this request selected of our cache"
+    return grant_covers_selection(spec, local, nbytes)
 
 
 def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) -> bool:
@@ -75,6 +87,76 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
     lo, hi = np.asarray(run_lo, dtype=np.int64), np.asarray(run_hi, dtype=np.int64)
     run = np.searchsorted(lo, b0, side="right") - 1
     return bool(((run >= 0) & (b1 <= hi[np.maximum(run, 0)])).all())
+
+
+def grant_covers_selection(
+    spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray
+) -> str | None:
+    """None if a grant of ``(local, nbytes)`` moves the bytes the request selected of our
+    cache, else why not. Ranges inside the selection (:func:`grant_within_selection`) that add
+    up to less, or name a range twice, would end the request as a success with part of it
+    never moved. Exact where our side alone fixes the size; else bounded (a peer's block
+    smaller than ours, the last piece of its slot, a push into the rest of its slot). Ranges
+    overlap only where the request names a block of ours more than once.
+    """
+    pull, e = spec.op == Op.PULL, spec.local
+    window, blocks = (
+        (spec.dst_range, spec.dst_blocks) if pull else (spec.src_range, spec.src_blocks)
+    )
+    tensors = e.num_tensors if window is None else len(window) * spec.tensor_num_per_layer
+    shape, dbb = spec.shape, spec.dst_block_bytes if pull else None
+    local_blocks = shape is Shape.BLOCKS or (shape is Shape.SLOT_TO_BLOCKS and pull)
+    if blocks is None:
+        if local_blocks:
+            return None  # every block was asked for: grant_within_selection bounds it
+        blocks = np.zeros(0, dtype=np.int64)  # (a slot of ours: no block named twice)
+    if shape is Shape.BLOCKS:
+        # (into blocks of dst_block_bytes, the peer's blocks may be smaller: up to that each)
+        lo, hi = len(blocks), len(blocks) * (dbb or e.stride)
+        lo = hi if dbb is None else lo
+    elif shape is Shape.SLOT_TO_BLOCKS and pull:
+        unit = dbb or e.stride  # the peer's slot fills all our blocks, the last maybe in part
+        lo, hi = (len(blocks) - 1) * unit + 1, len(blocks) * unit
+    elif shape is Shape.SLOT_TO_BLOCKS:
+        lo = hi = e.stride  # (a push of our whole slot)
+    elif spec.size >= 0:
+        lo = hi = spec.size
+    elif pull:
+        lo = hi = e.stride - spec.dst_offset
+    else:  # a push of the rest of the peer's slot: at most the rest of ours
+        lo, hi = 1, e.stride - spec.src_offset
+    total = u64_sum(nbytes)
+    if not tensors * lo <= total <= tensors * hi:
+        want = f"{tensors * lo}" if lo == hi else f"{tensors * lo} to {tensors * hi}"
+        return f"GRANT moves {total} bytes, but the request selected {want} of our cache"
+    unique = total
+    if local_blocks:
+        distinct = len(set(blocks.tolist())) if len(blocks) <= 64 else len(np.unique(blocks))
+        if distinct < len(blocks):  # a block named twice is written (or read) twice
+            if shape is not Shape.BLOCKS or dbb is not None:
+                return None  # (each piece's size is the peer's: the total bounds it)
+            unique = tensors * distinct * e.stride
+    if _union_bytes(local, nbytes) != unique:
+        return "GRANT names ranges of our cache more than once"
+    return None
+
+
+def _union_bytes(local: np.ndarray, nbytes: np.ndarray) -> int:
+    """The bytes the ranges ``[local, local + nbytes)`` cover, each counted once (ranges
+    inside our tensors: no end wraps)."""
+    if len(local) <= 32:
+        covered = end = 0
+        for a, n in sorted(zip(local.tolist(), nbytes.tolist(), strict=True)):
+            if a + n > end:
+                covered += a + n - max(a, end)
+                end = a + n
+        return covered
+    order = np.argsort(local, kind="stable")
+    a = local[order].astype(np.int64)
+    ends = a + nbytes[order].astype(np.int64)
+    # Each range adds what lies past the furthest end before it.
+    reach = np.concatenate(([0], np.maximum.accumulate(ends)[:-1]))
+    return int(np.maximum(ends - np.maximum(a, reach), 0).sum())
 
 
 def _runs(units: list[int]) -> tuple[list[int], list[int]]:

@@ -3,7 +3,7 @@
 It sends one request (:class:`~.grants.TransferRequest` as an XFER_REQ): how to address the
 target's cache, the selection (slots, blocks, layer ranges, offsets) and its own cache layout.
 The target answers with a GRANT, which this side checks against what it asked for before any
-byte lands (:func:`~.grant_checks.grant_within_selection`); then:
+byte lands (:func:`~.grant_checks.grant_fault`: inside the selection, and all of it); then:
 
 * ``local`` mode: this side copies straight from/to the target's memory (same host or same
   process) and then sends DONE;

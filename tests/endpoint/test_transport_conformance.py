@@ -32,7 +32,7 @@ import pytest
 from helpers import endpoint_options, link, mooncake_params, nixl_params
 
 import llmdd_async as dd
-from llmdd_async._net import exchange
+from llmdd_async._net import grant_checks
 from llmdd_async.testing import PeerProcess, encode_key, link_of, pattern, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -305,7 +305,7 @@ async def test_a_grant_outside_the_request_is_refused(
     a hostile or broken peer would send); the initiator's check refuses it and nothing
     lands."""
     checked: list[bool] = []
-    real = exchange.grant_within_selection
+    real = grant_checks.grant_within_selection
 
     def hostile(spec: Any, local: np.ndarray, nbytes: np.ndarray) -> bool:
         ok = real(spec, local + np.uint64(4 * BLOCK), nbytes)
@@ -316,7 +316,7 @@ async def test_a_grant_outside_the_request_is_refused(
         await far.blocks(seed=70)
         dst = local_blocks(near, None)
         cache = register(near, dst)
-        monkeypatch.setattr(exchange, "grant_within_selection", hostile)
+        monkeypatch.setattr(grant_checks, "grant_within_selection", hostile)
         with anyio.fail_after(10), pytest.raises(dd.LLMException) as err:
             await near.cache_manager.pull_blocks(
                 dd.BlocksCacheKey(FAR, 0), cache, [0, 1], [BLOCKS - 2, BLOCKS - 1]

@@ -103,6 +103,40 @@ async def test_a_grant_replaces_the_plan_and_flagged_bytes_after_it_never_land(e
     assert (ours[[0, 1, 3]] == 0).all()
 
 
+_SHORT = f"GRANT moves {BLOCK // 2} bytes, but the request selected {BLOCK}"
+_TWICE = "GRANT names ranges of our cache more than once"
+
+
+@pytest.mark.parametrize(
+    ("ranges", "why"),
+    [
+        ([(0, BLOCK // 2)], _SHORT),
+        ([(0, BLOCK // 4), (3 * BLOCK // 4, BLOCK // 4)], _SHORT),
+        ([(0, BLOCK // 2), (0, BLOCK // 2)], _TWICE),
+    ],
+    ids=["first-half", "two-quarters", "first-half-twice"],
+)
+async def test_a_grant_of_less_than_the_selection_breaks_the_link(
+    ranges: list[tuple[int, int]], why: str
+) -> None:
+    # Ranges inside the block asked for, adding up to half of it (or to all of it, the same
+    # half twice), and their bytes: taken, the pull ended as a success with half of the block
+    # never written.
+    async def answer(h: RawPeer, req: Request) -> None:
+        base = int(req.local_addrs[0]) + 2 * BLOCK
+        local = np.array([base + off for off, _ in ranges], np.uint64)
+        nbytes = np.array([n for _, n in ranges], np.uint64)
+        total = int(nbytes.sum())
+        grant = Grant(req.req_id, mode=Mode.STREAM, total=total, local=local, nbytes=nbytes)
+        await h.send(grant.encode())
+        await h.send_bytes(_data(req.req_id, 0xCD, eager=False, n=total))
+
+    ours, error = await _pull_from(answer)
+    assert error is not None and error.status_code == dd.LLMStatusCode.LLM_LINK_FAILED, error
+    assert why in str(error)
+    assert (ours == 0).all()
+
+
 async def test_flagged_bytes_beyond_the_plan_break_the_link_and_land_nowhere() -> None:
     async def answer(h: RawPeer, req: Request) -> None:
         await h.send_bytes(_data(req.req_id, 0xAB, eager=True, n=2 * BLOCK))
