@@ -247,6 +247,8 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
         not direct and bound_bytes(request) > INLINE_BYTES
     ):
         return False
+    if direct and link.serving_limiter.available_tokens < 1:
+        return False  # a local grant holds a serving slot: the task waits for one, and plans
     try:
         entries, plan, slot_info, mode, ntensors = resolve_and_plan(engine, link, request)
     except Exception:

@@ -452,3 +452,34 @@ async def test_a_layerwise_grant_out_of_layer_order_breaks_the_link_and_sends_no
             assert MT.DATA not in types, types
         finally:
             peer.close()
+
+
+async def test_a_local_grant_waiting_for_a_serving_slot_is_planned_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Same host, default mode: a local grant holds one of the link's serving slots until the
+    initiator's DONE. With every slot taken, a small request goes to a task that waits for one
+    and plans it then; the reader does not plan it first for nothing."""
+    from llmdd_async._net import target
+
+    plans: list[int] = []
+    real = target.resolve_and_plan
+
+    def counted(engine: Any, link: Any, request: Any) -> Any:
+        plans.append(request.req_id)
+        return real(engine, link, request)
+
+    monkeypatch.setattr(target, "resolve_and_plan", counted)
+    opts = {**DEFAULT_OPTIONS, "llm.Transport": "same-host", "llm.LinkServing": "1"}
+    async with linked_pair(opts) as (prompt, decoder):
+        cache, src, dst = await _setup(prompt, decoder)
+        tasks = _count_serving_tasks(prompt, monkeypatch)
+        key = dd.BlocksCacheKey(1, 0)
+        pairs = [(s, (s * 7) % BLOCKS) for s in range(8)]
+        pulls = [decoder.cache_manager.pull_blocks(key, cache, [s], [d]) for s, d in pairs]
+        for pull in pulls:
+            await pull
+        for s, d in pairs:
+            assert np.array_equal(dst[d], src[s])
+        assert tasks, "no request waited for the one slot"
+        assert sorted(plans) == sorted(set(plans)) and len(plans) == len(pairs)
