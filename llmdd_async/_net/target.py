@@ -160,8 +160,10 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
             nbytes=plan.nbytes,
             remote=target_side if mode is Mode.LOCAL else None,
         ).encode()
-        if not streamed_pull:
-            await link.send(grant)
+        # (with the GRANTs of the loop turn in one syscall: requests in flight are granted
+        # together; a link found down ends the request, as a failed send would)
+        if not streamed_pull and not link.send_soon([grant], [], _nothing):
+            return
         granted = True
         remaining = max(0.0, (req.deadline or 0) - time.monotonic())
         with anyio.move_on_after(remaining) as budget:
@@ -181,7 +183,7 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
             elif mode is Mode.STREAM:
                 await req.data_event.wait()
                 if req.error is None:
-                    await link.send(Result(req.req_id).encode())
+                    link.send_soon([Result(req.req_id).encode()], [], _nothing)
                 return
             else:
                 await req.done_event.wait()
