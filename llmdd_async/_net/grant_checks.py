@@ -129,28 +129,39 @@ def grant_covers_selection(
     if not tensors * lo <= total <= tensors * hi:
         want = f"{tensors * lo}" if lo == hi else f"{tensors * lo} to {tensors * hi}"
         return f"GRANT moves {total} bytes, but the request selected {want} of our cache"
-    unique = total
+    twice = "GRANT names ranges of our cache more than once"
+    if len(local) < 2:
+        return None
+    distinct = len(blocks)
     if local_blocks:
         distinct = len(set(blocks.tolist())) if len(blocks) <= 64 else len(np.unique(blocks))
-        if distinct < len(blocks):  # a block named twice is written (or read) twice
-            if shape is not Shape.BLOCKS or dbb is not None:
-                return None  # (each piece's size is the peer's: the total bounds it)
-            unique = tensors * distinct * e.stride
-    if _union_bytes(local, nbytes) != unique:
-        return "GRANT names ranges of our cache more than once"
-    return None
+    if distinct == len(blocks):
+        return None if _disjoint(local, nbytes) else twice
+    # A block named twice is written (or read) twice: the ranges cover each block once.
+    if shape is not Shape.BLOCKS or dbb is not None:
+        return None  # (each piece's size is the peer's: the total bounds it)
+    return None if _union_bytes(local, nbytes) == tensors * distinct * e.stride else twice
+
+
+def _disjoint(local: np.ndarray, nbytes: np.ndarray) -> bool:
+    """True if no two of the ranges ``[local, local + nbytes)`` overlap (ranges inside our
+    tensors: no end wraps)."""
+    if len(local) <= 8:
+        starts, sizes = local.tolist(), nbytes.tolist()
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        end = 0
+        for i in order:
+            if starts[i] < end:
+                return False
+            end = starts[i] + sizes[i]
+        return True
+    by_start = np.argsort(local)
+    a, n = local[by_start], nbytes[by_start]
+    return not bool((a[1:] < a[:-1] + n[:-1]).any())
 
 
 def _union_bytes(local: np.ndarray, nbytes: np.ndarray) -> int:
-    """The bytes the ranges ``[local, local + nbytes)`` cover, each counted once (ranges
-    inside our tensors: no end wraps)."""
-    if len(local) <= 32:
-        covered = end = 0
-        for a, n in sorted(zip(local.tolist(), nbytes.tolist(), strict=True)):
-            if a + n > end:
-                covered += a + n - max(a, end)
-                end = a + n
-        return covered
+    """The bytes the ranges ``[local, local + nbytes)`` cover, each counted once."""
     order = np.argsort(local, kind="stable")
     a = local[order].astype(np.int64)
     ends = a + nbytes[order].astype(np.int64)
