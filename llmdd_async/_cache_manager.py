@@ -398,7 +398,12 @@ class CacheManager:
                 LLM_NOT_YET_LINK without a link. The task fails as for :meth:`pull_cache`
                 (LLM_PARAM_INVALID for remote indices out of range).
         """
-        kw = pull_kwargs(src_layer_range, dst_layer_range, tensor_num_per_layer)
+        # (pull_kwargs' offsets are pull_cache's: none here)
+        kw = {
+            "src_layer_range": src_layer_range,
+            "dst_layer_range": dst_layer_range,
+            "tensor_num_per_layer": tensor_num_per_layer,
+        }
         check_pull_key("src_cache_key", src_cache_key, self.engine.options.remote_accessible, True)
         to_blocks = isinstance(src_cache_key, BlocksCacheKey)
         return self._pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kw, to_blocks)

@@ -88,9 +88,12 @@ def check_index_list(name: str, value: Any, *, optional: bool = False) -> np.nda
         return None
     if not isinstance(value, list | tuple):
         raise TypeError(f"{name} must be list or tuple, got {type(value).__name__}")
-    if len(value) == 0:
+    n = len(value)
+    if n == 1 and type(value[0]) is int and 0 <= value[0] <= INT64_MAX:
+        return np.array(value, dtype=np.int64)  # (one block: most small requests)
+    if n == 0:
         return np.zeros(0, dtype=np.int64)
-    if len(value) <= _FEW and all(type(v) is int for v in value):
+    if n <= _FEW and all(type(v) is int for v in value):
         # numpy's conversion and reductions cost microseconds each on a few indices.
         if min(value) < 0:
             raise ValueError(f"{name} holds a negative value")
