@@ -58,6 +58,7 @@ __all__ = [
     "check_register",
     "check_synchronizer",
     "check_transfer",
+    "layer_kwargs",
     "pull_kwargs",
     "push_ranges",
     "slot_keys",
@@ -160,7 +161,19 @@ def check_clusters(clusters: Any, timeout: Any) -> None:
 
 
 # ---------------------------------------------------------------------- remote movement
-#: the keyword arguments of ``pull_cache`` / ``pull_blocks`` and their defaults
+def layer_kwargs(
+    src_layer_range: range | None, dst_layer_range: range | None, tensor_num_per_layer: int
+) -> dict[str, Any]:
+    """The layer arguments of a pull as the checks take them (unchecked: see
+    :func:`check_layer_args`); ``pull_blocks`` has no offsets (:func:`pull_kwargs`)."""
+    return {
+        "src_layer_range": src_layer_range,
+        "dst_layer_range": dst_layer_range,
+        "tensor_num_per_layer": tensor_num_per_layer,
+    }
+
+
+#: the keyword arguments of ``pull_cache`` and their defaults
 def pull_kwargs(
     src_layer_range: range | None = None,
     dst_layer_range: range | None = None,
@@ -175,11 +188,7 @@ def pull_kwargs(
         TypeError: an offset that is not an int. ValueError: an offset outside int64.
         LLMException: LLM_PARAM_INVALID for an offset below -1.
     """
-    out: dict[str, Any] = {
-        "src_layer_range": src_layer_range,
-        "dst_layer_range": dst_layer_range,
-        "tensor_num_per_layer": tensor_num_per_layer,
-    }
+    out = layer_kwargs(src_layer_range, dst_layer_range, tensor_num_per_layer)
     for name, value in (
         ("src_cache_offset", src_cache_offset),
         ("dst_cache_offset", dst_cache_offset),

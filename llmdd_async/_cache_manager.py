@@ -19,6 +19,7 @@ from ._api_checks import (
     check_push_blocks,
     check_push_cache,
     check_transfer,
+    layer_kwargs,
     pull_kwargs,
     push_ranges,
     slot_keys,
@@ -398,12 +399,7 @@ class CacheManager:
                 LLM_NOT_YET_LINK without a link. The task fails as for :meth:`pull_cache`
                 (LLM_PARAM_INVALID for remote indices out of range).
         """
-        # (pull_kwargs' offsets are pull_cache's: none here)
-        kw = {
-            "src_layer_range": src_layer_range,
-            "dst_layer_range": dst_layer_range,
-            "tensor_num_per_layer": tensor_num_per_layer,
-        }
+        kw = layer_kwargs(src_layer_range, dst_layer_range, tensor_num_per_layer)
         check_pull_key("src_cache_key", src_cache_key, self.engine.options.remote_accessible, True)
         to_blocks = isinstance(src_cache_key, BlocksCacheKey)
         return self._pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kw, to_blocks)
@@ -419,7 +415,7 @@ class CacheManager:
         n: int,
     ) -> CacheTask:
         """Blocks -> blocks by the peer's cache id (C++ PullKvBlocks); raises as pull_blocks."""
-        kw = {"src_layer_range": src_r, "dst_layer_range": dst_r, "tensor_num_per_layer": n}
+        kw = layer_kwargs(src_r, dst_r, n)
         return self._pull_blocks(key, dst_cache, src_blocks, dst_blocks, kw, True)
 
     def _pull_blocks(
@@ -431,7 +427,7 @@ class CacheManager:
         kw: dict[str, Any],
         to_blocks: bool,
     ) -> CacheTask:
-        """``kw`` as :func:`._api_checks.pull_kwargs`; ``to_blocks``: blocks -> blocks."""
+        """``kw`` as :func:`._api_checks.layer_kwargs`; ``to_blocks``: blocks -> blocks."""
         entry = self._entry(dst_cache, "dst_cache")
         shape, src_b, dst_b, ranges = check_pull_blocks(
             entry, key, src_blocks, dst_blocks, kw, to_blocks
