@@ -125,36 +125,44 @@ def grant_covers_selection(
         lo = hi = e.stride - spec.dst_offset
     else:  # a push of the rest of the peer's slot: at most the rest of ours
         lo, hi = 1, e.stride - spec.src_offset
-    total = u64_sum(nbytes)
+    few = len(local) <= 8  # (Python ints: numpy costs microseconds a call)
+    starts, sizes = (local.tolist(), nbytes.tolist()) if few else ([], [])
+    total = sum(sizes) if few else u64_sum(nbytes)
     if not tensors * lo <= total <= tensors * hi:
         want = f"{tensors * lo}" if lo == hi else f"{tensors * lo} to {tensors * hi}"
         return f"GRANT moves {total} bytes, but the request selected {want} of our cache"
-    twice = "GRANT names ranges of our cache more than once"
     if len(local) < 2:
         return None
-    distinct = len(blocks)
-    if local_blocks:
-        distinct = len(set(blocks.tolist())) if len(blocks) <= 64 else len(np.unique(blocks))
-    if distinct == len(blocks):
-        return None if _disjoint(local, nbytes) else twice
+    distinct = n = len(blocks)
+    if local_blocks and n > 1:
+        distinct = len(set(blocks.tolist())) if n <= 64 else len(np.unique(blocks))
+    if distinct == n:
+        disjoint = _disjoint_few(starts, sizes) if few else _disjoint(local, nbytes)
+        return None if disjoint else _TWICE
     # A block named twice is written (or read) twice: the ranges cover each block once.
     if shape is not Shape.BLOCKS or dbb is not None:
         return None  # (each piece's size is the peer's: the total bounds it)
-    return None if _union_bytes(local, nbytes) == tensors * distinct * e.stride else twice
+    return None if _union_bytes(local, nbytes) == tensors * distinct * e.stride else _TWICE
+
+
+_TWICE = "GRANT names ranges of our cache more than once"
+
+
+def _disjoint_few(starts: list[int], sizes: list[int]) -> bool:
+    """:func:`_disjoint` of a few ranges, in Python ints."""
+    if len(starts) == 2:
+        return starts[0] + sizes[0] <= starts[1] or starts[1] + sizes[1] <= starts[0]
+    end = 0
+    for i in sorted(range(len(starts)), key=starts.__getitem__):
+        if starts[i] < end:
+            return False
+        end = starts[i] + sizes[i]
+    return True
 
 
 def _disjoint(local: np.ndarray, nbytes: np.ndarray) -> bool:
     """True if no two of the ranges ``[local, local + nbytes)`` overlap (ranges inside our
     tensors: no end wraps)."""
-    if len(local) <= 8:
-        starts, sizes = local.tolist(), nbytes.tolist()
-        order = sorted(range(len(starts)), key=starts.__getitem__)
-        end = 0
-        for i in order:
-            if starts[i] < end:
-                return False
-            end = starts[i] + sizes[i]
-        return True
     by_start = np.argsort(local)
     a, n = local[by_start], nbytes[by_start]
     return not bool((a[1:] < a[:-1] + n[:-1]).any())
