@@ -163,6 +163,8 @@ def _disjoint_few(starts: list[int], sizes: list[int]) -> bool:
 def _disjoint(local: np.ndarray, nbytes: np.ndarray) -> bool:
     """True if no two of the ranges ``[local, local + nbytes)`` overlap (ranges inside our
     tensors: no end wraps)."""
+    if not nbytes.all():  # (an empty range overlaps nothing, wherever a sort puts it)
+        local, nbytes = local[nbytes > 0], nbytes[nbytes > 0]
     by_start = np.argsort(local)
     a, n = local[by_start], nbytes[by_start]
     return not bool((a[1:] < a[:-1] + n[:-1]).any())
