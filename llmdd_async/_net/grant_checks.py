@@ -17,7 +17,7 @@ from .._errors import LLMException
 from .._messages import Grant, Op, Result, Shape
 from .._planner import check_within, region_of, u64_sum
 from .._registry import CacheEntry
-from .grants import TransferRequest
+from .grants import TransferRequest, our_selection
 
 __all__ = [
     "grant_covers_selection", "grant_fault", "grant_within_selection", "layer_spans",
@@ -100,23 +100,19 @@ def grant_covers_selection(
     overlap only where the request names a block of ours more than once.
     """
     pull, e = spec.op == Op.PULL, spec.local
-    window, blocks = (
-        (spec.dst_range, spec.dst_blocks) if pull else (spec.src_range, spec.src_blocks)
-    )
-    tensors = e.num_tensors if window is None else len(window) * spec.tensor_num_per_layer
+    tensors, blocks = our_selection(spec)
     shape, dbb = spec.shape, spec.dst_block_bytes if pull else None
     local_blocks = shape is Shape.BLOCKS or (shape is Shape.SLOT_TO_BLOCKS and pull)
-    if blocks is None:
-        if local_blocks:
-            return None  # every block was asked for: grant_within_selection bounds it
-        blocks = np.zeros(0, dtype=np.int64)  # (a slot of ours: no block named twice)
+    if local_blocks and blocks is None:
+        return None  # every block was asked for: grant_within_selection bounds it
+    n = 0 if blocks is None else len(blocks)  # (0: a slot of ours, no block named twice)
     if shape is Shape.BLOCKS:
         # (into blocks of dst_block_bytes, the peer's blocks may be smaller: up to that each)
-        lo, hi = len(blocks), len(blocks) * (dbb or e.stride)
+        lo, hi = n, n * (dbb or e.stride)
         lo = hi if dbb is None else lo
     elif shape is Shape.SLOT_TO_BLOCKS and pull:
         unit = dbb or e.stride  # the peer's slot fills all our blocks, the last maybe in part
-        lo, hi = (len(blocks) - 1) * unit + 1, len(blocks) * unit
+        lo, hi = (n - 1) * unit + 1, n * unit
     elif shape is Shape.SLOT_TO_BLOCKS:
         lo = hi = e.stride  # (a push of our whole slot)
     elif spec.size >= 0:
@@ -133,8 +129,8 @@ def grant_covers_selection(
         return f"GRANT moves {total} bytes, but the request selected {want} of our cache"
     if len(local) < 2:
         return None
-    distinct = n = len(blocks)
-    if local_blocks and n > 1:
+    distinct = n
+    if local_blocks and blocks is not None and n > 1:
         distinct = len(set(blocks.tolist())) if n <= 64 else len(np.unique(blocks))
     if distinct == n:
         disjoint = _disjoint_few(starts, sizes) if few else _disjoint(local, nbytes)
