@@ -12,13 +12,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 import numpy as np
 
-from .._errors import (
-    CopyCancelled,
-    LinkBroken,
-    LLMException,
-    ProtocolError,
-    status_from_exception,
-)
+from .._errors import CopyCancelled, LinkBroken, LLMException, ProtocolError, status_from_exception
 from .._messages import Abort, By, Cap, Data, Done, Grant, Mode, Op, Result
 from .._planner import Plan, check_within, u64_sum
 from .._protocol import Message
@@ -43,8 +37,7 @@ _STREAM_HANDOVER = threading.Lock()
 KEYS = (By.REQ_KEY, By.PREFIX_KEY, By.BLOCKS_KEY)
 
 
-def _nothing() -> None:
-    return None
+def _nothing() -> None: ...
 
 
 class Exchange:
@@ -185,6 +178,10 @@ class Exchange:
             ProtocolError: the grant points outside what this request selected, or moves less
                 or more (the reader then breaks the link).
         """
+        if self._grant is not None:
+            # An honest target grants once. A second GRANT would replace the checked one
+            # under a task that already acts on it (a local copy turned into a stream).
+            raise ProtocolError("a second GRANT for the same request")
         grant = Grant.decode(msg)
         if grant.mode is Mode.LOCAL and not self._direct:
             raise ProtocolError("local-mode GRANT for a request that asked for the stream")
@@ -215,9 +212,7 @@ class Exchange:
                         req.eager, req.received = False, 0
                 if stream is not None:
                     stream.close()
-        # Only a checked grant is ever acted on; a peer that granted twice: the last one, as
-        # the stream's.
-        self._grant = grant
+        self._grant = grant  # (only a checked grant is ever acted on)
 
     def _granted(self) -> None:
         """The GRANT arrived (or the request failed: then there is none)."""
@@ -544,6 +539,8 @@ class Exchange:
                 raise
             await link.send(Done(req.req_id).encode())
             return
+        if spec.op != Op.PUSH:  # (a pull's streamed bytes land from the reader, never here)
+            raise ProtocolError("a stream-mode GRANT of a pull in the push's path")
         stream = await engine.open_stream(local, nbytes, link.threads)
         try:
             if self.feed is None:

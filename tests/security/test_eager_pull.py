@@ -174,3 +174,21 @@ async def test_a_pulls_bytes_sent_twice_instead_of_in_full_break_the_link(grante
     _, error = await _pull_from(answer)
     assert error is not None and error.status_code == dd.LLMStatusCode.LLM_LINK_FAILED, error
     assert "so far end at" in str(error)
+
+
+async def test_a_second_grant_for_one_request_breaks_the_link() -> None:
+    # A checked GRANT was replaced by the next one: under a task that acts on the first (a
+    # local copy), a second one in stream mode took the push's path, and the pull sent our
+    # destination's stale bytes to the peer, then ended as a success (the RESULT it sent).
+    async def answer(h: RawPeer, req: Request) -> None:
+        local = req.local_addrs[:1] + np.uint64(2 * BLOCK)
+        nbytes = np.array([BLOCK], np.uint64)
+        grant = Grant(req.req_id, mode=Mode.STREAM, total=BLOCK, local=local, nbytes=nbytes)
+        await h.send(grant.encode())
+        await h.send(grant.encode())
+        await h.send_bytes(_data(req.req_id, 0xCD, eager=False))
+
+    ours, error = await _pull_from(answer)
+    assert error is not None and error.status_code == dd.LLMStatusCode.LLM_LINK_FAILED, error
+    assert "a second GRANT for the same request" in str(error)
+    assert (ours == 0).all()
