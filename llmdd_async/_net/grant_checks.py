@@ -15,7 +15,7 @@ import numpy as np
 
 from .._errors import LLMException
 from .._messages import Grant, Op, Result, Shape
-from .._planner import check_within, region_of, u64_sum
+from .._planner import region_of, u64_sum
 from .._registry import CacheEntry
 from .grants import TransferRequest, our_selection
 
@@ -37,56 +37,67 @@ def grant_fault(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) ->
 
 def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) -> bool:
     """True if every range a grant names in our own cache lies in what the request selected:
-    the blocks (or the batch slot) it named, in any tensor of the cache. A grant naming other
-    blocks of ours is refused. Vectorised over descriptors: O(descriptors x log(runs)).
+    in a tensor of its layer window (every tensor without one), the blocks it named, or of
+    its batch slot the bytes it named (from its offset). A grant naming anything else of ours
+    is refused. Vectorised over descriptors: O(descriptors x log(runs)).
     """
     e = spec.local
-    local_is_dst = spec.op == Op.PULL
-    blocks = spec.dst_blocks if local_is_dst else spec.src_blocks
-    local_blocks = spec.shape == Shape.BLOCKS or (
-        spec.shape == Shape.SLOT_TO_BLOCKS and local_is_dst
+    pull = spec.op == Op.PULL
+    blocks, window = (
+        (spec.dst_blocks, spec.dst_range) if pull else (spec.src_blocks, spec.src_range)
     )
-    if local_blocks and blocks is None:
-        return check_within(local, nbytes, *e.regions)  # every block was asked for
-    # the runs of selected units (firsts, lasts): Python ints for a few, arrays for many
-    runs: tuple[list[int], list[int]] | tuple[np.ndarray, np.ndarray]
-    if local_blocks:
-        unit = spec.dst_block_bytes if (local_is_dst and spec.dst_block_bytes) else e.stride
-        assert blocks is not None
-        if len(blocks) <= 64:  # (a few blocks: Python ints, numpy costs microseconds a call)
-            selected = set(blocks.tolist())
-            if len(local) <= 32:
-                return _within_units_small(e, unit, selected, local, nbytes)
-            runs = _runs(sorted(selected))
-        elif len(local) <= 32:
-            return _within_units_small(e, unit, set(blocks.tolist()), local, nbytes)
+    tnpl = spec.tensor_num_per_layer
+    tensors = (0, e.num_tensors) if window is None else (window.start * tnpl, window.stop * tnpl)
+    local_blocks = spec.shape == Shape.BLOCKS or (spec.shape == Shape.SLOT_TO_BLOCKS and pull)
+    # What of each tensor is selected: runs of units (firsts, lasts: Python ints for a few,
+    # arrays for many), or the bytes [lo, hi) of a tensor
+    runs: tuple[list[int], list[int]] | tuple[np.ndarray, np.ndarray] | None = None
+    span: tuple[int, int] | None = None
+    unit = e.stride
+    if not local_blocks:  # a slot of ours: the bytes the request names of it
+        start = spec.local_slot * e.stride
+        lo, size = (spec.dst_offset, spec.size) if pull else (spec.src_offset, spec.size)
+        if spec.shape == Shape.SLOT_TO_BLOCKS:  # (a push of our whole slot)
+            lo, size = 0, -1
+        span = (start + lo, start + (e.stride if size < 0 else min(lo + size, e.stride)))
+    elif blocks is not None:
+        unit = spec.dst_block_bytes if (pull and spec.dst_block_bytes) else e.stride
+        if len(local) <= 32:  # (a few ranges: Python ints, numpy costs microseconds a call)
+            return _within_small(e, tensors, local, nbytes, unit, set(blocks.tolist()))
+        if len(blocks) <= 64:
+            runs = _runs(sorted(set(blocks.tolist())))
         else:
             units = np.unique(np.asarray(blocks, dtype=np.int64))
             # Runs of consecutive selected units, inclusive: descriptors may span several.
             brk = np.flatnonzero(units[1:] - units[:-1] != 1)
             runs = (units[np.concatenate(([0], brk + 1))], units[np.concatenate((brk, [-1]))])
-    else:
-        unit = e.stride
-        if len(local) <= 32:
-            return _within_units_small(e, unit, {spec.local_slot}, local, nbytes)
-        runs = ([spec.local_slot], [spec.local_slot])
-    if not len(runs[0]):
-        return False
+        if not len(runs[0]):
+            return False
+    if len(local) <= 32:
+        return _within_small(e, tensors, local, nbytes, unit, None, span)
     tstarts, tends = e.regions
     a = np.asarray(local, dtype=_U64)
     n = np.asarray(nbytes, dtype=_U64)
     t = region_of(a, n, tstarts, tends)  # the tensor of each range (all inside one)
     if t is None:
         return False
+    if window is not None:
+        ti = e.tensor_order[t]
+        if ((ti < tensors[0]) | (ti >= tensors[1])).any():
+            return False
     off = (a - tstarts[t]).astype(np.int64)
     last = off + n.astype(np.int64) - 1  # inside tensor t: checked above
+    if span is not None:
+        return bool(((off >= span[0]) & (last < span[1])).all())
+    if runs is None:  # every block was asked for
+        return True
     b0, b1 = off // unit, last // unit
     run_lo, run_hi = runs
     if len(run_lo) == 1:  # (one run of blocks, or one block: most requests)
         return bool(((b0 >= run_lo[0]) & (b1 <= run_hi[0])).all())
-    lo, hi = np.asarray(run_lo, dtype=np.int64), np.asarray(run_hi, dtype=np.int64)
-    run = np.searchsorted(lo, b0, side="right") - 1
-    return bool(((run >= 0) & (b1 <= hi[np.maximum(run, 0)])).all())
+    lo_, hi_ = np.asarray(run_lo, dtype=np.int64), np.asarray(run_hi, dtype=np.int64)
+    run = np.searchsorted(lo_, b0, side="right") - 1
+    return bool(((run >= 0) & (b1 <= hi_[np.maximum(run, 0)])).all())
 
 
 def grant_covers_selection(
@@ -258,22 +269,37 @@ def _layer_spans_numpy(
     return spans
 
 
-def _within_units_small(
-    e: CacheEntry, unit: int, selected: set[int], local: np.ndarray, nbytes: np.ndarray
+def _within_small(
+    e: CacheEntry,
+    tensors: tuple[int, int],
+    local: np.ndarray,
+    nbytes: np.ndarray,
+    unit: int,
+    selected: set[int] | None,
+    span: tuple[int, int] | None = None,
 ) -> bool:
-    """:func:`grant_within_selection` for a few descriptors, in plain Python ints."""
-    if not selected:
+    """:func:`grant_within_selection` for a few descriptors, in plain Python ints: each range
+    inside one tensor of ``tensors`` (first, past the last), and there inside ``span`` (bytes
+    of the tensor) or the ``selected`` units (None: any)."""
+    if selected is not None and not selected:
         return False
-    starts = e.sorted_addrs
+    starts, order = e.sorted_addrs, e.sorted_tensors
     size = e.tensor_bytes
+    t0, t1 = tensors
     for a, n in zip(local.tolist(), nbytes.tolist(), strict=True):
         t = bisect.bisect_right(starts, a) - 1
-        if t < 0 or n <= 0:
+        if t < 0 or n <= 0 or not t0 <= order[t] < t1:
             return False
         off = a - starts[t]
         last = off + n - 1
         if last >= size:
             return False
+        if span is not None:
+            if off < span[0] or last >= span[1]:
+                return False
+            continue
+        if selected is None:
+            continue
         b0, b1 = off // unit, last // unit
         if b0 == b1:  # most ranges lie in one block
             if b0 not in selected:

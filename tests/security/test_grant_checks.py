@@ -163,6 +163,7 @@ def honest(draw: st.DrawFn) -> tuple[TransferRequest, np.ndarray, np.ndarray, bo
 def test_an_honest_grant_passes_and_one_byte_short_is_refused(case) -> None:  # type: ignore[no-untyped-def]
     spec, local, nbytes, exact = case
     assert grant_fault(spec, local, nbytes) is None
+    _refuses_the_first_range_moved_out_of_the_selection(spec, local, nbytes, exact)
     short = nbytes.copy()
     short[-1] -= np.uint64(1)
     if exact:  # our side alone fixes the size: one byte less is refused
@@ -180,6 +181,36 @@ def test_an_honest_grant_passes_and_one_byte_short_is_refused(case) -> None:  # 
             assert (
                 grant_fault(spec, twice, nbytes) == "GRANT names ranges of our cache more than once"
             )
+
+
+def _refuses_the_first_range_moved_out_of_the_selection(
+    spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray, exact: bool
+) -> None:
+    """The same bytes at the same place of a tensor outside the request's layer window, and a
+    slot's range a byte before its offset or (where our side fixes the size) past its end:
+    every one refused, on the few-range path and the vectorised one."""
+    e, pull = spec.local, spec.op is Op.PULL
+    addrs = [int(a) for a in e.addrs]
+    t = max(i for i, a in enumerate(addrs) if a <= int(local[0]))
+    window = spec.dst_range if pull else spec.src_range
+    moved: list[np.ndarray] = []
+    if window is not None:
+        outside = [u for u in range(e.num_tensors) if u // spec.tensor_num_per_layer not in window]
+        moved += [_first_at(local, int(local[0]) - addrs[t] + addrs[u]) for u in outside[:1]]
+    if spec.shape is Shape.SLOT:
+        if (spec.dst_offset if pull else spec.src_offset) > 0:
+            moved.append(_first_at(local, int(local[0]) - 1))
+        if exact:
+            moved.append(_first_at(local, int(local[0]) + 1))
+    for bad in moved:
+        assert not grant_within_selection(spec, bad, nbytes)
+        assert not grant_within_selection(spec, np.tile(bad, 40), np.tile(nbytes, 40))
+
+
+def _first_at(local: np.ndarray, addr: int) -> np.ndarray:
+    out = local.copy()
+    out[0] = addr
+    return out
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["few", "many"])
