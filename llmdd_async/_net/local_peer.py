@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import hashlib
 import hmac
 import json
@@ -134,13 +135,15 @@ def peer_process(sock: socket.socket) -> tuple[int, int | None]:
     ``SO_PEERCRED`` records who called ``connect()`` or ``listen()``, and that process may
     have exited since (handing the socket on), its pid free for reuse. ``SO_PEERPIDFD``
     (Linux >= 6.5) names that very process: if it has exited, pid is 0 (nothing to reach).
-    Older kernels give ``(pid, None)``; the caller then opens a pidfd by pid, which leaves a
-    pid-reuse window (README: Security model)."""
+    Older kernels (which do not know the option) give ``(pid, None)``; the caller then opens a
+    pidfd by pid, which leaves a pid-reuse window (README: Security model)."""
     pid = peer_pid(sock)
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD, struct.calcsize("i"))
-    except OSError:
-        return pid, None
+    except OSError as exc:
+        # Kernels 6.5 to 6.15 refuse a pidfd of a process that has exited (EINVAL): its pid
+        # may be another process's by now, so nothing is reached by it.
+        return (pid, None) if exc.errno == errno.ENOPROTOOPT else (0, None)
     (pidfd,) = struct.unpack("i", raw)
     if pidfd_exited(pidfd) or _pidfd_pid(pidfd) != pid:
         os.close(pidfd)

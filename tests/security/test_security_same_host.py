@@ -608,6 +608,31 @@ def test_our_pools_and_epoch_page_are_sealed_against_shrinking() -> None:
         epoch.close()
 
 
+@pytest.mark.parametrize(
+    ("refusal", "named"),
+    [(errno.ENOPROTOOPT, True), (errno.EINVAL, False), (errno.ESRCH, False)],
+    ids=["kernel-before-6.5", "exited-on-6.5-to-6.15", "other"],
+)
+def test_a_peer_pidfd_the_kernel_refuses_names_no_process(refusal: int, named: bool) -> None:
+    """Only a kernel that does not know SO_PEERPIDFD leaves the pid to be opened by number.
+    Kernels 6.5 to 6.15 refuse the pidfd of a process that has exited (its listening socket
+    handed on): its pid, maybe another process's by now, was then opened by number."""
+    from llmdd_async._net import local_peer
+
+    a, b = socket.socketpair(socket.AF_UNIX)
+
+    class Refusing:
+        def getsockopt(self, level: int, option: int, size: int) -> bytes:
+            if option == local_peer._SO_PEERPIDFD:
+                raise OSError(refusal, os.strerror(refusal))
+            return a.getsockopt(level, option, size)
+
+    with a, b:
+        pid, pidfd = local_peer.peer_process(Refusing())  # type: ignore[arg-type]
+    assert pidfd is None
+    assert pid == (os.getpid() if named else 0)
+
+
 pytestmark = pytest.mark.anyio
 
 
