@@ -62,6 +62,9 @@ _READ_AHEAD = 16 << 10
 #: that streams big metas or many inline payloads as fast as the socket allows would
 #: otherwise hold the loop for as long as it keeps sending)
 _YIELD_BYTES = 2 << 20
+#: ... and after this many frames (each small request it serves costs tens of microseconds:
+#: a 2 MiB burst of them is thousands)
+YIELD_FRAMES = 64
 
 
 class _Landing:
@@ -292,7 +295,7 @@ class LinkReader:
         sock = link.sock
         driver = self._driver
         assert driver is not None
-        budget = _YIELD_BYTES
+        budget, frames = _YIELD_BYTES, YIELD_FRAMES
         # The last read took less than it asked for: the socket had no more then, and the
         # driver (level-triggered) calls again once it has (a read that would fail is a
         # syscall per request on each side).
@@ -332,6 +335,7 @@ class LinkReader:
                 self._moved += n
                 budget -= n
             elif isinstance(ev, Message):
+                frames -= 1
                 if ev.payload_len:
                     if not self._payload(ev):
                         return False
@@ -342,6 +346,8 @@ class LinkReader:
                         return False
                     if verdict == YIELD:
                         return True
+                if frames <= 0:
+                    return True
             else:  # payload bytes outside a DATA frame cannot happen
                 raise ProtocolError("unexpected payload bytes")
         return False

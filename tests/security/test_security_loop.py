@@ -394,3 +394,49 @@ def test_the_registry_rebuilds_its_table_only_after_a_change() -> None:
     for _ in range(10):
         reg.published_table()
     assert reg.table_builds == builds
+
+
+async def test_a_burst_of_small_requests_is_served_a_bounded_number_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """2000 one-block pulls in one write (half a MiB): the reader serves them from the loop,
+    and lets other tasks run after every ``YIELD_FRAMES`` of them (before: after 2 MiB read,
+    thousands of requests, each served there, held the loop about 175 ms)."""
+    from llmdd_async._net import reader
+    from llmdd_async._net.router import FrameRouter
+
+    most, now = [0], [0]
+    readable, dispatch_now = reader.LinkReader.readable, FrameRouter.dispatch_now
+
+    def counted_readable(self: Any) -> bool:
+        now[0] = 0
+        return readable(self)
+
+    def counted_dispatch(self: Any, msg: Message) -> int:
+        now[0] += 1
+        most[0] = max(most[0], now[0])
+        return dispatch_now(self, msg)
+
+    monkeypatch.setattr(reader.LinkReader, "readable", counted_readable)
+    monkeypatch.setattr(FrameRouter, "dispatch_now", counted_dispatch)
+    n = 2000
+    async with victim() as v:
+        cache_id = v.allocate(1, 16)
+        hostile = await v.hostile()
+        one = np.zeros(1, np.uint64)
+        burst = b"".join(encode(blocks_pull(i + 1, cache_id, one, one, 1, 16)) for i in range(n))
+
+        async def attack() -> int:
+            await hostile.send_bytes(burst)
+            answered = 0
+            with anyio.fail_after(60):
+                while answered < n:
+                    msg = await hostile.frame()
+                    answered += msg.type == MT.DATA
+            return answered
+
+        try:
+            assert await v.legit_pulls_while(attack) == n
+        finally:
+            hostile.close()
+    assert 0 < most[0] <= reader.YIELD_FRAMES, most[0]
