@@ -20,7 +20,7 @@ from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan, host_views
 from .eager import as_planned, eager_field, eager_plan, eager_pull_plan
 from .feed import LayerFeed, send_layers
-from .grant_checks import grant_fault, layer_spans, raise_unless_ok, refusal_of
+from .grant_checks import checks_in_worker, grant_fault, layer_spans, raise_unless_ok, refusal_of
 from .grants import TransferRequest
 from .host import LinkHost
 from .link import Link
@@ -102,6 +102,7 @@ class Exchange:
         comes at once, with the link's error, if it is down)."""
         engine, link, spec, req = self.engine, self.link, self.spec, self.req
         req.on_grant = self._check_grant
+        req.check_in_worker = checks_in_worker(spec)
         req.grant_event.callback = self._granted
         req.data_event.callback = self._landed
         caps = engine.request_caps(link, spec.local)

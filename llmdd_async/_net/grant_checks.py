@@ -20,11 +20,28 @@ from .._registry import CacheEntry
 from .grants import TransferRequest, our_selection
 
 __all__ = [
-    "grant_covers_selection", "grant_fault", "grant_within_selection", "layer_spans",
-    "raise_unless_ok", "refusal_of",
+    "INLINE_BLOCKS", "grant_covers_selection", "grant_fault", "grant_within_selection",
+    "layer_spans", "raise_unless_ok", "refusal_of",
 ]  # fmt: skip
 
 _U64 = np.uint64
+
+#: a request that names more blocks of ours has its GRANT checked in a worker thread (the
+#: checks sort them: milliseconds a hundred thousand), whatever the grant's size
+INLINE_BLOCKS = 1 << 16
+
+
+def checks_in_worker(spec: TransferRequest) -> bool:
+    """Whether the checks of a GRANT for ``spec`` cost too much for the event loop."""
+    blocks = our_selection(spec)[1]
+    return blocks is not None and len(blocks) > INLINE_BLOCKS
+
+
+def _distinct(blocks: np.ndarray) -> np.ndarray:
+    """The distinct values of ``blocks``, sorted: a sort, which lets go of the GIL (numpy's
+    ``unique`` keeps it, and costs as much again)."""
+    s = np.sort(np.asarray(blocks, dtype=np.int64))
+    return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) else s
 
 
 def grant_fault(spec: TransferRequest, local: np.ndarray, nbytes: np.ndarray) -> str | None:
@@ -62,18 +79,19 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
         span = (start + lo, start + (e.stride if size < 0 else min(lo + size, e.stride)))
     elif blocks is not None:
         unit = spec.dst_block_bytes if (pull and spec.dst_block_bytes) else e.stride
-        if len(local) <= 32:  # (a few ranges: Python ints, numpy costs microseconds a call)
-            return _within_small(e, tensors, local, nbytes, unit, set(blocks.tolist()))
-        if len(blocks) <= 64:
-            runs = _runs(sorted(set(blocks.tolist())))
-        else:
-            units = np.unique(np.asarray(blocks, dtype=np.int64))
+        if len(blocks) <= 64:  # (a few: Python ints, numpy costs microseconds a call)
+            selected = set(blocks.tolist())
+            if len(local) <= 32:
+                return _within_small(e, tensors, local, nbytes, unit, selected)
+            runs = _runs(sorted(selected))
+        else:  # (a range is checked against runs, never block by block)
+            units = _distinct(blocks)
             # Runs of consecutive selected units, inclusive: descriptors may span several.
             brk = np.flatnonzero(units[1:] - units[:-1] != 1)
             runs = (units[np.concatenate(([0], brk + 1))], units[np.concatenate((brk, [-1]))])
         if not len(runs[0]):
             return False
-    if len(local) <= 32:
+    if len(local) <= 32 and runs is None:
         return _within_small(e, tensors, local, nbytes, unit, None, span)
     tstarts, tends = e.regions
     a = np.asarray(local, dtype=_U64)
@@ -142,7 +160,7 @@ def grant_covers_selection(
         return None
     distinct = n
     if local_blocks and blocks is not None and n > 1:
-        distinct = len(set(blocks.tolist())) if n <= 64 else len(np.unique(blocks))
+        distinct = len(set(blocks.tolist())) if n <= 64 else len(_distinct(blocks))
     if distinct == n:
         disjoint = _disjoint_few(starts, sizes) if few else _disjoint(local, nbytes)
         return None if disjoint else _TWICE

@@ -120,6 +120,8 @@ class Pending(Request):
         self.grant_event = Signal()
         #: run by the reader when the GRANT arrives, before any DATA of this request is read
         self.on_grant: Callable[[Message], None] | None = None
+        #: ``on_grant`` runs in a worker thread, whatever the grant's size (it costs more)
+        self.check_in_worker = False
         self.result: Message | None = None
         self.result_event = Signal()
 

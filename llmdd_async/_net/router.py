@@ -79,15 +79,15 @@ class FrameRouter:
             ProtocolError: as :meth:`dispatch_now`.
         """
         link = self.link
-        if msg.type == MT.GRANT and _big_grant(msg):
-            pending = link.pending.get(msg.req_id)
-            if pending is not None:
-                if pending.on_grant is not None:
-                    # Checking (and mapping) a grant of many descriptors takes numpy tens of
-                    # ms: off the loop. The reader waits, so no DATA comes first.
-                    await anyio.to_thread.run_sync(pending.on_grant, msg, limiter=link.threads)
-                pending.grant = msg
-                pending.grant_event.set()
+        pending = link.pending.get(msg.req_id) if msg.type == MT.GRANT else None
+        if pending is not None and (_big_grant(msg) or pending.check_in_worker):
+            if pending.on_grant is not None:
+                # Checking (and mapping) a grant of many descriptors, or against many blocks
+                # of ours, takes numpy tens of ms: off the loop. The reader waits, so no DATA
+                # comes first.
+                await anyio.to_thread.run_sync(pending.on_grant, msg, limiter=link.threads)
+            pending.grant = msg
+            pending.grant_event.set()
             return
         if msg.type in _OWE_REPLIES and not self._replies.value:
             await self._replies.acquire()
@@ -113,7 +113,7 @@ class FrameRouter:
             pending = link.pending.get(msg.req_id)
             if pending is not None:
                 if pending.on_grant is not None:
-                    if _big_grant(msg):
+                    if _big_grant(msg) or pending.check_in_worker:
                         return DEFER
                     pending.on_grant(msg)
                 pending.grant = msg

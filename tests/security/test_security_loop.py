@@ -440,3 +440,36 @@ async def test_a_burst_of_small_requests_is_served_a_bounded_number_at_a_time(
         finally:
             hostile.close()
     assert 0 < most[0] <= reader.YIELD_FRAMES, most[0]
+
+
+async def test_the_grant_of_a_request_of_many_blocks_is_checked_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pull of more than ``INLINE_BLOCKS`` blocks, contiguous on both sides (its GRANT one
+    range): the grant's check, which sorts our blocks, runs in a worker thread (before: on the
+    loop, and block by block in Python: 190 ms for 32 tensors of 65,536 blocks)."""
+    import threading
+
+    from llmdd_async._net import exchange, grant_checks
+    from llmdd_async.testing import DEFAULT_OPTIONS, linked_pair
+
+    on_loop: list[bool] = []
+    checked = exchange.grant_fault
+
+    def recorded(spec: Any, local: np.ndarray, nbytes: np.ndarray) -> str | None:
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        return checked(spec, local, nbytes)
+
+    monkeypatch.setattr(exchange, "grant_fault", recorded)
+    n = grant_checks.INLINE_BLOCKS + 4
+    opts = {**DEFAULT_OPTIONS, "llm.Transport": "tcp", "llm.EnableRemoteCacheAccessible": "0"}
+    async with linked_pair(opts) as (prompt, decoder):
+        desc = _u8(1, [n, 16])
+        src = np.random.default_rng(3).integers(0, 255, (n, 16), dtype=np.uint8)
+        prompt.cache_manager.register_blocks_cache(desc, [src], dd.BlocksCacheKey(1, 0))
+        dst = np.zeros((n, 16), np.uint8)
+        cache = decoder.cache_manager.register_blocks_cache(desc, [dst])
+        blocks = list(range(n))
+        await decoder.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), cache, blocks, blocks)
+        assert np.array_equal(dst, src)
+    assert on_loop == [False]
