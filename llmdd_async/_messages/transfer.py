@@ -20,6 +20,7 @@ from .fields import (
     CAPS_ORDER,
     FLAG_EAGER,
     FLAG_TO_INITIATOR,
+    MAX_REASON,
     ArraysEqual,
     By,
     Cap,
@@ -364,7 +365,7 @@ class Grant(ArraysEqual):
             return Message(MT.GRANT, self.req_id, {}, arrays, packed=body)
         fields: dict[str, Any] = {"status": int(self.status)}
         if self.message is not None:
-            fields["message"] = self.message
+            fields["message"] = self.message[:MAX_REASON]
         if mode is not None:
             fields["mode"] = mode
         if total is not None:
@@ -523,7 +524,7 @@ class _Status:
                 return Message(self.TYPE, self.req_id, packed=packed.STATUS.pack(code))
         fields: dict[str, Any] = {"status": code}
         if self.message is not None:
-            fields["message"] = self.message
+            fields["message"] = self.message[:MAX_REASON]  # (what the peer keeps)
         return Message(self.TYPE, self.req_id, fields)
 
     @classmethod
@@ -573,7 +574,7 @@ class Abort:
     def encode(self) -> Message:
         fields: dict[str, Any] = {"status": int(self.status)}
         if self.message is not None:
-            fields["message"] = self.message
+            fields["message"] = self.message[:MAX_REASON]  # (what the peer keeps)
         if self.broken:
             fields["broken"] = True
         flags = FLAG_TO_INITIATOR if self.to_initiator else 0

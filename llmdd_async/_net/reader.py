@@ -65,6 +65,9 @@ _YIELD_BYTES = 2 << 20
 #: ... and after this many frames (each small request it serves costs tens of microseconds:
 #: a 2 MiB burst of them is thousands)
 YIELD_FRAMES = 64
+#: ... and after a frame of more meta than this (parsing a table, or a request of many
+#: ranges, costs milliseconds)
+_HEAVY_META = 64 << 10
 
 
 class _Landing:
@@ -346,7 +349,7 @@ class LinkReader:
                         return False
                     if verdict == YIELD:
                         return True
-                if frames <= 0:
+                if frames <= 0 or dec.last_meta > _HEAVY_META:
                     return True
             else:  # payload bytes outside a DATA frame cannot happen
                 raise ProtocolError("unexpected payload bytes")

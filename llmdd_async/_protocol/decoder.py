@@ -99,6 +99,8 @@ class Decoder:
         self._pos = 0
         self._max_meta = max_meta
         self._payload_left = 0
+        #: the meta bytes of the last frame returned
+        self.last_meta = 0
         self._broken: ProtocolError | None = None
         self._auth: FrameAuth | None = None
         self._budget = budget
@@ -335,6 +337,7 @@ class Decoder:
                     meta = meta[:-_TAG]
         if self._charging or self._reserved:
             self._unreserve()
+        self.last_meta = meta_len
         try:
             msg = _decode_meta(mt, req_id, flags, payload_len, meta)
         except ProtocolError as exc:

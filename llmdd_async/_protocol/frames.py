@@ -20,6 +20,11 @@ HEADER = struct.Struct("<IHHQIIQ")
 MAX_META = 256 << 20  # descriptor arrays of very large requests; anything larger is hostile
 #: the JSON part of a frame's meta (scalar fields); arrays carry everything big
 MAX_FIELDS = 1 << 20
+#: ... of any frame but a table's or the handshake's (a status, a reason, a few scalars): a
+#: peer's megabyte of JSON in a PING would hold the loop for tens of ms to be parsed
+MAX_SMALL_FIELDS = 64 << 10
+#: arrays a JSON frame may name (a packed one carries at most four)
+MAX_ARRAYS = 8
 MAX_PAYLOAD = 1 << 40
 _TAG = 32
 #: bytes of the MAC trailer of a DATA frame's payload (``llm.PayloadAuth``)
@@ -49,6 +54,15 @@ class MT(enum.IntEnum):
     PING = 40
     PONG = 41
     BYE = 50  # orderly close (finalize)
+
+
+#: the frames whose JSON fields may reach MAX_FIELDS
+_BIG_FIELDS = frozenset({MT.LINK_REQ, MT.LINK_ACK, MT.PROVE, MT.PROVE_ACK, MT.PROVE_FIN, MT.TABLE})
+
+
+def fields_limit(mtype: MT) -> int:
+    """The most bytes of JSON fields a frame of ``mtype`` may carry."""
+    return MAX_FIELDS if mtype in _BIG_FIELDS else MAX_SMALL_FIELDS
 
 
 #: the top bit of the meta's length prefix: the fields are packed, not JSON
@@ -330,8 +344,10 @@ def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: byt
         return _decode_packed(mtype, req_id, flags, payload_len, meta, js_len & ~PACKED)
     if 4 + js_len > len(meta):
         raise ProtocolError("JSON length runs past the meta")
-    if js_len > MAX_FIELDS:
-        raise ProtocolError(f"JSON fields of {js_len} bytes exceed {MAX_FIELDS}")
+    if js_len > fields_limit(mtype):
+        raise ProtocolError(
+            f"JSON fields of {js_len} bytes exceed {fields_limit(mtype)} for {mtype.name}"
+        )
     if js_len == 2 and len(meta) == 6 and meta[4:6] == b"{}":  # a bare control frame
         return Message(mtype, req_id, {}, {}, payload_len, flags)
     try:
@@ -342,8 +358,8 @@ def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: byt
         raise ProtocolError("fields must be a JSON object")
     arrays: dict[str, bytes | memoryview] = {}
     spec = fields.pop("arrays", [])
-    if not isinstance(spec, list):
-        raise ProtocolError("arrays must be a list")
+    if not isinstance(spec, list) or len(spec) > MAX_ARRAYS:
+        raise ProtocolError(f"arrays must be a list of at most {MAX_ARRAYS}")
     pos = 4 + js_len
     view = memoryview(meta)
     for item in spec:

@@ -396,12 +396,9 @@ def test_the_registry_rebuilds_its_table_only_after_a_change() -> None:
     assert reg.table_builds == builds
 
 
-async def test_a_burst_of_small_requests_is_served_a_bounded_number_at_a_time(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """2000 one-block pulls in one write (half a MiB): the reader serves them from the loop,
-    and lets other tasks run after every ``YIELD_FRAMES`` of them (before: after 2 MiB read,
-    thousands of requests, each served there, held the loop about 175 ms)."""
+def _most_frames_a_read(monkeypatch: pytest.MonkeyPatch, only: MT | None = None) -> list[int]:
+    """The most control frames (of type ``only``, if given) any link's reader acts on in one
+    call, from now on (in the list it returns, updated as they come)."""
     from llmdd_async._net import reader
     from llmdd_async._net.router import FrameRouter
 
@@ -413,12 +410,24 @@ async def test_a_burst_of_small_requests_is_served_a_bounded_number_at_a_time(
         return readable(self)
 
     def counted_dispatch(self: Any, msg: Message) -> int:
-        now[0] += 1
+        now[0] += only is None or msg.type == only
         most[0] = max(most[0], now[0])
         return dispatch_now(self, msg)
 
     monkeypatch.setattr(reader.LinkReader, "readable", counted_readable)
     monkeypatch.setattr(FrameRouter, "dispatch_now", counted_dispatch)
+    return most
+
+
+async def test_a_burst_of_small_requests_is_served_a_bounded_number_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """2000 one-block pulls in one write (half a MiB): the reader serves them from the loop,
+    and lets other tasks run after every ``YIELD_FRAMES`` of them (before: after 2 MiB read,
+    thousands of requests, each served there, held the loop about 175 ms)."""
+    from llmdd_async._net import reader
+
+    most = _most_frames_a_read(monkeypatch)
     n = 2000
     async with victim() as v:
         cache_id = v.allocate(1, 16)
@@ -473,3 +482,25 @@ async def test_the_grant_of_a_request_of_many_blocks_is_checked_off_the_loop(
         await decoder.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), cache, blocks, blocks)
         assert np.array_equal(dst, src)
     assert on_loop == [False]
+
+
+async def test_the_reader_lets_other_tasks_run_after_each_frame_of_a_large_meta(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eight tables nobody asked for, of 600 KiB of JSON each, in one write: one a read, each
+    parsed in a turn of its own (before: as many as 2 MiB hold, each tens of ms to parse)."""
+    most = _most_frames_a_read(monkeypatch, MT.TABLE)
+    async with victim() as v:
+        hostile = await v.hostile()
+        table = encode(Message(MT.TABLE, 0, {"caches": [[]] * (300 << 10)}))
+        burst = table * 8 + encode(Message(MT.PING))
+
+        async def attack() -> None:
+            await hostile.send_bytes(burst)
+            await hostile.recv(MT.PONG)  # (after all of them)
+
+        try:
+            await v.legit_pulls_while(attack)
+        finally:
+            hostile.close()
+    assert most[0] == 1

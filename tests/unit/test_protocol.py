@@ -190,9 +190,17 @@ def meta(js: bytes, tail: bytes = b"") -> bytes:
         ),
         (header(meta_len=len(meta(b"{}", b"junk"))) + meta(b"{}", b"junk"), "unexplained"),
         (
-            header(meta_len=len(meta(b'{"a":' + b"[" * 100000 + b"]" * 100000 + b"}")))
+            header(
+                mtype=int(MT.TABLE),
+                meta_len=len(meta(b'{"a":' + b"[" * 100000 + b"]" * 100000 + b"}")),
+            )
             + meta(b'{"a":' + b"[" * 100000 + b"]" * 100000 + b"}"),
             "malformed JSON",
+        ),
+        (
+            header(meta_len=len(meta(b'{"arrays":[' + b",".join([b'["a",0]'] * 9) + b"]}")))
+            + meta(b'{"arrays":[' + b",".join([b'["a",0]'] * 9) + b"]}"),
+            "at most 8",
         ),
     ],
 )
@@ -290,11 +298,42 @@ def test_a_frame_tag_and_a_payload_mac_are_the_documented_hmacs() -> None:
     assert auth.payload_mac(9).digest() != mac.digest()  # (each MAC starts afresh)
 
 
-def test_json_fields_are_capped() -> None:
+@pytest.mark.parametrize(
+    ("mtype", "size", "refused"),
+    [
+        (MT.XFER_REQ, 2 << 20, True),
+        (MT.TABLE, 2 << 20, True),
+        (MT.TABLE, 100 << 10, False),  # (a table, or the handshake's identity, may be big)
+        (MT.PING, 100 << 10, True),  # (a peer's megabyte of JSON held the loop ~70 ms)
+        (MT.ABORT, 100 << 10, True),
+        (MT.GRANT, 100 << 10, True),
+    ],
+)
+def test_json_fields_are_capped(mtype: MT, size: int, refused: bool) -> None:
+    js = json.dumps({"x": "a" * size}, separators=(",", ":")).encode()
+    frame = header(mtype=int(mtype), meta_len=len(meta(js))) + meta(js)
     d = Decoder()
-    d.receive_data(encode(Message(MT.XFER_REQ, 1, {"x": "a" * (2 << 20)})))
-    with pytest.raises(ProtocolError, match="JSON fields"):
-        d.next_event()
+    d.receive_data(frame)
+    msg = Message(mtype, 0, {"x": "a" * size})
+    if refused:
+        with pytest.raises(ProtocolError, match="JSON fields"):
+            d.next_event()
+    else:
+        assert d.next_event() == msg
+        assert encode(msg) == frame
+
+
+def test_a_reason_is_sent_as_long_as_the_peer_keeps_it() -> None:
+    from llmdd_async._messages import MAX_REASON, Abort, Done
+
+    long = "why " * 100_000
+    for m in (Abort(1, 1, long), Done(1, 1, long)):
+        sent = encode(m.encode())
+        d = Decoder()
+        d.receive_data(sent)
+        got = d.next_event()
+        assert isinstance(got, Message)
+        assert got.fields["message"] == long[:MAX_REASON]
 
 
 @given(
