@@ -82,19 +82,18 @@ async def serve_request(engine: LinkHost, link: Link, req: Serving, request: Req
     Never raises: failures go back to the initiator (in the GRANT, or as an ABORT later).
     """
     async with link.serving_limiter:
-        # (a stream over more ranges holds a staging buffer of up to CHUNK_BYTES)
-        if pieces_bound(request) <= VIEWS_INLINE:
+        if pieces_bound(request) <= INLINE_PIECES:
             await _serve(engine, link, req, request)
             return
         async with _large_limiters(link)[1]:
             await _serve(engine, link, req, request)
 
 
-#: large requests (over VIEWS_INLINE ranges) of one link in flight at once (each holds its
-#: plan and, streamed, a staging buffer of up to 32 MiB): one can be planned while another
-#: moves its bytes; more wait, counted against llm.LinkQueue. Their bytes share one socket
-#: anyway, so more at once would not move them faster, and a peer's flood of them holds two
-#: plans' and buffers' memory, not llm.LinkServing of them.
+#: large requests of one link in flight at once (each holds its plan and, streamed over many
+#: ranges, a staging buffer of up to 32 MiB): one can be planned while another moves its
+#: bytes; more wait, counted against llm.LinkQueue. Their bytes share one socket anyway, so
+#: more at once would not move them faster, and a peer's flood of them holds two plans'
+#: memory, not llm.LinkServing of them.
 _LARGE_IN_FLIGHT = 2
 
 
