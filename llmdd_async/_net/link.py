@@ -121,6 +121,7 @@ class Link:
         self.view = PeerView(self._table_of_peer)
         #: what the peer's control frames do here
         self.router = FrameRouter(self)
+        decoder.unwanted = self.router.unwanted
         #: the only reader of the socket, run by the event loop's I/O driver
         self.reader = LinkReader(self)
         #: requests of the peer served at once; more wait (bounds staging memory and threads)

@@ -54,6 +54,11 @@ class FrameRouter:
         self._waiters: dict[MT, list[Pending]] = {MT.TABLE: [], MT.UNLINK_ACK: [], MT.PONG: []}
         self._replies = anyio.Semaphore(_MAX_REPLIES)
 
+    def unwanted(self, kind: MT) -> bool:
+        """A reply nobody waits for now (the decoder then leaves its fields unparsed)."""
+        waiters = self._waiters.get(kind)
+        return waiters is not None and not waiters
+
     @contextlib.contextmanager
     def expecting(self, reply: MT) -> Iterator[Pending]:
         """A waiter that gets the next ``reply`` frame (as its result) while in the block."""

@@ -101,6 +101,9 @@ class Decoder:
         self._payload_left = 0
         #: the meta bytes of the last frame returned
         self.last_meta = 0
+        #: a frame of a type this says nobody waits for is returned without its fields: a
+        #: peer's unasked-for table is not parsed (a megabyte of JSON: tens of ms)
+        self.unwanted: Callable[[MT], bool] | None = None
         self._broken: ProtocolError | None = None
         self._auth: FrameAuth | None = None
         self._budget = budget
@@ -338,6 +341,8 @@ class Decoder:
         if self._charging or self._reserved:
             self._unreserve()
         self.last_meta = meta_len
+        if self.unwanted is not None and not payload_len and self.unwanted(mt):
+            return Message(mt, req_id, flags=flags)
         try:
             msg = _decode_meta(mt, req_id, flags, payload_len, meta)
         except ProtocolError as exc:

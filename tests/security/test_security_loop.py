@@ -487,12 +487,23 @@ async def test_the_grant_of_a_request_of_many_blocks_is_checked_off_the_loop(
 async def test_the_reader_lets_other_tasks_run_after_each_frame_of_a_large_meta(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Eight tables nobody asked for, of 600 KiB of JSON each, in one write: one a read, each
-    parsed in a turn of its own (before: as many as 2 MiB hold, each tens of ms to parse)."""
+    """Eight tables nobody asked for, of 200 KiB of JSON each, in one write: one a read, and
+    none parsed (before: as many a read as 2 MiB hold, each parsed; a megabyte of JSON costs
+    tens of ms, and its objects the collector's time after)."""
+    from llmdd_async._protocol import decoder
+
     most = _most_frames_a_read(monkeypatch, MT.TABLE)
+    parsed: list[tuple[MT, int]] = []
+    decode_meta = decoder._decode_meta
+
+    def counted(mtype: MT, *args: Any) -> Message:
+        parsed.append((mtype, len(args[-1])))  # (type, meta bytes)
+        return decode_meta(mtype, *args)
+
+    monkeypatch.setattr(decoder, "_decode_meta", counted)
     async with victim() as v:
         hostile = await v.hostile()
-        table = encode(Message(MT.TABLE, 0, {"caches": [[]] * (300 << 10)}))
+        table = encode(Message(MT.TABLE, 0, {"caches": [], "pad": "x" * (200 << 10)}))
         burst = table * 8 + encode(Message(MT.PING))
 
         async def attack() -> None:
@@ -504,3 +515,5 @@ async def test_the_reader_lets_other_tasks_run_after_each_frame_of_a_large_meta(
         finally:
             hostile.close()
     assert most[0] == 1
+    # (nobody asked for them: their JSON is never parsed; the legit peer's tables are)
+    assert not [p for p in parsed if p[0] == MT.TABLE and p[1] > 100 << 10]

@@ -396,3 +396,18 @@ def test_a_data_frame_from_its_fields_is_the_encoders_frame(
         dec.set_auth(FrameAuth(b"k" * 32))
     dec.receive_data(generic)
     assert Data.decode(dec.next_event()) == data  # type: ignore[arg-type]
+
+
+def test_a_frame_nobody_waits_for_is_not_parsed() -> None:
+    # (a table nobody asked for: its JSON, even malformed, is never parsed)
+    js = b'{"caches": [nope'
+    frame = header(mtype=int(MT.TABLE), meta_len=len(meta(js))) + meta(js)
+    d = Decoder()
+    d.unwanted = lambda mtype: mtype is MT.TABLE
+    d.receive_data(frame + encode(Message(MT.PING, 7, {"a": 1})))
+    assert d.next_event() == Message(MT.TABLE, 0)
+    assert d.next_event() == Message(MT.PING, 7, {"a": 1})
+    d.unwanted = lambda mtype: False
+    d.receive_data(frame)
+    with pytest.raises(ProtocolError, match="malformed JSON"):
+        d.next_event()
