@@ -102,11 +102,12 @@ class _Landing:
             req = None  # nothing of ours receives this frame: discard it, touching no request
         elif off + n > stream.total:
             raise ProtocolError(f"DATA frame [{off}, +{n}) outside its plan")
-        elif msg.flags & FLAG_TO_INITIATOR and off != req.received:
-            # A pull's bytes come in order (the target sends one frame after another): a
-            # pull ends once ``total`` bytes landed, which then cover its plan exactly.
+        elif off != req.received:
+            # A request's bytes come in order (its sender sends one frame after another): it
+            # ends once ``total`` bytes landed, which then cover its plan exactly.
+            what = "pull" if msg.flags & FLAG_TO_INITIATOR else "push"
             raise ProtocolError(
-                f"DATA frame at {off} of a pull whose bytes so far end at {req.received}"
+                f"DATA frame at {off} of a {what} whose bytes so far end at {req.received}"
             )
         self.msg = msg
         self.n = n
