@@ -153,6 +153,44 @@ def blocks_entry(
     )  # fmt: skip
 
 
+def blocks_request(
+    op: str,
+    req_id: int,
+    cache_id: int,
+    src: Any,
+    dst: Any,
+    tensors: int,
+    block_bytes: int,
+    blocks: int,
+    **extra: Any,
+) -> Any:
+    """A hand-made XFER_REQ over the stream between blocks of the endpoint's cache
+    ``cache_id`` and a made-up cache at 2**40 of ``tensors`` tensors of ``blocks`` blocks of
+    ``block_bytes``: ``op`` "pull" moves its blocks ``src`` into ours ``dst``, "push" ours
+    ``src`` into its ``dst``."""
+    import numpy as np
+
+    from llmdd_async._protocol import MT, Message
+
+    tb = blocks * block_bytes
+    fields = {
+        "op": op,
+        "target": {"by": "cache_id", "cache_id": cache_id, "index": 0},
+        "shape": "blocks",
+        "layout": [tb, blocks, True],
+        "caps": {},
+        "timeout_ms": 60_000,
+        **extra,
+    }
+    local = (1 << 40) + np.arange(tensors, dtype=np.uint64) * np.uint64(tb)
+    arrays: dict[str, bytes | memoryview] = {
+        "local_addrs": np.ascontiguousarray(local, "<u8").data.cast("B"),
+        "src_blocks": np.ascontiguousarray(src, "<u8").data.cast("B"),
+        "dst_blocks": np.ascontiguousarray(dst, "<u8").data.cast("B"),
+    }
+    return Message(MT.XFER_REQ, req_id, fields, arrays)
+
+
 def expected_tensor(seed: int, tensor: int, shape: tuple[int, ...]) -> Any:
     """What a test peer wrote into tensor ``tensor`` of a cache filled with ``seed``."""
     import math

@@ -6,36 +6,14 @@ from __future__ import annotations
 import anyio
 import numpy as np
 import pytest
-from helpers import endpoint_options, raw_link
+from helpers import blocks_request, endpoint_options, raw_link
 
 import llmdd_async as dd
 from llmdd_async._messages import Data
-from llmdd_async._protocol import MT, Message
+from llmdd_async._protocol import MT
 from llmdd_async.testing import link_of, wait_until
 
 pytestmark = pytest.mark.anyio
-
-BLOCKS = 8
-
-
-def _push(req_id: int, cache_id: int, src: list[int], dst: list[int], bb: int) -> Message:
-    """A streamed push of blocks ``src`` of a made-up one-tensor cache into blocks ``dst`` of
-    the endpoint's cache ``cache_id``."""
-    tb = BLOCKS * bb
-    fields = {
-        "op": "push",
-        "target": {"by": "cache_id", "cache_id": cache_id, "index": 0},
-        "shape": "blocks",
-        "layout": [tb, BLOCKS, True],
-        "caps": {},
-        "timeout_ms": 60_000,
-    }
-    arrays: dict[str, bytes | memoryview] = {
-        "local_addrs": np.array([1 << 40], "<u8").tobytes(),
-        "src_blocks": np.array(src, "<u8").tobytes(),
-        "dst_blocks": np.array(dst, "<u8").tobytes(),
-    }
-    return Message(MT.XFER_REQ, req_id, fields, arrays)
 
 
 @pytest.mark.parametrize("bb", [64, 1 << 20], ids=["from-the-reader", "from-a-task"])
@@ -44,13 +22,13 @@ async def test_a_pushs_bytes_sent_twice_instead_of_in_full_break_the_link(bb: in
     # push with a RESULT and the second block never written.
     opts = endpoint_options("tcp", listen=True, ra=True)
     async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
-        desc = dd.CacheDesc(1, [BLOCKS, bb], dd.DataType.DT_UINT8)
+        desc = dd.CacheDesc(1, [8, bb], dd.DataType.DT_UINT8)
         cache = p.cache_manager.allocate_blocks_cache(desc)
         cache.tensors[0][...] = 0x11
         assert p.listen_address is not None
         peer = await raw_link(p.listen_address, 9, remote_accessible=True)
         try:
-            await peer.send(_push(5, cache.cache_id, [0, 1], [2, 3], bb))
+            await peer.send(blocks_request("push", 5, cache.cache_id, [0, 1], [2, 3], 1, bb, 8))
             assert (await peer.frame()).type == MT.GRANT
             for _ in range(2):
                 await peer.send(Data(5, 0, bb).encode())

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from helpers import RawPeer, endpoint_options, link, raw_link
+from helpers import RawPeer, blocks_request, endpoint_options, link, raw_link
 
 import llmdd_async as dd
 from llmdd_async import _planner
@@ -58,23 +58,10 @@ def blocks_pull(
 ) -> Message:
     """A streamed pull of blocks ``src`` of the endpoint's cache ``cache_id`` into blocks
     ``dst`` of a made-up cache of ``tensors`` tensors (8192 blocks of ``block_bytes``)."""
-    tb = BLOCKS * block_bytes
-    fields = {
-        "op": "pull",
-        "target": {"by": "cache_id", "cache_id": cache_id, "index": 0},
-        "shape": "blocks",
-        "layout": [tb, BLOCKS, True],
-        "caps": {},
-        "timeout_ms": 60_000,
-        **extra,
-    }
-    local = (1 << 40) + np.arange(tensors, dtype=np.uint64) * np.uint64(tb)
-    arrays: dict[str, bytes | memoryview] = {
-        "local_addrs": np.ascontiguousarray(local, "<u8").data.cast("B"),
-        "src_blocks": np.ascontiguousarray(src, "<u8").data.cast("B"),
-        "dst_blocks": np.ascontiguousarray(dst, "<u8").data.cast("B"),
-    }
-    return Message(MT.XFER_REQ, req_id, fields, arrays)
+    msg: Message = blocks_request(
+        "pull", req_id, cache_id, src, dst, tensors, block_bytes, BLOCKS, **extra
+    )
+    return msg
 
 
 class Victim:
