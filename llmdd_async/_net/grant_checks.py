@@ -60,11 +60,7 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
     """
     e = spec.local
     pull = spec.op == Op.PULL
-    blocks, window = (
-        (spec.dst_blocks, spec.dst_range) if pull else (spec.src_blocks, spec.src_range)
-    )
-    tnpl = spec.tensor_num_per_layer
-    tensors = (0, e.num_tensors) if window is None else (window.start * tnpl, window.stop * tnpl)
+    tensors, blocks = our_selection(spec)
     local_blocks = spec.shape == Shape.BLOCKS or (spec.shape == Shape.SLOT_TO_BLOCKS and pull)
     # What of each tensor is selected: runs of units (firsts, lasts: Python ints for a few,
     # arrays for many), or the bytes [lo, hi) of a tensor
@@ -99,9 +95,9 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
     t = region_of(a, n, tstarts, tends)  # the tensor of each range (all inside one)
     if t is None:
         return False
-    if window is not None:
+    if len(tensors) < e.num_tensors:
         ti = e.tensor_order[t]
-        if ((ti < tensors[0]) | (ti >= tensors[1])).any():
+        if ((ti < tensors.start) | (ti >= tensors.stop)).any():
             return False
     off = (a - tstarts[t]).astype(np.int64)
     last = off + n.astype(np.int64) - 1  # inside tensor t: checked above
@@ -129,7 +125,8 @@ def grant_covers_selection(
     overlap only where the request names a block of ours more than once.
     """
     pull, e = spec.op == Op.PULL, spec.local
-    tensors, blocks = our_selection(spec)
+    selected, blocks = our_selection(spec)
+    tensors = len(selected)
     shape, dbb = spec.shape, spec.dst_block_bytes if pull else None
     local_blocks = shape is Shape.BLOCKS or (shape is Shape.SLOT_TO_BLOCKS and pull)
     if local_blocks and blocks is None:
@@ -289,7 +286,7 @@ def _layer_spans_numpy(
 
 def _within_small(
     e: CacheEntry,
-    tensors: tuple[int, int],
+    tensors: range,
     local: np.ndarray,
     nbytes: np.ndarray,
     unit: int,
@@ -297,16 +294,15 @@ def _within_small(
     span: tuple[int, int] | None = None,
 ) -> bool:
     """:func:`grant_within_selection` for a few descriptors, in plain Python ints: each range
-    inside one tensor of ``tensors`` (first, past the last), and there inside ``span`` (bytes
-    of the tensor) or the ``selected`` units (None: any)."""
+    inside one tensor of ``tensors``, and there inside ``span`` (bytes of the tensor) or the
+    ``selected`` units (None: any)."""
     if selected is not None and not selected:
         return False
     starts, order = e.sorted_addrs, e.sorted_tensors
     size = e.tensor_bytes
-    t0, t1 = tensors
     for a, n in zip(local.tolist(), nbytes.tolist(), strict=True):
         t = bisect.bisect_right(starts, a) - 1
-        if t < 0 or n <= 0 or not t0 <= order[t] < t1:
+        if t < 0 or n <= 0 or order[t] not in tensors:
             return False
         off = a - starts[t]
         last = off + n - 1

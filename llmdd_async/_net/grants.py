@@ -121,14 +121,17 @@ class TransferRequest:
         )
 
 
-def our_selection(spec: TransferRequest) -> tuple[int, np.ndarray | None]:
-    """What a request selects of our own cache: how many tensors (its layer window's, else
-    all) and our block list (None: a slot, or every block)."""
+def our_selection(spec: TransferRequest) -> tuple[range, np.ndarray | None]:
+    """What a request selects of our own cache: its tensors (its layer window's, else all)
+    and our block list (None: a slot, or every block)."""
     pull, e = spec.op == Op.PULL, spec.local
     window, blocks = (
         (spec.dst_range, spec.dst_blocks) if pull else (spec.src_range, spec.src_blocks)
     )
-    return (e.num_tensors if window is None else len(window) * spec.tensor_num_per_layer), blocks
+    if window is None:
+        return range(e.num_tensors), blocks
+    n = spec.tensor_num_per_layer
+    return range(window.start * n, window.stop * n), blocks
 
 
 def selection_bound(spec: TransferRequest) -> tuple[int, int]:
@@ -136,7 +139,8 @@ def selection_bound(spec: TransferRequest) -> tuple[int, int]:
     range per tensor and block, before contiguous ones merge): cheap, before planning, a
     block or a slot counted whole."""
     pull, e = spec.op == Op.PULL, spec.local
-    tensors, blocks = our_selection(spec)
+    selected, blocks = our_selection(spec)
+    tensors = len(selected)
     if blocks is not None:
         unit = (spec.dst_block_bytes if pull else None) or e.stride
         return tensors * len(blocks) * unit, tensors * max(1, len(blocks))

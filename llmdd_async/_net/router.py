@@ -41,8 +41,11 @@ _OWE_REPLIES = frozenset({MT.XFER_REQ, MT.PING, MT.TABLE_REQ, MT.UNLINK})
 HANDLED, YIELD, DEFER = 0, 1, 2
 
 
-def _big_grant(msg: Message) -> bool:
-    return memoryview(msg.arrays.get("nbytes", b"")).nbytes > _GRANT_INLINE
+def _checked_off_loop(pending: Pending, msg: Message) -> bool:
+    """A GRANT whose check costs too much for the loop: of many descriptors, or against many
+    blocks of ours."""
+    nbytes = memoryview(msg.arrays.get("nbytes", b"")).nbytes
+    return nbytes > _GRANT_INLINE or pending.check_in_worker
 
 
 class FrameRouter:
@@ -85,11 +88,10 @@ class FrameRouter:
         """
         link = self.link
         pending = link.pending.get(msg.req_id) if msg.type == MT.GRANT else None
-        if pending is not None and (_big_grant(msg) or pending.check_in_worker):
+        if pending is not None and _checked_off_loop(pending, msg):
             if pending.on_grant is not None:
-                # Checking (and mapping) a grant of many descriptors, or against many blocks
-                # of ours, takes numpy tens of ms: off the loop. The reader waits, so no DATA
-                # comes first.
+                # (tens of ms of numpy: off the loop. The reader waits, so no DATA comes
+                # first.)
                 await anyio.to_thread.run_sync(pending.on_grant, msg, limiter=link.threads)
             pending.grant = msg
             pending.grant_event.set()
@@ -118,7 +120,7 @@ class FrameRouter:
             pending = link.pending.get(msg.req_id)
             if pending is not None:
                 if pending.on_grant is not None:
-                    if _big_grant(msg) or pending.check_in_worker:
+                    if _checked_off_loop(pending, msg):
                         return DEFER
                     pending.on_grant(msg)
                 pending.grant = msg
