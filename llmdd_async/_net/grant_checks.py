@@ -60,13 +60,14 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
     """
     e = spec.local
     pull = spec.op == Op.PULL
-    tensors, blocks = our_selection(spec)
+    window, blocks = our_selection(spec)
+    tensors = window if len(window) < e.num_tensors else None  # (None: every tensor)
     local_blocks = spec.shape == Shape.BLOCKS or (spec.shape == Shape.SLOT_TO_BLOCKS and pull)
     # What of each tensor is selected: runs of units (firsts, lasts: Python ints for a few,
     # arrays for many), or the bytes [lo, hi) of a tensor
     runs: tuple[list[int], list[int]] | tuple[np.ndarray, np.ndarray] | None = None
     span: tuple[int, int] | None = None
-    unit = e.stride
+    unit = spec.dst_block_bytes if (pull and spec.dst_block_bytes) else e.stride
     if not local_blocks:  # a slot of ours: the bytes the request names of it
         start = spec.local_slot * e.stride
         lo, size = (spec.dst_offset, spec.size) if pull else (spec.src_offset, spec.size)
@@ -74,7 +75,6 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
             lo, size = 0, -1
         span = (start + lo, start + (e.stride if size < 0 else min(lo + size, e.stride)))
     elif blocks is not None:
-        unit = spec.dst_block_bytes if (pull and spec.dst_block_bytes) else e.stride
         if len(blocks) <= 64:  # (a few: Python ints, numpy costs microseconds a call)
             selected = set(blocks.tolist())
             if len(local) <= 32:
@@ -95,7 +95,7 @@ def grant_within_selection(spec: TransferRequest, local: np.ndarray, nbytes: np.
     t = region_of(a, n, tstarts, tends)  # the tensor of each range (all inside one)
     if t is None:
         return False
-    if len(tensors) < e.num_tensors:
+    if tensors is not None:
         ti = e.tensor_order[t]
         if ((ti < tensors.start) | (ti >= tensors.stop)).any():
             return False
@@ -286,7 +286,7 @@ def _layer_spans_numpy(
 
 def _within_small(
     e: CacheEntry,
-    tensors: range,
+    tensors: range | None,
     local: np.ndarray,
     nbytes: np.ndarray,
     unit: int,
@@ -294,15 +294,15 @@ def _within_small(
     span: tuple[int, int] | None = None,
 ) -> bool:
     """:func:`grant_within_selection` for a few descriptors, in plain Python ints: each range
-    inside one tensor of ``tensors``, and there inside ``span`` (bytes of the tensor) or the
-    ``selected`` units (None: any)."""
+    inside one tensor of ``tensors`` (None: any), and there inside ``span`` (bytes of the
+    tensor) or the ``selected`` units (None: any)."""
     if selected is not None and not selected:
         return False
     starts, order = e.sorted_addrs, e.sorted_tensors
     size = e.tensor_bytes
     for a, n in zip(local.tolist(), nbytes.tolist(), strict=True):
         t = bisect.bisect_right(starts, a) - 1
-        if t < 0 or n <= 0 or order[t] not in tensors:
+        if t < 0 or n <= 0 or (tensors is not None and order[t] not in tensors):
             return False
         off = a - starts[t]
         last = off + n - 1
