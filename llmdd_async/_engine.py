@@ -33,7 +33,7 @@ from ._memory import EpochPage, MemoryPool, populate
 from ._net.host import ScratchPool
 from ._net.link import Link
 from ._net.link_manager import LinkManager
-from ._net.streams import VIEWS_INLINE, ManyRangesStream
+from ._net.streams import VIEWS_INLINE, LinkStaging, ManyRangesStream
 from ._observe import Observers
 from ._options import EngineOptions
 from ._registry import CacheEntry, Registry
@@ -277,25 +277,26 @@ class Engine:
         return self.adapter.host_addressable or not self.adapter.owns(addrs)
 
     def make_stream(
-        self, addrs: np.ndarray, nbytes: np.ndarray, limiter: anyio.CapacityLimiter | None = None
+        self, addrs: np.ndarray, nbytes: np.ndarray, staging: LinkStaging | None = None
     ) -> StreamPlan:
         """The stream view of local ranges: direct for host memory, staged for device memory.
-        Over many ranges, its frames' views are built in threads of ``limiter`` (a link's)."""
+        Over many ranges, its frames go through ``staging`` (a link's buffers and threads)."""
         if self.host_reachable(addrs):
             if len(nbytes) > VIEWS_INLINE:
-                return ManyRangesStream(addrs, nbytes, limiter)
+                return ManyRangesStream(addrs, nbytes, staging)
             return StreamPlan(addrs, nbytes)
         return StagedStream(addrs, nbytes, self.adapter)
 
     async def open_stream(
-        self, addrs: np.ndarray, nbytes: np.ndarray, limiter: anyio.CapacityLimiter | None = None
+        self, addrs: np.ndarray, nbytes: np.ndarray, staging: LinkStaging | None = None
     ) -> StreamPlan:
         """:meth:`make_stream` for async callers: a staging buffer (pinned memory, slow to
-        allocate) or a stream over many ranges is made in a worker thread (of ``limiter``)."""
+        allocate) or a stream over many ranges is made in a worker thread (of the link's)."""
         if self.host_reachable(addrs) and len(nbytes) <= VIEWS_INLINE:
-            return self.make_stream(addrs, nbytes, limiter)
+            return self.make_stream(addrs, nbytes, staging)
+        threads = staging.threads if staging is not None else None
         return await anyio.to_thread.run_sync(
-            self.make_stream, addrs, nbytes, limiter, limiter=limiter
+            self.make_stream, addrs, nbytes, staging, limiter=threads
         )
 
     def threadsafe_event(self) -> tuple[LoopEvent, Callable[[], None]]:

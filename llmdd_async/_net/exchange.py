@@ -201,7 +201,7 @@ class Exchange:
                 # The reader cannot await here; a staging buffer comes from the adapter's cache
                 # after the first transfers.
                 stream: StreamPlan | None = self.engine.make_stream(
-                    grant.local, grant.nbytes, self.link.threads
+                    grant.local, grant.nbytes, self.link.staging
                 )
                 # Checked in a worker for a big grant: the request may have ended meanwhile
                 # (then _end closed what it found, and this one is closed here). A stream we
@@ -542,7 +542,7 @@ class Exchange:
             return
         if spec.op != Op.PUSH:  # (a pull's streamed bytes land from the reader, never here)
             raise ProtocolError("a stream-mode GRANT of a pull in the push's path")
-        stream = await engine.open_stream(local, nbytes, link.threads)
+        stream = await engine.open_stream(local, nbytes, link.staging)
         try:
             if self.feed is None:
                 if not await link.send_stream(req, stream, to_initiator=False, token=req.token):

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-import anyio
 import numpy as np
 
 if TYPE_CHECKING:
@@ -28,6 +27,7 @@ if TYPE_CHECKING:
     from .._transports.tcp import StreamPlan
     from .link import Link
     from .requests import Serving
+    from .streams import LinkStaging
 
 __all__ = ["LinkHost", "RequestServer", "ScratchPool"]
 
@@ -162,13 +162,13 @@ class LinkHost(Protocol):
         ...
 
     def make_stream(
-        self, addrs: np.ndarray, nbytes: np.ndarray, limiter: anyio.CapacityLimiter | None = None
+        self, addrs: np.ndarray, nbytes: np.ndarray, staging: LinkStaging | None = None
     ) -> StreamPlan:
         """The stream view of local ranges (direct for host memory, staged for device)."""
         ...
 
     async def open_stream(
-        self, addrs: np.ndarray, nbytes: np.ndarray, limiter: anyio.CapacityLimiter | None = None
+        self, addrs: np.ndarray, nbytes: np.ndarray, staging: LinkStaging | None = None
     ) -> StreamPlan:
         """:meth:`make_stream`, slow parts in a worker thread."""
         ...

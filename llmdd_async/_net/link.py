@@ -54,6 +54,7 @@ from .requests import (
     TransferRecord,
 )
 from .router import FrameRouter
+from .streams import LinkStaging
 from .writer import LinkWriter
 
 if TYPE_CHECKING:
@@ -129,6 +130,8 @@ class Link:
         #: worker threads this link may hold (never the whole process's pool: one stalled
         #: peer must not starve the others)
         self.threads = anyio.CapacityLimiter(limits.threads)
+        #: the staging buffers of its streams over many ranges (gathered in those threads)
+        self.staging = LinkStaging(self.threads)
         self._released = False
         #: bytes of the peer's requests held here (``llm.LinkQueue`` caps them too)
         self.queued_bytes = 0

@@ -89,8 +89,8 @@ async def serve_request(engine: LinkHost, link: Link, req: Serving, request: Req
             await _serve(engine, link, req, request)
 
 
-#: large requests of one link in flight at once (each holds its plan and, streamed over many
-#: ranges, a staging buffer of up to 32 MiB): one can be planned while another moves its
+#: large requests of one link in flight at once (each holds its plan; their frames share the
+#: link's staging buffers, streams.LinkStaging): one can be planned while another moves its
 #: bytes; more wait, counted against llm.LinkQueue. Their bytes share one socket anyway, so
 #: more at once would not move them faster, and a peer's flood of them holds two plans'
 #: memory, not llm.LinkServing of them.
@@ -143,7 +143,7 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
         pull = request.op == Op.PULL
         local_side, target_side = (plan.dst, plan.src) if pull else (plan.src, plan.dst)
         if mode is Mode.STREAM and not pull:
-            req.stream = await engine.open_stream(plan.dst, plan.nbytes, link.threads)
+            req.stream = await engine.open_stream(plan.dst, plan.nbytes, link.staging)
         if pull:
             _consume_on_done(engine, req, entries, slot_info)
         streamed_pull = mode is Mode.STREAM and pull
@@ -168,7 +168,7 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
         remaining = max(0.0, (req.deadline or 0) - time.monotonic())
         with anyio.move_on_after(remaining) as budget:
             if streamed_pull:
-                out = await engine.open_stream(plan.src, plan.nbytes, link.threads)
+                out = await engine.open_stream(plan.src, plan.nbytes, link.staging)
                 try:
                     # The GRANT leads the data: a small pull is one syscall and one wake-up.
                     sent = await link.send_stream(

@@ -250,6 +250,9 @@ class StreamPlan:
         """Received bytes ``[offset, offset + n)`` are in place (nothing to do for host
         memory)."""
 
+    def sent(self) -> None:
+        """The frame :meth:`prepare` made is out, or never will be (its buffer is free)."""
+
     def close(self) -> None:
         """Release any staging memory."""
 
