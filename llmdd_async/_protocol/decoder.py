@@ -120,6 +120,10 @@ class Decoder:
         #: returned to the kernel when it is done (heap memory would linger in malloc's arenas)
         self._big: mmap.mmap | None = None
         self._big_fill = 0
+        #: on a keyed link, that frame's tag, fed its meta as it arrives (a frame of tens of
+        #: MiB hashed at once would hold the loop for over 100 ms), and how far it got
+        self._big_mac: hmac.HMAC | None = None
+        self._big_hashed = 0
 
     def set_max_meta(self, max_meta: int) -> None:
         """Change the meta size limit (small during a handshake, larger afterwards)."""
@@ -144,6 +148,7 @@ class Decoder:
         if self._big is not None:
             self._big.close()
             self._big = None
+            self._big_mac = None
         self._payload_left = 0
         if self._broken is None:
             self._broken = ProtocolError(reason)
@@ -181,6 +186,7 @@ class Decoder:
         if self._big is not None:
             self._big.close()
             self._big = None
+            self._big_mac = None
         if self.on_evict is not None:
             self.on_evict(str(self._broken))
 
@@ -209,6 +215,8 @@ class Decoder:
             n = min(len(data), len(self._big) - self._big_fill)
             self._big[self._big_fill : self._big_fill + n] = data[:n]
             self._big_fill += n
+            if self._big_mac is not None:
+                self._hash_big()
             if n == len(data):
                 return
             data = data[n:]  # the next frames
@@ -261,12 +269,7 @@ class Decoder:
         if self._big is not None:
             if self._big_fill < len(self._big):
                 return NEED_DATA
-            big, self._big = self._big, None
-            try:
-                _, _, mtype, req_id, meta_len, flags, payload_len = HEADER.unpack_from(big)
-                return self._take_frame(big, 0, MT(mtype), req_id, meta_len, flags, payload_len)
-            finally:
-                big.close()
+            return self._take_big()
         avail = len(self._buf) - self._pos
         if self._payload_left:
             if not avail:
@@ -310,14 +313,46 @@ class Decoder:
                 self._big, self._big_fill = big, avail
                 self._buf = bytearray()
                 self._pos = 0
+                if self._auth is not None:
+                    with memoryview(big) as view:
+                        self._big_mac = self._auth.start(view[: HEADER.size])
+                    self._big_hashed = HEADER.size
+                    self._hash_big()
             return NEED_DATA
         pos = self._pos
         self._pos += HEADER.size + meta_len
         return self._take_frame(self._buf, pos, mt, req_id, meta_len, flags, payload_len)
 
+    def _hash_big(self) -> None:
+        """Feed the big frame's tag the meta that arrived (all but the trailing tag)."""
+        assert self._big is not None
+        assert self._big_mac is not None
+        upto = min(self._big_fill, len(self._big) - _TAG)
+        if upto > self._big_hashed:
+            with memoryview(self._big) as view:
+                self._big_mac.update(view[self._big_hashed : upto])
+            self._big_hashed = upto
+
+    def _take_big(self) -> Message:
+        """The frame collected in its own mapping: its meta is a view of the mapping (no copy
+        of tens of MiB on the loop), which goes back to the kernel with the message's last
+        view of it; a keyed frame's tag was computed as the bytes came."""
+        big, self._big = self._big, None
+        mac, self._big_mac = self._big_mac, None
+        assert big is not None
+        _, _, mtype, req_id, meta_len, flags, payload_len = HEADER.unpack_from(big)
+        meta = memoryview(big)[HEADER.size :]
+        if self._auth is not None:
+            assert mac is not None
+            self._auth.seq += 1
+            if not hmac.compare_digest(mac.digest(), bytes(meta[-_TAG:])):
+                raise self._fail("frame authentication failed")
+            meta = meta[:-_TAG]
+        return self._decoded(MT(mtype), req_id, meta, meta_len, flags, payload_len)
+
     def _take_frame(
         self,
-        src: bytearray | mmap.mmap,
+        src: bytearray,
         pos: int,
         mt: MT,
         req_id: int,
@@ -338,6 +373,17 @@ class Decoder:
                     ):
                         raise self._fail("frame authentication failed")
                     meta = meta[:-_TAG]
+        return self._decoded(mt, req_id, meta, meta_len, flags, payload_len)
+
+    def _decoded(
+        self,
+        mt: MT,
+        req_id: int,
+        meta: bytes | memoryview,
+        meta_len: int,
+        flags: int,
+        payload_len: int,
+    ) -> Message:
         if self._charging or self._reserved:
             self._unreserve()
         self.last_meta = meta_len

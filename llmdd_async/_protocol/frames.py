@@ -127,12 +127,18 @@ class FrameAuth:
         self.seq = 0
 
     def tag(self, header: bytes | memoryview, meta: bytes | memoryview) -> bytes:
-        mac = self._keyed.copy()
-        mac.update(_SEQ.pack(self.seq))
-        mac.update(header)
+        mac = self.start(header)
         mac.update(meta)
         self.seq += 1
         return mac.digest()
+
+    def start(self, header: bytes | memoryview) -> hmac.HMAC:
+        """The tag of the next frame (numbered ``seq``), fed its header: feed it the meta as
+        it arrives, then count the frame (``seq += 1``) and compare the digest."""
+        mac = self._keyed.copy()
+        mac.update(_SEQ.pack(self.seq))
+        mac.update(header)
+        return mac
 
     def payload_mac(self, seq: int) -> hmac.HMAC:
         """The MAC (HMAC-SHA256, OpenSSL's: it releases the GIL on large updates) of the
@@ -309,7 +315,7 @@ def encode_packed(
 
 
 def _decode_packed(
-    mtype: MT, req_id: int, flags: int, payload_len: int, meta: bytes, n: int
+    mtype: MT, req_id: int, flags: int, payload_len: int, meta: bytes | memoryview, n: int
 ) -> Message:
     names = PACKED_ARRAYS.get(mtype)
     if names is None:
@@ -319,7 +325,7 @@ def _decode_packed(
     pos = 4 + n + 4 * len(names)
     if pos > len(meta):
         raise ProtocolError("packed fields run past the meta")
-    packed = meta[4 : 4 + n]
+    packed = bytes(meta[4 : 4 + n])  # (no copy of a bytes meta's slice)
     arrays: dict[str, bytes | memoryview] = {}
     if names:
         view = memoryview(meta)
@@ -336,7 +342,9 @@ def _decode_packed(
     return Message(mtype, req_id, {}, arrays, payload_len, flags, packed)
 
 
-def _decode_meta(mtype: MT, req_id: int, flags: int, payload_len: int, meta: bytes) -> Message:
+def _decode_meta(
+    mtype: MT, req_id: int, flags: int, payload_len: int, meta: bytes | memoryview
+) -> Message:
     if len(meta) < 4:
         raise ProtocolError("meta shorter than its length prefix")
     (js_len,) = _U32.unpack_from(meta)

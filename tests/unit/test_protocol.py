@@ -411,3 +411,63 @@ def test_a_frame_nobody_waits_for_is_not_parsed() -> None:
     d.receive_data(frame)
     with pytest.raises(ProtocolError, match="malformed JSON"):
         d.next_event()
+
+
+def test_a_big_frame_is_hashed_as_it_comes_and_never_copied() -> None:
+    # A 16 MiB meta on a keyed link was copied out of its mapping and hashed in one call (64
+    # MiB: ~125 ms of the loop, ~29 ms unkeyed); it is now hashed a read at a time, and its
+    # arrays are views of the mapping it was collected in.
+    import mmap
+
+    import numpy as np
+
+    from llmdd_async._protocol import FrameAuth
+
+    class Counting(FrameAuth):
+        largest = 0
+
+        def tag(self, header: bytes | memoryview, meta: bytes | memoryview) -> bytes:
+            self.largest = max(self.largest, len(meta))
+            return super().tag(header, meta)
+
+        def start(self, header: bytes | memoryview) -> object:  # type: ignore[override]
+            mac, outer = super().start(header), self
+
+            class Fed:
+                def update(self, data: memoryview) -> None:
+                    outer.largest = max(outer.largest, len(data))
+                    mac.update(data)
+
+                def digest(self) -> bytes:
+                    return mac.digest()
+
+            return Fed()
+
+    key, chunk = b"k" * 32, 1 << 20
+    big = np.arange(2 << 20, dtype="<u8")  # 16 MiB
+    msgs = [Message(MT.PING, 0, {}, {"a": big.data.cast("B")}), Message(MT.PONG)]
+    for keyed in (False, True):
+        sender = FrameAuth(key) if keyed else None
+        wire = b"".join(encode(m, sender) for m in msgs)
+        dec = Decoder(max_meta=32 << 20)
+        auth = Counting(key)
+        if keyed:
+            dec.set_auth(auth)
+        got: list[object] = []
+        for i in range(0, len(wire), chunk):
+            dec.receive_data(wire[i : i + chunk])
+            got += collect(dec)
+        assert [m.type for m in got] == [MT.PING, MT.PONG]  # type: ignore[attr-defined]
+        arr = got[0].arrays["a"]  # type: ignore[attr-defined]
+        assert isinstance(arr, memoryview) and isinstance(arr.obj, mmap.mmap)
+        assert (np.frombuffer(arr, "<u8") == big).all()
+        if keyed:
+            assert 0 < auth.largest <= chunk
+            bad = bytearray(wire)
+            bad[8 << 20] ^= 1  # in the middle of the array
+            dec = Decoder(max_meta=32 << 20)
+            dec.set_auth(FrameAuth(key))
+            with pytest.raises(ProtocolError, match="authentication"):
+                for i in range(0, len(bad), chunk):
+                    dec.receive_data(bytes(bad[i : i + chunk]))
+                    collect(dec)
