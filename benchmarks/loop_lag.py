@@ -83,7 +83,7 @@ def _request(
 async def _attack(name: str, port: int, info: dict[str, Any]) -> dict[str, Any]:
     import helpers
 
-    from llmdd_async._messages import wire_status
+    from llmdd_async._messages import Grant, wire_status
     from llmdd_async._protocol import MT, Message, encode
 
     peer = await helpers.raw_link(("127.0.0.1", port), 66, remote_accessible=True)
@@ -128,7 +128,7 @@ async def _attack(name: str, port: int, info: dict[str, Any]) -> dict[str, Any]:
                     answers[code] = answers.get(code, 0) + 1
                     got += 1
                     if code == "LLM_SUCCESS":
-                        owed[msg.req_id] = int(msg.fields["total"])
+                        owed[msg.req_id] = Grant.decode(msg).total or 0
                 elif msg.type == MT.DATA:
                     owed[msg.req_id] -= msg.payload_len
                     if owed[msg.req_id] <= 0:
