@@ -35,7 +35,8 @@ class LinkStaging:
 
     def __init__(self, threads: anyio.CapacityLimiter | None = None) -> None:
         self.threads = threads
-        self._sends = anyio.Semaphore(self.SENDS)
+        # (max_value: a release too many raises rather than widening the bound)
+        self._sends = anyio.Semaphore(self.SENDS, max_value=self.SENDS)
         # (streams open and close in worker threads too: a big grant is checked in one)
         self._lock = threading.Lock()
         self._free: list[np.ndarray] = []
@@ -55,7 +56,11 @@ class LinkStaging:
         """A buffer of at least ``n`` bytes for a frame to send; waits while :attr:`SENDS`
         frames of the link hold one. Each call is matched by one :meth:`sent`."""
         await self._sends.acquire()
-        return self.take(n)
+        try:
+            return self.take(n)
+        except BaseException:  # (MemoryError): the unit must not be lost with it
+            self._sends.release()
+            raise
 
     def sent(self) -> None:
         """A frame taken with :meth:`take_for_send` is out (or never will be)."""
@@ -178,6 +183,8 @@ class ManyRangesStream(StreamPlan):
 
     def close(self) -> None:
         # Not reused: a frame's worker may still hold it (a request ended by a broken link).
+        # (A stream closed in a worker thread, a pull's replaced by its GRANT's, receives:
+        # no send unit to release off the loop.)
         self._drop(False)
         if not self._closed:
             self._closed = True
