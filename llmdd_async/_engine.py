@@ -33,14 +33,15 @@ from ._memory import EpochPage, MemoryPool, populate
 from ._net.host import ScratchPool
 from ._net.link import Link
 from ._net.link_manager import LinkManager
-from ._net.streams import VIEWS_INLINE, LinkStaging, ManyRangesStream
+from ._net.streams import VIEWS_INLINE, ManyRangesStream
 from ._observe import Observers
 from ._options import EngineOptions
 from ._registry import CacheEntry, Registry
 from ._task import CacheTask, SchedulePoints, TaskControl
 from ._timers import Timers
 from ._transports import TransportEndpoint, start_endpoint
-from ._transports.tcp import StagedStream, StreamPlan
+from ._transports._staging import LinkStaging, StagedStream
+from ._transports.tcp import StreamPlan
 
 __all__ = ["Engine"]
 
@@ -285,7 +286,7 @@ class Engine:
             if len(nbytes) > VIEWS_INLINE:
                 return ManyRangesStream(addrs, nbytes, staging)
             return StreamPlan(addrs, nbytes)
-        return StagedStream(addrs, nbytes, self.adapter)
+        return StagedStream(addrs, nbytes, self.adapter, staging)
 
     async def open_stream(
         self, addrs: np.ndarray, nbytes: np.ndarray, staging: LinkStaging | None = None

@@ -217,12 +217,16 @@ class TorchAdapter:
         await anyio.to_thread.run_sync(self._run_copies, pairs, token)
         return plan.total_bytes
 
-    def staging(self, nbytes: int) -> Any:
-        """A host buffer (pinned on CUDA) for socket transfers; give it back with unstage."""
+    def staging(self, nbytes: int, allocate: bool = True) -> Any:
+        """A host buffer (pinned on CUDA) for socket transfers; give it back with unstage.
+        None if none is kept for reuse and ``allocate`` is False (a pinned allocation takes
+        milliseconds)."""
         with self._staging_lock:
             for i, buf in enumerate(self._staging):
                 if buf.numel() >= nbytes:
                     return self._staging.pop(i)
+        if not allocate:
+            return None
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.is_cuda)
 
     def unstage(self, buf: Any) -> None:

@@ -24,10 +24,10 @@ if TYPE_CHECKING:
     from .._registry import CacheEntry, Registry
     from .._timers import Timers
     from .._transports import TransportEndpoint
+    from .._transports._staging import LinkStaging
     from .._transports.tcp import StreamPlan
     from .link import Link
     from .requests import Serving
-    from .streams import LinkStaging
 
 __all__ = ["LinkHost", "RequestServer", "ScratchPool"]
 

@@ -41,6 +41,7 @@ from .._protocol import (
     Message,
 )
 from .._transports import PeerAccess
+from .._transports._staging import LinkStaging
 from .._transports.tcp import (
     StreamPlan,
 )
@@ -54,7 +55,6 @@ from .requests import (
     TransferRecord,
 )
 from .router import FrameRouter
-from .streams import LinkStaging
 from .writer import LinkWriter
 
 if TYPE_CHECKING:

@@ -1,86 +1,20 @@
 """Streams of host memory over many ranges (a plan's bytes as DATA frames, through a staging
-buffer): what :meth:`Engine.make_stream` hands a link for plans of more than
-:data:`VIEWS_INLINE` ranges; and the link's staging buffers they share."""
+buffer of the link's): what :meth:`Engine.make_stream` hands a link for plans of more than
+:data:`VIEWS_INLINE` ranges."""
 
 from __future__ import annotations
-
-import threading
 
 import anyio
 import anyio.to_thread
 import numpy as np
 
 from .._memory import CancelToken
+from .._transports._staging import LinkStaging
 from .._transports.tcp import StreamPlan
 
-__all__ = ["VIEWS_INLINE", "LinkStaging", "ManyRangesStream"]
+__all__ = ["VIEWS_INLINE", "ManyRangesStream"]
 
 _U64 = np.uint64
-
-
-class LinkStaging:
-    """The staging buffers of one link's streams over many ranges, and the worker threads
-    (``threads``, the link's) that gather and scatter them.
-
-    A stream holds a buffer for one frame only: from gathering it until it is sent, at most
-    :attr:`SENDS` frames of the link at once (one on the wire, one being gathered: more
-    would not fill the socket faster), or from receiving it until it is scattered (the reader
-    takes one frame at a time). A peer's requests thus make the link hold three buffers of
-    up to 32 MiB (a frame), whatever ``llm.LinkServing``. Nothing is held across a wait for
-    anything but the socket (a layer, a GRANT, a lock), so no wait here can close a cycle.
-    Buffers are kept for the next frame while a stream is open on the link, and go with the
-    last one."""
-
-    SENDS = 2
-
-    def __init__(self, threads: anyio.CapacityLimiter | None = None) -> None:
-        self.threads = threads
-        # (max_value: a release too many raises rather than widening the bound)
-        self._sends = anyio.Semaphore(self.SENDS, max_value=self.SENDS)
-        # (streams open and close in worker threads too: a big grant is checked in one)
-        self._lock = threading.Lock()
-        self._free: list[np.ndarray] = []
-        self._open = 0
-
-    def opened(self) -> None:
-        with self._lock:
-            self._open += 1
-
-    def closed(self) -> None:
-        with self._lock:
-            self._open -= 1
-            if not self._open:
-                self._free.clear()
-
-    async def take_for_send(self, n: int) -> np.ndarray:
-        """A buffer of at least ``n`` bytes for a frame to send; waits while :attr:`SENDS`
-        frames of the link hold one. Each call is matched by one :meth:`sent`."""
-        await self._sends.acquire()
-        try:
-            return self.take(n)
-        except BaseException:  # (MemoryError): the unit must not be lost with it
-            self._sends.release()
-            raise
-
-    def sent(self) -> None:
-        """A frame taken with :meth:`take_for_send` is out (or never will be)."""
-        self._sends.release()
-
-    def take(self, n: int) -> np.ndarray:
-        """A buffer of at least ``n`` bytes (for a frame being received: no wait)."""
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if len(buf) >= n:
-                    return self._free.pop(i)
-            if self._free:  # too small: replaced, so no more than the frames' are held
-                self._free.pop()
-        return np.empty(max(1, n), dtype=np.uint8)
-
-    def give(self, buf: np.ndarray) -> None:
-        """``buf`` is free again, for the next frame: nothing reads or writes it any more."""
-        with self._lock:
-            if self._open and len(self._free) <= self.SENDS:
-                self._free.append(buf)
 
 
 class ManyRangesStream(StreamPlan):

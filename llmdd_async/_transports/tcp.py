@@ -24,7 +24,6 @@ import operator
 import os
 import select
 import socket
-from typing import Any
 
 import anyio
 import numpy as np
@@ -44,7 +43,6 @@ __all__ = [
     "TRIPPED_GRACE_S",
     "grace_s",
     "host_views",
-    "StagedStream",
     "StreamPlan",
     "configure_socket",
     "recv_views",
@@ -275,37 +273,6 @@ def _views_of(addrs: list[int], lens: list[int]) -> list[memoryview]:
     lo = min(addrs)
     span = memory_view(lo, max(map(operator.add, addrs, lens)) - lo)
     return [span[a - lo : a - lo + n] for a, n in zip(addrs, lens, strict=True)]
-
-
-class StagedStream(StreamPlan):
-    """A stream over device memory: chunks pass through a host staging buffer."""
-
-    def __init__(self, addrs: np.ndarray, nbytes: np.ndarray, adapter: Any) -> None:
-        super().__init__(addrs, nbytes)
-        self._adapter = adapter
-        self._buf = adapter.staging(max(1, min(self.total, CHUNK_BYTES)))
-        self._view = memoryview(self._buf.numpy()).cast("B")
-
-    async def prepare(self, offset: int, n: int, token: CancelToken) -> list[memoryview]:
-        addrs, lens = self.ranges(offset, n)
-        await self._adapter.gather(addrs, lens, self._buf, token)
-        return [self._view[:n]]
-
-    def receive_views(self, offset: int, n: int) -> list[memoryview]:
-        return [self._view[:n]]
-
-    async def commit(self, offset: int, n: int, token: CancelToken) -> None:
-        addrs, lens = self.ranges(offset, n)
-        await self._adapter.scatter(self._buf, addrs, lens, token)
-
-    def views(self, offset: int, n: int) -> list[memoryview]:
-        raise TypeError("device memory is reached through prepare/receive_views/commit")
-
-    def close(self) -> None:
-        buf, self._buf = self._buf, None
-        if buf is not None:
-            self._view.release()
-            self._adapter.unstage(buf)
 
 
 class PayloadMac:

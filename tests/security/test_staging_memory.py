@@ -9,6 +9,7 @@ time for sending (one on the wire, one being gathered) and one for receiving.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import anyio
@@ -48,6 +49,39 @@ def _reset_peak(pid: int) -> None:
         f.write("5")  # the peak RSS (VmHWM) starts again from here
 
 
+async def _pull_all(
+    address: tuple[str, int],
+    cache_id: int,
+    src: np.ndarray,
+    dst: np.ndarray,
+    req_ids: Iterable[int],
+    held: Callable[[], int] | None = None,
+) -> None:
+    """Pull blocks ``src`` of the victim's cache once per id over a new raw link, then read
+    every byte (each pull must be served in full). With ``held`` (the victim's memory over
+    its base), nothing is read at first: for 3 s, or until half the pulls' bytes are held."""
+    ids = list(req_ids)
+    total = len(src) * BLOCK
+    peer = await raw_link(address, 90 + ids[0], rcvbuf=4096, remote_accessible=True)
+    try:
+        for i in ids:
+            await peer.send(blocks_request("pull", i, cache_id, src, dst, 1, BLOCK, len(src)))
+        if held is not None:
+            with anyio.move_on_after(3):
+                while held() < len(ids) // 2 * total:
+                    await anyio.sleep(0.05)
+        got: dict[int, int] = {}
+        with anyio.fail_after(60):
+            while sum(got.values()) < len(ids) * total:
+                msg = await peer.frame()
+                assert msg.type in (MT.GRANT, MT.DATA), (msg.type, msg.fields)
+                if msg.type == MT.DATA:
+                    got[msg.req_id] = got.get(msg.req_id, 0) + msg.payload_len
+        assert sorted(got) == ids
+    finally:
+        peer.close()
+
+
 async def test_a_peer_that_never_reads_many_range_pulls_holds_two_staging_buffers(
     anyio_backend: Any,
 ) -> None:
@@ -58,44 +92,49 @@ async def test_a_peer_that_never_reads_many_range_pulls_holds_two_staging_buffer
         cache_id = await victim.request(
             "register", kind="blocks", num_tensors=1, shape=[BLOCKS, BLOCK], seed=3
         )
-        src = np.arange(0, BLOCKS, 2)
+        src = np.arange(0, BLOCKS, 2)  # every other block: ranges that do not merge
         dst = np.arange(len(src))
-        # A first pull, read in full: the code paths are loaded, the cache's pages touched.
-        warm = await raw_link(victim.listen, 98, remote_accessible=True)
-        try:
-            await warm.send(blocks_request("pull", 1, cache_id, src, dst, 1, BLOCK, len(src)))
-            got = 0
-            with anyio.fail_after(30):
-                while got < len(src) * BLOCK:
-                    msg = await warm.frame()
-                    if msg.type == MT.DATA:
-                        got += msg.payload_len
-        finally:
-            warm.close()
+        await _pull_all(victim.listen, cache_id, src, dst, [1])  # warm: code paths, pages
         await anyio.sleep(0.3)
         base = _status(pid, "VmRSS")
         _reset_peak(pid)
-        peer = await raw_link(victim.listen, 99, rcvbuf=4096, remote_accessible=True)
-        try:
-            for i in range(PULLS):
-                await peer.send(
-                    blocks_request("pull", 10 + i, cache_id, src, dst, 1, BLOCK, len(src))
-                )
-            # Not reading: before, every pull gathered its 32 MiB while the first frame
-            # waited for the socket (the victim's RSS grew by 16 of them).
-            with anyio.move_on_after(3):
-                while _status(pid, "VmHWM") - base < (PULLS // 2) * 32 * MiB:
-                    await anyio.sleep(0.05)
-            # Then every byte is read: each pull is served in full.
-            got_by: dict[int, int] = {}
-            with anyio.fail_after(60):
-                while sum(got_by.values()) < PULLS * len(src) * BLOCK:
-                    msg = await peer.frame()
-                    assert msg.type in (MT.GRANT, MT.DATA), (msg.type, msg.fields)
-                    if msg.type == MT.DATA:
-                        got_by[msg.req_id] = got_by.get(msg.req_id, 0) + msg.payload_len
-            assert sorted(got_by) == list(range(10, 10 + PULLS))
-        finally:
-            peer.close()
-        peak = _status(pid, "VmHWM") - base
+        # Before, every pull gathered its 32 MiB while the first frame waited for the socket.
+        held = lambda: _status(pid, "VmHWM") - base  # noqa: E731
+        await _pull_all(victim.listen, cache_id, src, dst, range(10, 10 + PULLS), held)
+        peak = held()
+        assert peak <= 128 * MiB, f"the victim held {peak / MiB:.0f} MiB more at its peak"
+
+
+async def test_a_peer_that_never_reads_pulls_of_device_memory_holds_two_staging_buffers(
+    anyio_backend: Any,
+) -> None:
+    # Device memory (the torch adapter on CPU tensors: exactly an accelerator's code path)
+    # moves through host staging buffers, pinned on CUDA: each stream kept one of 32 MiB for
+    # its whole life, so 16 pulls of a 32 MiB cache that the peer never read held 512 MiB.
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+    opts = endpoint_options(
+        "tcp",
+        listen=True,
+        ra=True,
+        **{
+            "llm.SyncKvCacheWaitTime": "60000",
+            "llm.DeviceAdapter": "torch",
+            "llm.TorchDevice": "cpu",
+        },
+    )
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, opts, loop=_loop(anyio_backend)) as victim:
+        assert victim.listen is not None
+        pid = victim.process.pid
+        blocks = 32 * MiB // BLOCK
+        cache_id = await victim.request(
+            "alloc", kind="blocks", num_tensors=1, shape=[blocks, BLOCK]
+        )
+        src = dst = np.arange(blocks)
+        await _pull_all(victim.listen, cache_id, src, dst, [1])  # warm: code paths, pages
+        await anyio.sleep(0.3)
+        base = _status(pid, "VmRSS")
+        _reset_peak(pid)
+        held = lambda: _status(pid, "VmHWM") - base  # noqa: E731
+        await _pull_all(victim.listen, cache_id, src, dst, range(10, 10 + PULLS), held)
+        peak = held()
         assert peak <= 128 * MiB, f"the victim held {peak / MiB:.0f} MiB more at its peak"
