@@ -889,3 +889,51 @@ async def test_the_deadline_starts_once_registrations_pages_are_populated(
         await decoder.cache_manager.pull_blocks(dd.BlocksCacheKey(1, 0), cache, [0, 3], [1, 2])
         assert time.monotonic() - t0 >= 0.6  # it did wait for the population
         assert np.array_equal(dst[[1, 2]], src[[0, 3]])
+
+
+async def test_a_push_cancelled_while_its_frame_is_gathered_returns_after_the_gather(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frame of a stream over many ranges is gathered from the source in a worker thread.
+    A cancel returns once that worker stopped reading the source (which may be freed right
+    after); before, it returned while the worker still read it."""
+    from llmdd_async._net.streams import ManyRangesStream
+
+    blocks, block = 16384, 4096  # every other block: 8,192 ranges, 32 MiB (not eager)
+    async with pair("tcp", ra=True) as (p, d):
+        await p.request(
+            "register",
+            kind="blocks",
+            num_tensors=1,
+            shape=[blocks, block],
+            blocks_key=encode_key(dd.BlocksCacheKey(PROMPT, 0)),
+        )
+        cm = d.cache_manager
+        src = cm.allocate_blocks_cache(dd.CacheDesc(1, [blocks, block], dd.DataType.DT_UINT8))
+        real = ManyRangesStream._move
+        entered, release = threading.Event(), threading.Event()
+        reading = [False]
+
+        def move(self: Any, buf: Any, offset: int, n: int, gather: bool) -> None:
+            if not gather:
+                return real(self, buf, offset, n, gather)
+            reading[0] = True
+            entered.set()
+            release.wait(10)
+            try:
+                return real(self, buf, offset, n, gather)
+            finally:
+                reading[0] = False
+
+        monkeypatch.setattr(ManyRangesStream, "_move", move)
+        every_other = list(range(0, blocks, 2))
+        task = cm.push_blocks(dd.BlocksCacheKey(PROMPT, 0), src, every_other, every_other)
+        try:
+            await wait_until(entered.is_set, 10)
+            threading.Timer(0.3, release.set).start()
+            task.cancel()
+            with anyio.fail_after(10), pytest.raises(dd.TransferCancelled):
+                await task
+            assert not reading[0], "the cancel returned while a worker still read the source"
+        finally:
+            release.set()
