@@ -308,7 +308,8 @@ class Decoder:
                 self._budget.holders[self] = time.monotonic()
                 self._charge(avail)
             if meta_len > _MAPPED_META:
-                big = mmap.mmap(-1, HEADER.size + meta_len)
+                # (private: never shared with a forked child)
+                big = mmap.mmap(-1, HEADER.size + meta_len, flags=mmap.MAP_PRIVATE)
                 big[:avail] = memoryview(self._buf)[self._pos :]
                 self._big, self._big_fill = big, avail
                 self._buf = bytearray()
@@ -341,11 +342,13 @@ class Decoder:
         mac, self._big_mac = self._big_mac, None
         assert big is not None
         _, _, mtype, req_id, meta_len, flags, payload_len = HEADER.unpack_from(big)
-        meta = memoryview(big)[HEADER.size :]
+        # Read-only, as the bytes of a smaller frame are: the arrays decoded from it are too.
+        meta = memoryview(big).toreadonly()[HEADER.size :]
         if self._auth is not None:
             assert mac is not None
             self._auth.seq += 1
             if not hmac.compare_digest(mac.digest(), bytes(meta[-_TAG:])):
+                del big, meta  # (not kept alive by the error's traceback)
                 raise self._fail("frame authentication failed")
             meta = meta[:-_TAG]
         return self._decoded(MT(mtype), req_id, meta, meta_len, flags, payload_len)

@@ -59,7 +59,7 @@ async def _pull_all(
 ) -> None:
     """Pull blocks ``src`` of the victim's cache once per id over a new raw link, then read
     every byte (each pull must be served in full). With ``held`` (the victim's memory over
-    its base), nothing is read at first: for 3 s, or until half the pulls' bytes are held."""
+    its base), nothing is read at first: for 2 s, or until half the pulls' bytes are held."""
     ids = list(req_ids)
     total = len(src) * BLOCK
     peer = await raw_link(address, 90 + ids[0], rcvbuf=4096, remote_accessible=True)
@@ -67,7 +67,7 @@ async def _pull_all(
         for i in ids:
             await peer.send(blocks_request("pull", i, cache_id, src, dst, 1, BLOCK, len(src)))
         if held is not None:
-            with anyio.move_on_after(3):
+            with anyio.move_on_after(2):
                 while held() < len(ids) // 2 * total:
                     await anyio.sleep(0.05)
         got: dict[int, int] = {}

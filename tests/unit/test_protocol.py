@@ -460,6 +460,7 @@ def test_a_big_frame_is_hashed_as_it_comes_and_never_copied() -> None:
         assert [m.type for m in got] == [MT.PING, MT.PONG]  # type: ignore[attr-defined]
         arr = got[0].arrays["a"]  # type: ignore[attr-defined]
         assert isinstance(arr, memoryview) and isinstance(arr.obj, mmap.mmap)
+        assert arr.readonly  # as a smaller frame's bytes are
         assert (np.frombuffer(arr, "<u8") == big).all()
         if keyed:
             assert 0 < auth.largest <= chunk
