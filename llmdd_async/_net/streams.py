@@ -9,15 +9,14 @@ import anyio.to_thread
 import numpy as np
 
 from .._memory import CancelToken
-from .._transports._staging import LinkStaging
-from .._transports.tcp import StreamPlan
+from .._transports._staging import LinkStaging, StagedFrames
 
 __all__ = ["VIEWS_INLINE", "ManyRangesStream"]
 
 _U64 = np.uint64
 
 
-class ManyRangesStream(StreamPlan):
+class ManyRangesStream(StagedFrames):
     """A stream of host memory over more than ``VIEWS_INLINE`` ranges: each frame's bytes pass
     through a staging buffer of the link's (``staging``), gathered (sending) or scattered
     (receiving) with numpy in a worker thread of the link's. A view per range would cost
@@ -27,13 +26,9 @@ class ManyRangesStream(StreamPlan):
     def __init__(
         self, addrs: np.ndarray, nbytes: np.ndarray, staging: LinkStaging | None = None
     ) -> None:
-        super().__init__(addrs, nbytes)
-        self._staging = LinkStaging() if staging is None else staging
+        super().__init__(addrs, nbytes, staging)
         self._staging.opened()
         self._closed = False
-        #: the frame's buffer, and whether it was taken for a send
-        self._buf: np.ndarray | None = None
-        self._sending = False
 
     def _move(self, buf: np.ndarray, offset: int, n: int, gather: bool) -> None:
         """Copy stream bytes ``[offset, offset + n)`` between memory and ``buf``."""
@@ -71,16 +66,8 @@ class ManyRangesStream(StreamPlan):
             pos += count
             i = j
 
-    def _drop(self, reuse: bool) -> None:
-        """Let go of the frame's buffer; ``reuse`` only where no worker can still touch it
-        (else it goes with its last view)."""
-        buf, self._buf = self._buf, None
-        if buf is None:
-            return
-        if self._sending:
-            self._staging.sent()
-        if reuse:
-            self._staging.give(buf)
+    def _reuse(self, buf: np.ndarray) -> None:
+        self._staging.give(buf)
 
     async def prepare(self, offset: int, n: int, token: CancelToken) -> list[memoryview]:
         self._drop(False)  # (a frame with no sent() after it: not reused)
@@ -96,9 +83,6 @@ class ManyRangesStream(StreamPlan):
         self._buf, self._sending = buf, True
         return [buf[:n].data.cast("B")]
 
-    def sent(self) -> None:
-        self._drop(True)
-
     def receive_views(self, offset: int, n: int) -> list[memoryview]:
         self._drop(False)  # (a frame not scattered: cancelled)
         self._buf, self._sending = self._staging.take(n), False
@@ -112,14 +96,8 @@ class ManyRangesStream(StreamPlan):
         await anyio.to_thread.run_sync(self._move, buf, offset, n, False, limiter=threads)
         self._drop(True)
 
-    def views(self, offset: int, n: int) -> list[memoryview]:
-        raise TypeError("a stream over many ranges is reached through prepare/receive/commit")
-
     def close(self) -> None:
-        # Not reused: a frame's worker may still hold it (a request ended by a broken link).
-        # (A stream closed in a worker thread, a pull's replaced by its GRANT's, receives:
-        # no send unit to release off the loop.)
-        self._drop(False)
+        super().close()
         if not self._closed:
             self._closed = True
             self._staging.closed()

@@ -15,7 +15,7 @@ import numpy as np
 from .._memory import CancelToken
 from .tcp import CHUNK_BYTES, StreamPlan
 
-__all__ = ["LinkStaging", "StagedStream"]
+__all__ = ["LinkStaging", "StagedFrames", "StagedStream"]
 
 
 class LinkStaging:
@@ -88,7 +88,47 @@ class LinkStaging:
                 self._free.append(buf)
 
 
-class StagedStream(StreamPlan):
+class StagedFrames(StreamPlan):
+    """A stream whose frames pass through a staging buffer, held for one frame only: from
+    :meth:`prepare` (under one of the link's send units, ``staging``) to :meth:`sent`, or
+    from :meth:`receive_views` to a successful :meth:`commit`."""
+
+    def __init__(self, addrs: np.ndarray, nbytes: np.ndarray, staging: LinkStaging | None) -> None:
+        super().__init__(addrs, nbytes)
+        self._staging = LinkStaging() if staging is None else staging
+        #: the frame's buffer, and whether it was taken for a send
+        self._buf: Any = None
+        self._sending = False
+
+    def _reuse(self, buf: Any) -> None:
+        """Keep ``buf`` for a later frame (nothing touches it any more)."""
+        raise NotImplementedError
+
+    def _drop(self, reuse: bool) -> None:
+        """Let go of the frame's buffer; ``reuse`` only where no worker can still touch it
+        (else it goes with its last view)."""
+        buf, self._buf = self._buf, None
+        if buf is None:
+            return
+        if self._sending:
+            self._staging.sent()
+        if reuse:
+            self._reuse(buf)
+
+    def sent(self) -> None:
+        self._drop(True)
+
+    def views(self, offset: int, n: int) -> list[memoryview]:
+        raise TypeError("a staged stream is reached through prepare/receive_views/commit")
+
+    def close(self) -> None:
+        # Not reused: a frame's worker may still hold it (a request ended by a broken link).
+        # (A stream closed in a worker thread, a pull's replaced by its GRANT's, receives:
+        # no send unit to release off the loop.)
+        self._drop(False)
+
+
+class StagedStream(StagedFrames):
     """A stream over device memory: each frame passes through a host staging buffer of the
     adapter's (pinned on CUDA), held for that frame only and, sending, under the link's send
     units (``staging``): a peer's requests make a link hold three, whatever their number."""
@@ -96,24 +136,13 @@ class StagedStream(StreamPlan):
     def __init__(
         self, addrs: np.ndarray, nbytes: np.ndarray, adapter: Any, staging: LinkStaging | None
     ) -> None:
-        super().__init__(addrs, nbytes)
+        super().__init__(addrs, nbytes, staging)
         self._adapter = adapter
-        self._staging = LinkStaging() if staging is None else staging
         #: one size for all of the stream's frames (the adapter keeps a few for reuse)
         self._size = max(1, min(self.total, CHUNK_BYTES))
-        #: the frame's buffer, and whether it was taken for a send
-        self._buf: Any = None
-        self._sending = False
 
-    def _drop(self, reuse: bool) -> None:
-        """Let go of the frame's buffer; ``reuse`` only where no worker can still touch it."""
-        buf, self._buf = self._buf, None
-        if buf is None:
-            return
-        if self._sending:
-            self._staging.sent()
-        if reuse:
-            self._adapter.unstage(buf)
+    def _reuse(self, buf: Any) -> None:
+        self._adapter.unstage(buf)
 
     async def prepare(self, offset: int, n: int, token: CancelToken) -> list[memoryview]:
         self._drop(False)  # (a frame with no sent() after it: not reused)
@@ -133,9 +162,6 @@ class StagedStream(StreamPlan):
         self._buf, self._sending = buf, True
         return [memoryview(buf.numpy()).cast("B")[:n]]
 
-    def sent(self) -> None:
-        self._drop(True)
-
     def receive_views(self, offset: int, n: int) -> list[memoryview]:
         self._drop(False)  # (a frame not scattered: cancelled)
         # (the reader takes one frame at a time: a link receives into one such buffer)
@@ -149,9 +175,3 @@ class StagedStream(StreamPlan):
         addrs, lens = self.ranges(offset, n)
         await self._adapter.scatter(buf, addrs, lens, token)
         self._drop(True)
-
-    def views(self, offset: int, n: int) -> list[memoryview]:
-        raise TypeError("device memory is reached through prepare/receive_views/commit")
-
-    def close(self) -> None:
-        self._drop(False)  # (a frame's worker may still hold it)

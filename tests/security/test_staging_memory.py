@@ -82,26 +82,34 @@ async def _pull_all(
         peer.close()
 
 
+async def _peak_of_pulls_not_read(
+    victim: PeerProcess, cache_id: int, src: np.ndarray, dst: np.ndarray
+) -> int:
+    """How much the victim's peak RSS grows while a peer makes ``PULLS`` pulls of ``src`` and
+    reads nothing at first (after a first pull that loads the code paths and the pages)."""
+    assert victim.listen is not None
+    pid = victim.process.pid
+    await _pull_all(victim.listen, cache_id, src, dst, [1])
+    await anyio.sleep(0.3)
+    base = _status(pid, "VmRSS")
+    _reset_peak(pid)
+    held = lambda: _status(pid, "VmHWM") - base  # noqa: E731
+    await _pull_all(victim.listen, cache_id, src, dst, range(10, 10 + PULLS), held)
+    return held()
+
+
 async def test_a_peer_that_never_reads_many_range_pulls_holds_two_staging_buffers(
     anyio_backend: Any,
 ) -> None:
     opts = endpoint_options("tcp", listen=True, ra=True, **{"llm.SyncKvCacheWaitTime": "60000"})
     async with PeerProcess.start(dd.LLMRole.PROMPT, 1, opts, loop=_loop(anyio_backend)) as victim:
         assert victim.listen is not None
-        pid = victim.process.pid
         cache_id = await victim.request(
             "register", kind="blocks", num_tensors=1, shape=[BLOCKS, BLOCK], seed=3
         )
         src = np.arange(0, BLOCKS, 2)  # every other block: ranges that do not merge
-        dst = np.arange(len(src))
-        await _pull_all(victim.listen, cache_id, src, dst, [1])  # warm: code paths, pages
-        await anyio.sleep(0.3)
-        base = _status(pid, "VmRSS")
-        _reset_peak(pid)
         # Before, every pull gathered its 32 MiB while the first frame waited for the socket.
-        held = lambda: _status(pid, "VmHWM") - base  # noqa: E731
-        await _pull_all(victim.listen, cache_id, src, dst, range(10, 10 + PULLS), held)
-        peak = held()
+        peak = await _peak_of_pulls_not_read(victim, cache_id, src, np.arange(len(src)))
         assert peak <= 128 * MiB, f"the victim held {peak / MiB:.0f} MiB more at its peak"
 
 
@@ -124,17 +132,9 @@ async def test_a_peer_that_never_reads_pulls_of_device_memory_holds_two_staging_
     )
     async with PeerProcess.start(dd.LLMRole.PROMPT, 1, opts, loop=_loop(anyio_backend)) as victim:
         assert victim.listen is not None
-        pid = victim.process.pid
         blocks = 32 * MiB // BLOCK
         cache_id = await victim.request(
             "alloc", kind="blocks", num_tensors=1, shape=[blocks, BLOCK]
         )
-        src = dst = np.arange(blocks)
-        await _pull_all(victim.listen, cache_id, src, dst, [1])  # warm: code paths, pages
-        await anyio.sleep(0.3)
-        base = _status(pid, "VmRSS")
-        _reset_peak(pid)
-        held = lambda: _status(pid, "VmHWM") - base  # noqa: E731
-        await _pull_all(victim.listen, cache_id, src, dst, range(10, 10 + PULLS), held)
-        peak = held()
+        peak = await _peak_of_pulls_not_read(victim, cache_id, np.arange(blocks), np.arange(blocks))
         assert peak <= 128 * MiB, f"the victim held {peak / MiB:.0f} MiB more at its peak"
