@@ -19,8 +19,9 @@ __all__ = ["LinkStaging", "StagedFrames", "StagedStream"]
 
 
 class LinkStaging:
-    """The staging buffers of one link's streams over many ranges, and the worker threads
-    (``threads``, the link's) that gather and scatter them.
+    """The staging of one link's frames: the send units of its staged streams (device memory,
+    host memory over many ranges), the buffers of those over many ranges, and the worker
+    threads (``threads``, the link's) that gather and scatter them.
 
     A stream holds a buffer for one frame only: from gathering it until it is sent, at most
     :attr:`SENDS` frames of the link at once (one on the wire, one being gathered: more
@@ -60,7 +61,7 @@ class LinkStaging:
 
     async def take_for_send(self, n: int) -> np.ndarray:
         """A send unit (:meth:`acquire_send`) and a buffer of at least ``n`` bytes."""
-        await self._sends.acquire()
+        await self.acquire_send()
         try:
             return self.take(n)
         except BaseException:  # (MemoryError): the unit must not be lost with it
