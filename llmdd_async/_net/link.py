@@ -130,7 +130,8 @@ class Link:
         #: worker threads this link may hold (never the whole process's pool: one stalled
         #: peer must not starve the others)
         self.threads = anyio.CapacityLimiter(limits.threads)
-        #: the staging buffers of its streams over many ranges (gathered in those threads)
+        #: the staging of its frames (device memory, host memory over many ranges): at most
+        #: three buffers held at once, gathered and scattered in those threads
         self.staging = LinkStaging(self.threads)
         self._released = False
         #: bytes of the peer's requests held here (``llm.LinkQueue`` caps them too)

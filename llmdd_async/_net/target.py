@@ -90,8 +90,8 @@ async def serve_request(engine: LinkHost, link: Link, req: Serving, request: Req
 
 
 #: large requests of one link in flight at once (each holds its plan; their frames share the
-#: link's staging buffers, streams.LinkStaging): one can be planned while another moves its
-#: bytes; more wait, counted against llm.LinkQueue. Their bytes share one socket anyway, so
+#: link's staging buffers, Link.staging): one can be planned while another moves its bytes;
+#: more wait, counted against llm.LinkQueue. Their bytes share one socket anyway, so
 #: more at once would not move them faster, and a peer's flood of them holds two plans'
 #: memory, not llm.LinkServing of them.
 _LARGE_IN_FLIGHT = 2

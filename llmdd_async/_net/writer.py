@@ -390,59 +390,74 @@ class LinkWriter:
             else:
                 views = await stream.prepare(off, n, token)
             try:
-                fence: Fence | None = None  # (only a frame a worker thread sends has one)
-                # A free lock is taken with no checkpoint: a layer's frame then goes out with no
-                # trip through the scheduler (the token was looked at just above).
-                if self.send_lock.value:  # (0 while anyone waits: a release hands it over)
-                    self.send_lock.acquire_nowait()
-                else:
-                    await self.send_lock.acquire()
-                try:
-                    if not self.link.alive:
-                        raise self.link.down_error()
-                    # In order under the lock: each frame's tag counts frames on a keyed link.
-                    first = b"" if lead is None else encode(lead, self._send_auth)
-                    lead = None
-                    header, tagger = self._data_header(
-                        req, off, n, bool(flags & FLAG_TO_INITIATOR), first
-                    )
-                    try:
-                        failed = f"sending to cluster {self.link.peer_cluster_id}"
-                        with map_link_errors(self.link.fail, failed):
-                            if n <= INLINE_BYTES:
-                                bufs = [memoryview(header), *views]
-                                idx = send_nowait(self.link.sock, bufs, tagger)
-                                if idx < len(bufs):
-                                    await self._inline(
-                                        send_views_inline(self.link.sock, bufs, idx, token, tagger)
-                                    )
-                            else:
-                                # Set only now, next to the worker that will release it.
-                                fence = Fence(token, self.link.host.stall_timeout_s, req.deadline)
-                                req.fence = fence
-                                # Shielded: the header's tag is spent, so the frame must go out
-                                # (the worker itself stops at the fence's token or stall).
-                                with anyio.CancelScope(shield=True):
-                                    await anyio.to_thread.run_sync(
-                                        send_views,
-                                        self.link.sock,
-                                        header,
-                                        views,
-                                        fence,
-                                        tagger,
-                                        limiter=self.link.threads,
-                                    )
-                    finally:
-                        if fence is not None:
-                            fence.released.set()  # the worker has returned (or never started)
-                            req.fence = None
-                finally:
-                    self.send_lock.release()
+                await self._send_frame(req, off, n, views, flags, token, lead)
             finally:
                 stream.sent()  # (its staging buffer, if any, is free for the next frame)
+            lead = None
             off += n
             self.link.stats_bytes += n
         return not token.cancelled
+
+    async def _send_frame(
+        self,
+        req: Request,
+        off: int,
+        n: int,
+        views: list[memoryview],
+        flags: int,
+        token: CancelToken,
+        lead: Message | None,
+    ) -> None:
+        """One DATA frame of :meth:`send_stream` (stream bytes ``[off, off + n)`` in
+        ``views``), behind ``lead`` if any, under the send lock: from the loop up to
+        ``INLINE_BYTES``, else from a fenced worker thread.
+
+        Raises:
+            LinkBroken: the link failed (the link is then broken).
+        """
+        fence: Fence | None = None  # (only a frame a worker thread sends has one)
+        # A free lock is taken with no checkpoint: a layer's frame then goes out with no trip
+        # through the scheduler (the caller looked at the token just before).
+        if self.send_lock.value:  # (0 while anyone waits: a release hands it over)
+            self.send_lock.acquire_nowait()
+        else:
+            await self.send_lock.acquire()
+        try:
+            if not self.link.alive:
+                raise self.link.down_error()
+            # In order under the lock: each frame's tag counts frames on a keyed link.
+            first = b"" if lead is None else encode(lead, self._send_auth)
+            header, tagger = self._data_header(req, off, n, bool(flags & FLAG_TO_INITIATOR), first)
+            failed = f"sending to cluster {self.link.peer_cluster_id}"
+            with map_link_errors(self.link.fail, failed):
+                if n <= INLINE_BYTES:
+                    bufs = [memoryview(header), *views]
+                    idx = send_nowait(self.link.sock, bufs, tagger)
+                    if idx < len(bufs):
+                        await self._inline(
+                            send_views_inline(self.link.sock, bufs, idx, token, tagger)
+                        )
+                    return
+                # Set only now, next to the worker that will release it.
+                fence = Fence(token, self.link.host.stall_timeout_s, req.deadline)
+                req.fence = fence
+                # Shielded: the header's tag is spent, so the frame must go out (the worker
+                # itself stops at the fence's token or stall).
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(
+                        send_views,
+                        self.link.sock,
+                        header,
+                        views,
+                        fence,
+                        tagger,
+                        limiter=self.link.threads,
+                    )
+        finally:
+            if fence is not None:
+                fence.released.set()  # the worker has returned (or never started)
+                req.fence = None
+            self.send_lock.release()
 
     def send_frame_now(
         self,
