@@ -24,7 +24,7 @@ always were; a peer's published table too (malformed entries count as nothing).
   successful LINK_ACK's, with its :class:`Host`), :class:`LinkRefused` (a LINK_ACK that says
   no);
 * regions: what a peer's table publishes as reachable memory (:func:`regions_of`, sorted
-  and disjoint).
+  and disjoint), and :class:`TableSnapshot`, a table with all a link derives from it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from .fields import (
     caps_of,
     wire_status,
 )
-from .regions import regions_of, regions_of_table
+from .regions import TableSnapshot, regions_of, regions_of_table
 from .side_channel import Proof, Prove, ProveAck, ProveFin, tcp_binding_of
 from .transfer import Abort, Address, Data, Done, Grant, Request, Result
 
@@ -95,6 +95,7 @@ __all__ = [
     "Shape",
     "Table",
     "TableRequest",
+    "TableSnapshot",
     "Unlink",
     "UnlinkAck",
     "caps_of",

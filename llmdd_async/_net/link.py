@@ -31,7 +31,7 @@ from .._errors import (
 )
 from .._log import get_logger
 from .._memory import CancelToken
-from .._messages import FLAG_TO_INITIATOR, Abort, Bye, Identity, Ping, TableRequest
+from .._messages import FLAG_TO_INITIATOR, Abort, Bye, Identity, Ping, TableRequest, TableSnapshot
 from .._phase_lock import PhaseLock
 from .._protocol import (
     MT,
@@ -119,7 +119,7 @@ class Link:
         self.broken: BaseException | None = None
         self.closed = False
         #: the peer's cache table as this side knows it
-        self.view = PeerView(self._table_of_peer)
+        self.view = PeerView(self.peer_table)
         #: what the peer's control frames do here
         self.router = FrameRouter(self)
         decoder.unwanted = self.router.unwanted
@@ -388,15 +388,18 @@ class Link:
                 return False
         return False
 
-    async def _table_of_peer(self, timeout_s: float) -> dict[str, Any] | None:
-        """Ask the peer for its cache table (for :attr:`view`); None if no answer came in
-        ``timeout_s``.
+    async def peer_table(self, timeout_s: float) -> TableSnapshot | None:
+        """Ask the peer for its cache table; None if no answer came in ``timeout_s``. The
+        answer is parsed in a worker thread: a peer's table may hold ~100k values, some 200 ms
+        of Python (its JSON was parsed on the loop, bounded by the decoder).
 
         Raises:
             LinkBroken: the link failed meanwhile.
         """
         msg = await self.roundtrip(TableRequest().encode(), MT.TABLE, timeout_s)
-        return None if msg is None else msg.fields
+        if msg is None:
+            return None
+        return await anyio.to_thread.run_sync(TableSnapshot, msg.fields)
 
     # ------------------------------------------------------------------ reading
     async def run_reader(self, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:

@@ -16,30 +16,15 @@ import numpy as np
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException, ProtocolError
-from .._messages import CacheInfo, Table, regions_of, regions_of_table
+from .._messages import CacheInfo, Table, TableSnapshot, regions_of_table
 from .._planner import BlockPair, Layout, check_within
 from .._transports import NO_CAPS, PeerAccess, RegisteredCache
 
 __all__ = ["CapsPolicy", "PeerView", "TableSnapshot", "typed_table"]
 
-#: asks the peer for its table: the table, or None if it did not answer within the timeout
-FetchTable = Callable[[float], Awaitable["dict[str, Any] | None"]]
-
-
-class TableSnapshot(dict[str, Any]):
-    """A peer's TABLE fields as a link keeps them (the dict they always were, for whoever reads
-    them so), with the typed :class:`Table` parsed from them once: keys and ids resolve against
-    it at every transfer of the link, and parsing a table per request would cost the hot path."""
-
-    __slots__ = ("by_id", "typed")
-
-    def __init__(self, fields: Mapping[str, Any]) -> None:
-        super().__init__(fields)
-        self.typed = Table.of(fields)
-        #: the first entry of each cache id (as a scan of ``typed.caches`` finds it)
-        self.by_id: dict[int, CacheInfo] = {}
-        for c in self.typed.caches:
-            self.by_id.setdefault(c.cache_id, c)
+#: asks the peer for its table: the table (parsed off the loop), or None if it did not
+#: answer within the timeout
+FetchTable = Callable[[float], Awaitable["TableSnapshot | None"]]
 
 
 def typed_table(table: Mapping[str, Any]) -> Table:
@@ -94,8 +79,8 @@ class PeerView:
                     status_code=LLMStatusCode.LLM_TIMEOUT,
                 )
             if self.table is None:
-                self.table = TableSnapshot(table)
-                self.adopt(self.table)
+                self.table = table
+                self.adopt(table)
         return self.table
 
     def layout(self, cache_id: int) -> Layout | None:
@@ -135,13 +120,14 @@ class PeerView:
         """What this side knows of the peer's memory, from a copy of its table: the reachable
         regions, the caches by id and the epoch (one-sided pulls), all from the same copy
         (malformed entries count as nothing, a malformed epoch as none)."""
-        typed = typed_table(table)
-        self.regions = regions_of(typed.caches)
+        # (a snapshot was made in a worker thread: a peer's table may hold ~100k values)
+        snap = table if isinstance(table, TableSnapshot) else TableSnapshot(table)
+        self.regions = snap.regions
         self._layouts = {}
         self.pairs = {}  # (made from the last copy: they would keep it alive)
         # As the peer described them (dicts: checked again by :meth:`layout` before any use)
-        self.caches = {c.cache_id: c.encode() for c in typed.caches}
-        self.epoch = typed.epoch
+        self.caches = snap.described
+        self.epoch = snap.typed.epoch
 
     async def refresh(self, timeout_s: float) -> bool:
         """Fetch the peer's table again for :meth:`adopt` (the snapshot that resolves keys and

@@ -153,9 +153,13 @@ class FrameRouter:
             self._replies.acquire_nowait()
             link.host.spawn(self._peer_unlinked)
         elif kind in self._waiters:
-            for w in self._waiters[kind]:
+            # Each waiter takes one reply, and leaves at once: until its task ran, a peer's
+            # burst of tables would each be parsed (the decoder parses only wanted ones).
+            waiters = self._waiters[kind]
+            for w in waiters:
                 w.result = msg
                 w.result_event.set()
+            waiters.clear()
         elif kind == MT.BYE:
             link.peer_left = True
             link.fail(

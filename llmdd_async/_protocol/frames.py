@@ -23,6 +23,11 @@ MAX_FIELDS = 1 << 20
 #: ... of any frame but a table's or the handshake's (a status, a reason, a few scalars): a
 #: peer's megabyte of JSON in a PING would hold the loop for tens of ms to be parsed
 MAX_SMALL_FIELDS = 64 << 10
+#: the values (``,``, ``[``, ``{`` and ``:`` counted) big JSON fields may hold: ``json.loads``
+#: costs up to ~160 ns a value on this class of machine, all in one call the loop cannot
+#: leave (a megabyte of ``[[]],`` held it ~100 ms). A real table's addresses, at over 12
+#: digits each, fill a megabyte with ~70k.
+MAX_FIELD_VALUES = 1 << 17
 #: arrays a JSON frame may name (a packed one carries at most four)
 MAX_ARRAYS = 8
 MAX_PAYLOAD = 1 << 40
@@ -358,8 +363,16 @@ def _decode_meta(
         )
     if js_len == 2 and len(meta) == 6 and meta[4:6] == b"{}":  # a bare control frame
         return Message(mtype, req_id, {}, {}, payload_len, flags)
+    text = bytes(meta[4 : 4 + js_len])
+    if js_len > MAX_SMALL_FIELDS:
+        # (each count is one pass in C: ~0.1 ms for a megabyte)
+        values = sum(text.count(c) for c in (b",", b"[", b"{", b":"))
+        if values > MAX_FIELD_VALUES:
+            raise ProtocolError(
+                f"JSON fields of {values} values exceed {MAX_FIELD_VALUES} for {mtype.name}"
+            )
     try:
-        fields = json.loads(bytes(meta[4 : 4 + js_len]))
+        fields = json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSON errors, huge integers, bad UTF-8
         raise ProtocolError(f"malformed JSON fields: {exc}") from None
     if not isinstance(fields, dict):

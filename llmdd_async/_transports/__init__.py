@@ -42,9 +42,8 @@ import numpy as np
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._memory import CancelToken
-from .._messages import Identity, Proof, regions_of_table
+from .._messages import Identity, Proof, TableSnapshot, regions_of_table
 from .._planner import Plan
-from .._protocol import MT, Message
 
 if TYPE_CHECKING:
     from .._devices import DeviceAdapter
@@ -114,7 +113,10 @@ class AccessLink(Protocol):
 
     def fail(self, exc: BaseException, expected: bool = False) -> None: ...
 
-    async def roundtrip(self, msg: Message, reply: MT, timeout_s: float) -> Message | None: ...
+    async def peer_table(self, timeout_s: float) -> TableSnapshot | None:
+        """The peer's cache table, asked for now (parsed off the loop); None if no answer
+        came in time. Raises LinkBroken: the link failed meanwhile."""
+        ...
 
 
 class EndpointHost(Protocol):

@@ -13,9 +13,8 @@ import numpy as np
 
 from .._errors import CopyCancelled, ProtocolError
 from .._memory import CancelToken
-from .._messages import Cap, MooncakeInfo, Table, regions_of
+from .._messages import Cap, MooncakeInfo
 from .._planner import check_within
-from .._protocol import MT, Message
 from . import NO_CAPS, EngineAccess, RegisteredCache
 from ._runs import U64, tensor_regions
 
@@ -78,16 +77,16 @@ class MooncakeAccess(EngineAccess):
         """
         link = self._served
         async with self._refresh_lock:
-            msg = await link.roundtrip(Message(MT.TABLE_REQ), MT.TABLE, timeout_s)
-            if msg is None:
+            snap = await link.peer_table(timeout_s)
+            if snap is None:
                 raise OSError("the peer did not send its cache table in time")
-            table = Table.decode(msg)
+            table = snap.typed
             try:
                 info = MooncakeInfo.of(table.mooncake)
             except ProtocolError as exc:
                 raise OSError(f"malformed Mooncake entry: {exc}") from exc
             # What the peer publishes, for its requests over the stream too.
-            self.regions = regions_of(table.caches)
+            self.regions = snap.regions
             link.view.regions = self.regions
             if self.closed or not link.alive:
                 raise OSError("the link closed")

@@ -12,9 +12,8 @@ import numpy as np
 
 from .._errors import FenceLost, ProtocolError
 from .._memory import CancelToken
-from .._messages import CacheInfo, NixlInfo, Table, regions_of
+from .._messages import CacheInfo, NixlInfo
 from .._planner import check_within
-from .._protocol import MT, Message
 from . import NO_CAPS, EngineAccess, RegisteredCache
 from ._nixl_agent import (
     CHUNK_BYTES,
@@ -83,10 +82,10 @@ class NixlAccess(EngineAccess):
             LLMException: the link failed meanwhile.
         """
         async with self._refresh_lock:
-            msg = await self._served.roundtrip(Message(MT.TABLE_REQ), MT.TABLE, timeout_s)
-            if msg is None:
+            snap = await self._served.peer_table(timeout_s)
+            if snap is None:
                 raise OSError("the peer did not send its cache table in time")
-            table = Table.decode(msg)  # malformed entries count as nothing
+            table = snap.typed  # malformed entries count as nothing
             try:
                 nx = NixlInfo.of(table.nixl)  # its entry: every part checked here
                 # a new generation (or none: unknown, loaded again as it always was)
@@ -105,7 +104,7 @@ class NixlAccess(EngineAccess):
                 self.peer_agent = name
                 self._load(table.caches, nx.mem)
                 self.peer_gen = -1 if nx.gen is None else nx.gen
-            self.regions = regions_of(table.caches)
+            self.regions = snap.regions
             self._served.view.regions = self.regions
 
     def _load(self, caches: tuple[CacheInfo, ...], mem: Mapping[str, tuple[str, int]]) -> None:

@@ -25,14 +25,22 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from helpers import RawPeer, blocks_request, endpoint_options, link, raw_link
+from helpers import (
+    RawPeer,
+    blocks_request,
+    endpoint_options,
+    hostile_server,
+    link,
+    raw_link,
+    server_identity,
+)
 
 import llmdd_async as dd
 from llmdd_async import _planner
 from llmdd_async._messages import Grant, wire_status
 from llmdd_async._protocol import MT, Message, encode
 from llmdd_async._registry import CacheEntry, Registry
-from llmdd_async.testing import LoopLagProbe
+from llmdd_async.testing import LoopLagProbe, link_of
 
 pytestmark = pytest.mark.anyio
 
@@ -504,3 +512,110 @@ async def test_the_reader_lets_other_tasks_run_after_each_frame_of_a_large_meta(
     assert most[0] == 1
     # (nobody asked for them: their JSON is never parsed; the legit peer's tables are)
     assert not [p for p in parsed if p[0] == MT.TABLE and p[1] > 100 << 10]
+
+
+def _table_frame(n_caches: int) -> bytes:
+    """A TABLE of ``n_caches`` well-formed caches of one tensor each (~150 bytes of JSON
+    and 16 values a cache)."""
+    caches = [
+        {
+            "cache_id": i,
+            "addrs": [0x7F0000000000 + i * 4096],
+            "tensor_bytes": 4096,
+            "count": 1,
+            "is_blocks": False,
+            "placement": 0,
+            "remote_accessible": True,
+        }
+        for i in range(n_caches)
+    ]
+    return encode(Message(MT.TABLE, 0, {"caches": caches, "blocks_keys": {}}))
+
+
+async def test_a_peers_tables_are_parsed_one_a_request_and_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hostile server answers each of our table requests with three tables in one write:
+    5000 caches (80k values, 640 KB), then a megabyte of ``[[]],`` (~100 ms of ``json.loads``
+    in one call), then 5000 caches again. Only the first is parsed (the others come when no
+    request of ours waits), and it is made into the link's snapshot in a worker thread
+    (before: on the loop, ~70 ms of Python for such a table; its JSON is bounded by the
+    decoder)."""
+    import threading
+
+    from llmdd_async._messages import Table
+    from llmdd_async._protocol import HEADER, decoder
+
+    parsed: list[int] = []  # the meta bytes of each TABLE the victim's decoders parsed
+    decode_meta = decoder._decode_meta
+
+    def counted(mtype: MT, *args: Any) -> Message:
+        if mtype == MT.TABLE:
+            parsed.append(len(args[-1]))
+        return decode_meta(mtype, *args)
+
+    monkeypatch.setattr(decoder, "_decode_meta", counted)
+    loop_thread = threading.current_thread()
+    on_loop: list[bool] = []  # for each big table made typed: was it on the loop's thread?
+    table_of = Table.of.__func__  # type: ignore[attr-defined]
+
+    def typed(cls: type[Table], fields: Any) -> Table:
+        out: Table = table_of(cls, fields)
+        if len(out.caches) > 1000:
+            on_loop.append(threading.current_thread() is loop_thread)
+        return out
+
+    monkeypatch.setattr(Table, "of", classmethod(typed))
+    big = _table_frame(5000)
+    hostile = encode(Message(MT.TABLE, 0, {"caches": [[[]]] * 200_000}))
+    assert len(big) > 600 << 10 and len(hostile) > 900 << 10
+    asked = [0]
+
+    def serve(h: RawPeer, fields: dict[str, Any]) -> dict[str, Any]:
+        return server_identity(1)
+
+    async def after(h: RawPeer) -> None:
+        while True:
+            msg = await h.frame()
+            if msg.type == MT.TABLE_REQ:
+                asked[0] += 1
+                await h.send_bytes(big + hostile + big)
+            elif msg.type == MT.PING:
+                await h.send(Message(MT.PONG))
+
+    serve.after = after  # type: ignore[attr-defined]
+    async with hostile_server(1, serve) as addr:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options(ra=True)) as d:
+            await link(d, 1, addr)
+            lnk = link_of(d, 1).raw
+            table = await lnk.view.fetch_table(5)
+            assert len(table.typed.caches) == 5000 and len(lnk.view.caches) == 5000
+            for _ in range(2):
+                # (its PONG comes after the rest of the burst: no request of ours waits then)
+                assert await lnk.roundtrip(Message(MT.PING), MT.PONG, 5) is not None
+                assert await lnk.view.refresh(5)
+            assert len(lnk.view.regions[0]) == 5000
+            assert await lnk.roundtrip(Message(MT.PING), MT.PONG, 5) is not None
+            assert lnk.alive
+    assert asked[0] == 3
+    assert [n for n in parsed if n > 100 << 10] == [len(big) - HEADER.size] * 3
+    assert on_loop == [False] * 3
+
+
+async def test_a_reply_reaches_its_waiters_once_and_the_next_is_nobodys() -> None:
+    """Before: a waiter stayed listed until its task ran, so every TABLE the reader met until
+    then was parsed for it (a megabyte of JSON each)."""
+    from types import SimpleNamespace
+
+    from llmdd_async._net.router import HANDLED, FrameRouter
+
+    router = FrameRouter(SimpleNamespace())  # type: ignore[arg-type]
+    assert router.unwanted(MT.TABLE)
+    with router.expecting(MT.TABLE) as first, router.expecting(MT.TABLE) as second:
+        assert not router.unwanted(MT.TABLE)
+        table = Message(MT.TABLE, 0, {"caches": []})
+        assert router.dispatch_now(table) == HANDLED
+        assert router.unwanted(MT.TABLE)  # (their tasks have not run yet)
+        assert router.dispatch_now(Message(MT.TABLE, 0)) == HANDLED  # (unparsed: no one's)
+        assert first.result is table and second.result is table
+    assert router.unwanted(MT.TABLE)

@@ -323,6 +323,32 @@ def test_json_fields_are_capped(mtype: MT, size: int, refused: bool) -> None:
         assert encode(msg) == frame
 
 
+@pytest.mark.parametrize(
+    ("unit", "refused"),
+    [
+        ("[[]],", True),  # (~100 ms of json.loads for a megabyte, in one call)
+        ("1,", True),
+        ('{"":0},', True),
+        ("140737488355328,", False),  # a table's addresses: ~70k values a megabyte
+    ],
+)
+def test_big_json_fields_are_capped_by_their_values(unit: str, refused: bool) -> None:
+    from llmdd_async._protocol.frames import MAX_FIELD_VALUES, MAX_FIELDS
+
+    body = unit * ((MAX_FIELDS - 64) // len(unit))
+    js = ('{"caches":[' + body.rstrip(",") + "]}").encode()
+    assert MAX_FIELDS - 128 < len(js) <= MAX_FIELDS
+    frame = header(mtype=int(MT.TABLE), meta_len=len(meta(js))) + meta(js)
+    d = Decoder()
+    d.receive_data(frame + encode(Message(MT.PING)))
+    if refused:
+        with pytest.raises(ProtocolError, match=f"values exceed {MAX_FIELD_VALUES}"):
+            d.next_event()
+    else:
+        assert d.next_event().fields == json.loads(js)
+        assert d.next_event() == Message(MT.PING)
+
+
 def test_a_reason_is_sent_as_long_as_the_peer_keeps_it() -> None:
     from llmdd_async._messages import MAX_REASON, Abort, Done
 
