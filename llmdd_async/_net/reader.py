@@ -115,7 +115,9 @@ class _Landing:
         self.req = req
         self.stream = stream
         self.token = req.token if req is not None else _CANCELLED
-        self.views: list[memoryview] = stream.receive_views(off, n) if stream is not None else []
+        self.views: list[memoryview] = []  # (a staged stream's: taken in _receive_big)
+        if stream is not None and not stream.staged:
+            self.views = stream.receive_views(off, n)
         self.pmac: PayloadMac | None = None
         self.tag: bytearray | None = None
         if auth is not None:
@@ -449,6 +451,9 @@ class LinkReader:
     async def _receive_big(self, landing: _Landing) -> None:
         """A payload over ``INLINE_BYTES`` (worker threads), or into device memory (staged)."""
         link = self.link
+        stream = landing.stream
+        if stream is not None and stream.staged:  # (before the MAC's tag, if any)
+            landing.views[:0] = await stream.receive_staged(landing.off, landing.n)
         pos = landing.take_buffered(link)
         rest = link.decoder.payload_remaining
         req, token, views = landing.req, landing.token, landing.views
@@ -489,7 +494,6 @@ class LinkReader:
             link.decoder.payload_consumed(rest)
         if not landing.authentic():
             await self._refuse_payload(landing)
-        stream = landing.stream
         if req is not None and stream is not None and stream.staged and not token.cancelled:
             # Staged (device) streams scatter now; that worker is fenced like the receive.
             fence = Fence(token, stall_s)

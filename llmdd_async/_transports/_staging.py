@@ -92,7 +92,7 @@ class LinkStaging:
 class StagedFrames(StreamPlan):
     """A stream whose frames pass through a staging buffer, held for one frame only: from
     :meth:`prepare` (under one of the link's send units, ``staging``) to :meth:`sent`, or
-    from :meth:`receive_views` to a successful :meth:`commit`."""
+    from :meth:`receive_staged` to a successful :meth:`commit`."""
 
     def __init__(self, addrs: np.ndarray, nbytes: np.ndarray, staging: LinkStaging | None) -> None:
         super().__init__(addrs, nbytes)
@@ -120,7 +120,7 @@ class StagedFrames(StreamPlan):
         self._drop(True)
 
     def views(self, offset: int, n: int) -> list[memoryview]:
-        raise TypeError("a staged stream is reached through prepare/receive_views/commit")
+        raise TypeError("a staged stream is reached through prepare/receive_staged/commit")
 
     def close(self) -> None:
         # Not reused: a frame's worker may still hold it (a request ended by a broken link).
@@ -163,11 +163,16 @@ class StagedStream(StagedFrames):
         self._buf, self._sending = buf, True
         return [memoryview(buf.numpy()).cast("B")[:n]]
 
-    def receive_views(self, offset: int, n: int) -> list[memoryview]:
+    async def receive_staged(self, offset: int, n: int) -> list[memoryview]:
         self._drop(False)  # (a frame not scattered: cancelled)
         # (the reader takes one frame at a time: a link receives into one such buffer)
-        self._buf, self._sending = self._adapter.staging(self._size), False
-        return [memoryview(self._buf.numpy()).cast("B")[:n]]
+        buf = self._adapter.staging(self._size, allocate=False)
+        if buf is None:  # (as in prepare: a pinned allocation takes milliseconds)
+            buf = await anyio.to_thread.run_sync(
+                self._adapter.staging, self._size, limiter=self._staging.threads
+            )
+        self._buf, self._sending = buf, False
+        return [memoryview(buf.numpy()).cast("B")[:n]]
 
     async def commit(self, offset: int, n: int, token: CancelToken) -> None:
         buf = self._buf

@@ -244,6 +244,11 @@ class StreamPlan:
         """Where stream bytes ``[offset, offset + n)`` are to be received."""
         return self.views(offset, n)
 
+    async def receive_staged(self, offset: int, n: int) -> list[memoryview]:
+        """:meth:`receive_views` of a :attr:`staged` stream, which may have to wait for its
+        buffer (allocated off the loop); the link's reader takes them in a task of its own."""
+        return self.receive_views(offset, n)
+
     async def commit(self, offset: int, n: int, token: CancelToken) -> None:
         """Received bytes ``[offset, offset + n)`` are in place (nothing to do for host
         memory)."""

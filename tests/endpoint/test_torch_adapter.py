@@ -114,6 +114,48 @@ async def test_pull_and_push_device_memory_through_staging(transport) -> None:
             assert {r.mode for r in d.link_statistics(1).recent} == {"stream"}
 
 
+async def test_staging_buffers_are_allocated_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pinned host memory takes milliseconds to allocate: a staging buffer the adapter has
+    none of is allocated in a worker thread, receiving as sending (before: a pull's receive
+    allocated it on the loop)."""
+    import threading
+
+    from llmdd_async._devices._torch import TorchAdapter
+
+    loop_thread = threading.current_thread()
+    allocated: list[bool] = []  # for each buffer allocated: on the loop's thread?
+    staging = TorchAdapter.staging
+
+    def recorded(self: TorchAdapter, nbytes: int, allocate: bool = True) -> object:
+        kept = len(self._staging)
+        buf = staging(self, nbytes, allocate)
+        if buf is not None and len(self._staging) == kept:  # (not one it kept: allocated)
+            allocated.append(threading.current_thread() is loop_thread)
+        return buf
+
+    monkeypatch.setattr(TorchAdapter, "staging", recorded)
+    shape = (16, 4096)
+    async with PeerProcess.start(
+        dd.LLMRole.PROMPT, 1, endpoint_options("tcp", listen=True, ra=True)
+    ) as p:
+        await p.request(
+            "alloc", kind="blocks", num_tensors=2, shape=list(shape),
+            blocks_key=encode_key(dd.BlocksCacheKey(1, 0)), seed=71,
+        )  # fmt: skip
+        opts = torch_options(**{"llm.Transport": "tcp", "llm.EnableRemoteCacheAccessible": "1"})
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(opts) as d:
+            await link(d, 1, p.listen)
+            cm = d.cache_manager
+            kv = [torch.zeros(shape, dtype=torch.uint8) for _ in range(2)]
+            cache = cm.register_blocks_cache(dd.CacheDesc(2, list(shape), dd.DataType.DT_UINT8), kv)
+            await cm.pull_blocks(dd.BlocksCacheKey(1, 0), cache, [3, 4], [0, 1])
+            await cm.push_blocks(dd.BlocksCacheKey(1, 0), cache, [5], [6])
+            assert np.array_equal(kv[1].numpy()[[0, 1]], expected_tensor(71, 1, shape)[[3, 4]])
+    assert allocated and not any(allocated)
+
+
 async def test_layerwise_from_device_memory_with_device_events() -> None:
     from llmdd_async.torch import TorchLayerEvents
 
