@@ -399,7 +399,9 @@ class Link:
         msg = await self.roundtrip(TableRequest().encode(), MT.TABLE, timeout_s)
         if msg is None:
             return None
-        return await anyio.to_thread.run_sync(TableSnapshot, msg.fields)
+        return await anyio.to_thread.run_sync(
+            TableSnapshot, msg.fields, limiter=self.manager.table_builds
+        )
 
     # ------------------------------------------------------------------ reading
     async def run_reader(self, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import anyio
 import numpy as np
 
 from .._enums import LLMStatusCode
@@ -64,6 +65,7 @@ class PeerView:
         #: its table when a grant names memory outside it (transports that fetch the table
         #: themselves set it too)
         self.regions: tuple[np.ndarray, np.ndarray] = regions_of_table(None)
+        self._fetching = anyio.Lock()
 
     async def fetch_table(self, timeout_s: float) -> TableSnapshot:
         """The peer's published cache table, snapshotted on first use for the link's life.
@@ -72,15 +74,16 @@ class PeerView:
             LinkBroken: the link failed. LLMException(LLM_TIMEOUT): no answer in time.
         """
         if self.table is None:
-            table = await self._fetch(timeout_s)
-            if table is None:
-                raise LLMException(
-                    "peer did not send its cache table in time",
-                    status_code=LLMStatusCode.LLM_TIMEOUT,
-                )
-            if self.table is None:
-                self.table = table
-                self.adopt(table)
+            async with self._fetching:  # (every transfer of a new link asks at once: one fetch)
+                if self.table is None:
+                    table = await self._fetch(timeout_s)
+                    if table is None:
+                        raise LLMException(
+                            "peer did not send its cache table in time",
+                            status_code=LLMStatusCode.LLM_TIMEOUT,
+                        )
+                    self.table = table
+                    self.adopt(table)
         return self.table
 
     def layout(self, cache_id: int) -> Layout | None:
@@ -126,7 +129,7 @@ class PeerView:
         self._layouts = {}
         self.pairs = {}  # (made from the last copy: they would keep it alive)
         # As the peer described them (dicts: checked again by :meth:`layout` before any use)
-        self.caches = snap.described
+        self.caches = dict(snap.described)  # (ours to change: the snapshot's stays as made)
         self.epoch = snap.typed.epoch
 
     async def refresh(self, timeout_s: float) -> bool:
@@ -136,11 +139,14 @@ class PeerView:
         Raises:
             LinkBroken: the link failed meanwhile.
         """
-        table = await self._fetch(timeout_s)
-        if table is None:
-            return False
-        self.adopt(table)
-        return True
+        # One at a time, each asking anew (a request sent before the caller's need arose may
+        # be answered by a table older than it), and adopted in the order they came.
+        async with self._fetching:
+            table = await self._fetch(timeout_s)
+            if table is None:
+                return False
+            self.adopt(table)
+            return True
 
     async def check_remote(self, remote: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> None:
         """Every range a grant names in the peer's memory must lie in what the peer published

@@ -253,6 +253,8 @@ class FrameRouter:
         try:
             with contextlib.suppress(LLMException):
                 await self.link.send(msg)
+        except ProtocolError as exc:  # (our table is too big for any peer: nothing was sent)
+            self.link.log.error("link.reply_refused", frame=msg.type.name, reason=str(exc))
         finally:
             self._replies.release()
 

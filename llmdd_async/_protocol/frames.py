@@ -23,11 +23,12 @@ MAX_FIELDS = 1 << 20
 #: ... of any frame but a table's or the handshake's (a status, a reason, a few scalars): a
 #: peer's megabyte of JSON in a PING would hold the loop for tens of ms to be parsed
 MAX_SMALL_FIELDS = 64 << 10
-#: the values (``,``, ``[``, ``{`` and ``:`` counted) big JSON fields may hold: ``json.loads``
-#: costs up to ~160 ns a value on this class of machine, all in one call the loop cannot
-#: leave (a megabyte of ``[[]],`` held it ~100 ms). A real table's addresses, at over 12
-#: digits each, fill a megabyte with ~70k.
-MAX_FIELD_VALUES = 1 << 17
+#: what big JSON fields may cost to parse, in units of ~100 ns of ``json.loads`` (one call
+#: the loop cannot leave: a megabyte of ``[[]],`` held it ~100 ms): a ``[`` or ``{`` counts
+#: two, a ``,`` or ``:`` one. At most ~30 ms here; a table of a megabyte of addresses holds
+#: ~70k, of 37k keyed slots or 80k blocks keys the whole cap. (Big fields carry no floats:
+#: one costs up to 40 us to parse.)
+MAX_FIELD_UNITS = 1 << 18
 #: arrays a JSON frame may name (a packed one carries at most four)
 MAX_ARRAYS = 8
 MAX_PAYLOAD = 1 << 40
@@ -170,7 +171,8 @@ def encode(msg: Message, auth: FrameAuth | None = None) -> bytes:
 
     Raises:
         ProtocolError: an array whose size is not a multiple of 8, or meta over the limit; a
-            packed message of a type that has no packed form, or with an array it has not.
+            packed message of a type that has no packed form, or with an array it has not;
+            a table's (or handshake's) JSON fields a peer would refuse as too big.
     """
     packed = msg.packed
     if packed is not None:
@@ -190,6 +192,14 @@ def encode(msg: Message, auth: FrameAuth | None = None) -> bytes:
         js = b"{}"
     else:
         js = json.dumps(msg.fields, separators=(",", ":")).encode()
+    if msg.type in _BIG_FIELDS and (
+        len(js) > MAX_FIELDS or (len(js) > MAX_SMALL_FIELDS and json_units(js) > MAX_FIELD_UNITS)
+    ):
+        # (a table too big for a peer: said here, not only as a peer's broken link)
+        raise ProtocolError(
+            f"{msg.type.name} fields of {len(js)} bytes and {json_units(js)} units of parsing "
+            f"exceed what a peer takes ({MAX_FIELDS} bytes, {MAX_FIELD_UNITS} units)"
+        )
     meta: list[bytes | memoryview] = [_U32.pack(len(js)), js]
     meta.extend(a for _, a in arrays)
     return _frame(msg, meta, auth)
@@ -347,6 +357,16 @@ def _decode_packed(
     return Message(mtype, req_id, {}, arrays, payload_len, flags, packed)
 
 
+def json_units(text: bytes) -> int:
+    """What parsing JSON ``text`` costs, as :data:`MAX_FIELD_UNITS` counts it (~0.3 ms a
+    megabyte: each count is one pass in C)."""
+    return 2 * (text.count(b"[") + text.count(b"{")) + text.count(b",") + text.count(b":")
+
+
+def _no_float(text: str) -> float:
+    raise ValueError(f"a number with a fraction or an exponent ({text[:24]})")
+
+
 def _decode_meta(
     mtype: MT, req_id: int, flags: int, payload_len: int, meta: bytes | memoryview
 ) -> Message:
@@ -364,15 +384,13 @@ def _decode_meta(
     if js_len == 2 and len(meta) == 6 and meta[4:6] == b"{}":  # a bare control frame
         return Message(mtype, req_id, {}, {}, payload_len, flags)
     text = bytes(meta[4 : 4 + js_len])
-    if js_len > MAX_SMALL_FIELDS:
-        # (each count is one pass in C: ~0.1 ms for a megabyte)
-        values = sum(text.count(c) for c in (b",", b"[", b"{", b":"))
-        if values > MAX_FIELD_VALUES:
-            raise ProtocolError(
-                f"JSON fields of {values} values exceed {MAX_FIELD_VALUES} for {mtype.name}"
-            )
+    big = js_len > MAX_SMALL_FIELDS
+    if big and (units := json_units(text)) > MAX_FIELD_UNITS:
+        raise ProtocolError(
+            f"JSON fields of {units} units of parsing exceed {MAX_FIELD_UNITS} for {mtype.name}"
+        )
     try:
-        fields = json.loads(text)
+        fields = json.loads(text, parse_float=_no_float) if big else json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSON errors, huge integers, bad UTF-8
         raise ProtocolError(f"malformed JSON fields: {exc}") from None
     if not isinstance(fields, dict):

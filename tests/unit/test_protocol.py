@@ -323,30 +323,56 @@ def test_json_fields_are_capped(mtype: MT, size: int, refused: bool) -> None:
         assert encode(msg) == frame
 
 
+def _table_of(unit: str, count: int) -> bytes:
+    return ('{"caches":[' + (unit * count).rstrip(",") + "]}").encode()
+
+
 @pytest.mark.parametrize(
     ("unit", "refused"),
     [
-        ("[[]],", True),  # (~100 ms of json.loads for a megabyte, in one call)
-        ("1,", True),
-        ('{"":0},', True),
-        ("140737488355328,", False),  # a table's addresses: ~70k values a megabyte
+        ("[[]],", "units"),  # (~100 ms of json.loads for a megabyte, in one call)
+        ("1,", "units"),
+        ('{"":0},', "units"),
+        ('["req",123456,0,17,63],', "units"),  # keyed slots: 37k (590 KB) are taken
+        ("1e-320,", "malformed"),  # (floats: up to 40 us each; no big fields carry them)
+        ("140737488355328,", None),  # a table's addresses: ~70k units a megabyte
     ],
 )
-def test_big_json_fields_are_capped_by_their_values(unit: str, refused: bool) -> None:
-    from llmdd_async._protocol.frames import MAX_FIELD_VALUES, MAX_FIELDS
+def test_big_json_fields_are_capped_by_what_they_cost_to_parse(
+    unit: str, refused: str | None
+) -> None:
+    from llmdd_async._protocol.frames import MAX_FIELD_UNITS, MAX_FIELDS, json_units
 
-    body = unit * ((MAX_FIELDS - 64) // len(unit))
-    js = ('{"caches":[' + body.rstrip(",") + "]}").encode()
-    assert MAX_FIELDS - 128 < len(js) <= MAX_FIELDS
-    frame = header(mtype=int(MT.TABLE), meta_len=len(meta(js))) + meta(js)
-    d = Decoder()
-    d.receive_data(frame + encode(Message(MT.PING)))
-    if refused:
-        with pytest.raises(ProtocolError, match=f"values exceed {MAX_FIELD_VALUES}"):
-            d.next_event()
-    else:
-        assert d.next_event().fields == json.loads(js)
+    def decoded(js: bytes) -> object:
+        frame = header(mtype=int(MT.TABLE), meta_len=len(meta(js))) + meta(js)
+        d = Decoder()
+        d.receive_data(frame + encode(Message(MT.PING)))
+        msg = d.next_event()
         assert d.next_event() == Message(MT.PING)
+        assert encode(Message(MT.TABLE, 0, json.loads(js))) == frame  # (as we send it)
+        return msg
+
+    # The most of ``unit`` within both caps: taken, unless it holds floats.
+    count = min((MAX_FIELDS - 16) // len(unit), MAX_FIELD_UNITS // json_units(unit.encode()) + 4)
+    while len(_table_of(unit, count)) > MAX_FIELDS or json_units(_table_of(unit, count)) > (
+        MAX_FIELD_UNITS
+    ):
+        count -= 1
+    js = _table_of(unit, count)
+    if refused == "malformed":
+        with pytest.raises(ProtocolError, match="malformed JSON"):
+            decoded(js)
+        return
+    assert decoded(js) == Message(MT.TABLE, 0, json.loads(js))
+    over = _table_of(unit, count + 1)
+    if refused == "units":  # one more is refused, by a peer and by our encoder
+        assert len(over) <= MAX_FIELDS and json_units(over) > MAX_FIELD_UNITS
+        with pytest.raises(ProtocolError, match="units of parsing exceed"):
+            decoded(over)
+        with pytest.raises(ProtocolError, match="exceed what a peer takes"):
+            encode(Message(MT.TABLE, 0, json.loads(over)))
+    else:
+        assert len(over) > MAX_FIELDS  # (the bytes' cap is reached first)
 
 
 def test_a_reason_is_sent_as_long_as_the_peer_keeps_it() -> None:
