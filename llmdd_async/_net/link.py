@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
+from .._enums import LLMStatusCode
 from .._errors import (
     LinkBroken,
     LinkClosed,
@@ -394,11 +395,18 @@ class Link:
         of Python (its JSON was parsed on the loop, bounded by the decoder).
 
         Raises:
-            LinkBroken: the link failed meanwhile.
+            LinkBroken: the link failed meanwhile. LLMException: the peer's table is too big
+                to be sent (it says so).
         """
         msg = await self.roundtrip(TableRequest().encode(), MT.TABLE, timeout_s)
         if msg is None:
             return None
+        refused = msg.fields.get("refused")
+        if refused is not None:
+            raise LLMException(
+                f"cluster {self.peer_cluster_id} could not send its cache table: {refused!s:.500}",
+                status_code=LLMStatusCode.LLM_FAILED,
+            )
         return await anyio.to_thread.run_sync(
             TableSnapshot, msg.fields, limiter=self.manager.table_builds
         )

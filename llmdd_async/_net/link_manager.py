@@ -83,10 +83,10 @@ class LinkManager:
         self._unlinked_by_peer: set[int] = set()
         #: connections in their handshake right now (capped against floods)
         self.gate = SetupGate(self.log)
-        #: partial frames buffered across all links (``llm.MetaBudget``)
         #: peers' tables are made into snapshots one at a time (each in a worker thread:
         #: several at once would fight the loop for the interpreter)
         self.table_builds = anyio.CapacityLimiter(1)
+        #: partial frames buffered across all links (``llm.MetaBudget``)
         self.meta_budget = MetaBudget(engine.options.limits.meta_budget_bytes, "llm.MetaBudget")
         #: the last reason a link to each cluster failed (``LLMDataDist.link_failure``)
         self.failures: dict[int, str] = {}

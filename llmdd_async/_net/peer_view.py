@@ -66,6 +66,9 @@ class PeerView:
         #: themselves set it too)
         self.regions: tuple[np.ndarray, np.ndarray] = regions_of_table(None)
         self._fetching = anyio.Lock()
+        #: fetches the peer did not answer in time: callers queued behind one fail with it,
+        #: not each after a timeout of its own (a silent peer would cost K of them)
+        self._unanswered = 0
 
     async def fetch_table(self, timeout_s: float) -> TableSnapshot:
         """The peer's published cache table, snapshotted on first use for the link's life.
@@ -74,9 +77,13 @@ class PeerView:
             LinkBroken: the link failed. LLMException(LLM_TIMEOUT): no answer in time.
         """
         if self.table is None:
+            unanswered = self._unanswered
             async with self._fetching:  # (every transfer of a new link asks at once: one fetch)
                 if self.table is None:
-                    table = await self._fetch(timeout_s)
+                    table = None
+                    if self._unanswered == unanswered:  # (else: as the fetch waited behind)
+                        table = await self._fetch(timeout_s)
+                        self._unanswered += table is None
                     if table is None:
                         raise LLMException(
                             "peer did not send its cache table in time",
@@ -141,9 +148,13 @@ class PeerView:
         """
         # One at a time, each asking anew (a request sent before the caller's need arose may
         # be answered by a table older than it), and adopted in the order they came.
+        unanswered = self._unanswered
         async with self._fetching:
+            if self._unanswered != unanswered:  # (as the fetch waited behind)
+                return False
             table = await self._fetch(timeout_s)
             if table is None:
+                self._unanswered += 1
                 return False
             self.adopt(table)
             return True

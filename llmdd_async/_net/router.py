@@ -252,9 +252,15 @@ class FrameRouter:
     async def _reply(self, msg: Message) -> None:
         try:
             with contextlib.suppress(LLMException):
-                await self.link.send(msg)
-        except ProtocolError as exc:  # (our table is too big for any peer: nothing was sent)
-            self.link.log.error("link.reply_refused", frame=msg.type.name, reason=str(exc))
+                try:
+                    await self.link.send(msg)
+                except ProtocolError as exc:  # (our encoder's: nothing was sent)
+                    if msg.type is not MT.TABLE:
+                        raise
+                    # A table too big for any peer: said here, and to the peer, whose fetch
+                    # then fails at once with why (an older peer sees an empty table).
+                    self.link.log.error("link.table_refused", reason=str(exc))
+                    await self.link.send(Message(MT.TABLE, 0, {"refused": str(exc)}))
         finally:
             self._replies.release()
 

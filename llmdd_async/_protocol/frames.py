@@ -24,11 +24,15 @@ MAX_FIELDS = 1 << 20
 #: peer's megabyte of JSON in a PING would hold the loop for tens of ms to be parsed
 MAX_SMALL_FIELDS = 64 << 10
 #: what big JSON fields may cost to parse, in units of ~100 ns of ``json.loads`` (one call
-#: the loop cannot leave: a megabyte of ``[[]],`` held it ~100 ms): a ``[`` or ``{`` counts
-#: two, a ``,`` or ``:`` one. At most ~30 ms here; a table of a megabyte of addresses holds
-#: ~70k, of 37k keyed slots or 80k blocks keys the whole cap. (Big fields carry no floats:
-#: one costs up to 40 us to parse.)
+#: the loop cannot leave: a megabyte of ``[[]],`` held it ~100 ms): a ``[``, ``{`` or ``:``
+#: counts two, a ``,`` one. At most ~40 ms here; a table of a megabyte of addresses holds
+#: ~75k, of 37k keyed slots or 65k blocks keys the whole cap. Big fields carry no floats (up
+#: to 40 us each to parse) and no number of over 20 digits (a u64 has at most 20; a longer
+#: one costs up to 100 us).
 MAX_FIELD_UNITS = 1 << 18
+#: digits to ``0``, all else to ``x``: a number of over 20 digits is then ``0`` x 21 (~1 ms
+#: a megabyte, where a regular expression took 26)
+_DIGITS = bytes(0x30 if 0x30 <= i <= 0x39 else 0x78 for i in range(256))
 #: arrays a JSON frame may name (a packed one carries at most four)
 MAX_ARRAYS = 8
 MAX_PAYLOAD = 1 << 40
@@ -360,11 +364,11 @@ def _decode_packed(
 def json_units(text: bytes) -> int:
     """What parsing JSON ``text`` costs, as :data:`MAX_FIELD_UNITS` counts it (~0.3 ms a
     megabyte: each count is one pass in C)."""
-    return 2 * (text.count(b"[") + text.count(b"{")) + text.count(b",") + text.count(b":")
+    return 2 * (text.count(b"[") + text.count(b"{") + text.count(b":")) + text.count(b",")
 
 
 def _no_float(text: str) -> float:
-    raise ValueError(f"a number with a fraction or an exponent ({text[:24]})")
+    raise ValueError(f"a float ({text[:24]})")
 
 
 def _decode_meta(
@@ -389,8 +393,13 @@ def _decode_meta(
         raise ProtocolError(
             f"JSON fields of {units} units of parsing exceed {MAX_FIELD_UNITS} for {mtype.name}"
         )
+    if big and b"0" * 21 in text.translate(_DIGITS):
+        raise ProtocolError(f"JSON fields of {mtype.name} with a number of over 20 digits")
     try:
-        fields = json.loads(text, parse_float=_no_float) if big else json.loads(text)
+        if big:
+            fields = json.loads(text, parse_float=_no_float, parse_constant=_no_float)
+        else:
+            fields = json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSON errors, huge integers, bad UTF-8
         raise ProtocolError(f"malformed JSON fields: {exc}") from None
     if not isinstance(fields, dict):

@@ -685,3 +685,76 @@ async def test_concurrent_table_fetches_ask_once_and_snapshots_are_made_one_at_a
                 for _ in range(4):
                     tg.start_soon(view.refresh, 5)
             assert (asked[0], built[0], most[0]) == (5, 5, 1)
+
+
+async def test_a_peer_that_never_sends_its_table_costs_its_callers_one_timeout() -> None:
+    """Four transfers on a new link want the table of a peer that never answers: one request,
+    and all four fail with its timeout (before the lock, each asked; with it and nothing more,
+    the fourth failed after four timeouts). Refreshes behind an unanswered one do the same."""
+    asked = [0]
+
+    def serve(h: RawPeer, fields: dict[str, Any]) -> dict[str, Any]:
+        return server_identity(1)
+
+    async def after(h: RawPeer) -> None:
+        while True:
+            msg = await h.frame()
+            asked[0] += msg.type == MT.TABLE_REQ
+
+    serve.after = after  # type: ignore[attr-defined]
+    async with hostile_server(1, serve) as addr:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options(ra=True)) as d:
+            await link(d, 1, addr)
+            view = link_of(d, 1).raw.view
+            codes: list[Any] = []
+
+            async def fetch() -> None:
+                with pytest.raises(dd.LLMException) as err:
+                    await view.fetch_table(0.3)
+                codes.append(err.value.status_code)
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(fetch)
+            assert codes == [S.LLM_TIMEOUT] * 4 and asked[0] == 1
+            answers: list[bool] = []
+
+            async def refresh() -> None:
+                answers.append(await view.refresh(0.3))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(refresh)
+            assert answers == [False] * 3 and asked[0] == 2
+
+
+async def test_a_table_too_big_to_send_fails_the_peers_fetch_at_once_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Our table over what a peer takes (here, a cap lowered to a tenth of this table's cost)
+    is not sent: we log it, and the peer's fetch fails with why (before: the peer broke the
+    link on it; after the first mend, it waited out its timeout and nobody said why)."""
+    import logging
+
+    from helpers import library_logs_enabled
+
+    from llmdd_async._protocol import frames
+
+    library_logs_enabled(monkeypatch)
+    caplog.set_level(logging.INFO, logger="llmdd_async")
+    opts = endpoint_options("tcp", listen=True, ra=True)
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cm = p.cache_manager
+        kept = [np.zeros((160, 64), np.uint8) for _ in range(40)]
+        for mem in kept:  # (~4 KiB of JSON each: a table over 64 KiB)
+            cm.register_cache(_u8(160, [1, 64]), list(mem))
+        dopts = endpoint_options("tcp", ra=True)
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(dopts) as d:
+            await link(d, 1, p.listen_address)
+            lnk = link_of(d, 1).raw
+            monkeypatch.setattr(frames, "MAX_FIELD_UNITS", 2000)
+            with pytest.raises(dd.LLMException, match="could not send its cache table") as err:
+                await lnk.view.fetch_table(5)
+            assert "exceed what a peer takes" in str(err.value)
+            assert err.value.status_code == S.LLM_FAILED and lnk.alive
+    assert any("link.table_refused" in r.getMessage() for r in caplog.records)

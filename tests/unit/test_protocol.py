@@ -375,6 +375,37 @@ def test_big_json_fields_are_capped_by_what_they_cost_to_parse(
         assert len(over) > MAX_FIELDS  # (the bytes' cap is reached first)
 
 
+def test_what_big_json_fields_cost_is_counted_by_their_structure() -> None:
+    from llmdd_async._protocol.frames import MAX_FIELD_UNITS, json_units
+
+    assert json_units(b'[{"a":1},2]') == 2 + 2 + 2 + 1  # [ { : ,
+    assert json_units(b'"[{:,"') == 7  # (inside strings too: it only over-counts)
+    assert MAX_FIELD_UNITS == 1 << 18
+
+
+@pytest.mark.parametrize(
+    ("js", "refused"),
+    [
+        # 87k distinct keys at the cap: the costliest shape found (~40 ms here)
+        ("{" + ",".join(f'"{i:x}":0' for i in range(87_000)) + "}", None),
+        ('{"x":[' + ",".join(["NaN"] * 20_000) + "]}", "malformed"),  # (no floats at all)
+        ('{"x":[' + ",".join(["18446744073709551615"] * 4000) + "]}", None),  # u64s: 20 digits
+        ('{"x":[' + ",".join(["1" * 21] * 4000) + "]}", "over 20 digits"),  # (~100 us each)
+    ],
+)
+def test_big_json_fields_are_refused_by_their_shape(js: str, refused: str | None) -> None:
+    data = js.encode()
+    assert len(data) > 64 << 10
+    frame = header(mtype=int(MT.TABLE), meta_len=len(meta(data))) + meta(data)
+    d = Decoder()
+    d.receive_data(frame)
+    if refused:
+        with pytest.raises(ProtocolError, match=refused):
+            d.next_event()
+    else:
+        assert d.next_event() == Message(MT.TABLE, 0, json.loads(data))
+
+
 def test_a_reason_is_sent_as_long_as_the_peer_keeps_it() -> None:
     from llmdd_async._messages import MAX_REASON, Abort, Done
 
