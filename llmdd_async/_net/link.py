@@ -403,8 +403,9 @@ class Link:
             return None
         refused = msg.fields.get("refused")
         if refused is not None:
+            why = refused[:500] if isinstance(refused, str) else "(no reason given)"
             raise LLMException(
-                f"cluster {self.peer_cluster_id} could not send its cache table: {refused!s:.500}",
+                f"cluster {self.peer_cluster_id} could not send its cache table: {why}",
                 status_code=LLMStatusCode.LLM_FAILED,
             )
         return await anyio.to_thread.run_sync(

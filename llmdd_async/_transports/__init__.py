@@ -115,7 +115,8 @@ class AccessLink(Protocol):
 
     async def peer_table(self, timeout_s: float) -> TableSnapshot | None:
         """The peer's cache table, asked for now (parsed off the loop); None if no answer
-        came in time. Raises LinkBroken: the link failed meanwhile."""
+        came in time. Raises LinkBroken: the link failed meanwhile; LLMException: the peer's
+        table is too big to be sent (it says so)."""
         ...
 
 
