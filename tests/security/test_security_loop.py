@@ -532,6 +532,33 @@ def _table_frame(n_caches: int) -> bytes:
     return encode(Message(MT.TABLE, 0, {"caches": caches, "blocks_keys": {}}))
 
 
+@contextlib.asynccontextmanager
+async def table_server(answer: bytes | None) -> AsyncIterator[tuple[Any, list[int]]]:
+    """A hand-made server (cluster 1) that answers each table request with the bytes
+    ``answer`` (None: never) and each PING, and an endpoint (cluster 2, remote-accessible)
+    linked to it: yields that endpoint's link and the count of table requests so far."""
+    asked = [0]
+
+    def serve(h: RawPeer, fields: dict[str, Any]) -> dict[str, Any]:
+        return server_identity(1)
+
+    async def after(h: RawPeer) -> None:
+        while True:
+            msg = await h.frame()
+            if msg.type == MT.TABLE_REQ:
+                asked[0] += 1
+                if answer is not None:
+                    await h.send_bytes(answer)
+            elif msg.type == MT.PING:
+                await h.send(Message(MT.PONG))
+
+    serve.after = after  # type: ignore[attr-defined]
+    async with hostile_server(1, serve) as addr:
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options(ra=True)) as d:
+            await link(d, 1, addr)
+            yield link_of(d, 1).raw, asked
+
+
 async def test_a_peers_tables_are_parsed_one_a_request_and_off_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -571,34 +598,16 @@ async def test_a_peers_tables_are_parsed_one_a_request_and_off_the_loop(
         m.setattr(frames, "MAX_FIELD_UNITS", 1 << 30)
         hostile = encode(Message(MT.TABLE, 0, {"caches": [[[]]] * 200_000}))
     assert len(big) > 600 << 10 and len(hostile) > 900 << 10
-    asked = [0]
-
-    def serve(h: RawPeer, fields: dict[str, Any]) -> dict[str, Any]:
-        return server_identity(1)
-
-    async def after(h: RawPeer) -> None:
-        while True:
-            msg = await h.frame()
-            if msg.type == MT.TABLE_REQ:
-                asked[0] += 1
-                await h.send_bytes(big + hostile + big)
-            elif msg.type == MT.PING:
-                await h.send(Message(MT.PONG))
-
-    serve.after = after  # type: ignore[attr-defined]
-    async with hostile_server(1, serve) as addr:
-        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options(ra=True)) as d:
-            await link(d, 1, addr)
-            lnk = link_of(d, 1).raw
-            table = await lnk.view.fetch_table(5)
-            assert len(table.typed.caches) == 5000 and len(lnk.view.caches) == 5000
-            for _ in range(2):
-                # (its PONG comes after the rest of the burst: no request of ours waits then)
-                assert await lnk.roundtrip(Message(MT.PING), MT.PONG, 5) is not None
-                assert await lnk.view.refresh(5)
-            assert len(lnk.view.regions[0]) == 5000
+    async with table_server(big + hostile + big) as (lnk, asked):
+        table = await lnk.view.fetch_table(5)
+        assert len(table.typed.caches) == 5000 and len(lnk.view.caches) == 5000
+        for _ in range(2):
+            # (its PONG comes after the rest of the burst: no request of ours waits then)
             assert await lnk.roundtrip(Message(MT.PING), MT.PONG, 5) is not None
-            assert lnk.alive
+            assert await lnk.view.refresh(5)
+        assert len(lnk.view.regions[0]) == 5000
+        assert await lnk.roundtrip(Message(MT.PING), MT.PONG, 5) is not None
+        assert lnk.alive
     assert asked[0] == 3
     assert [n for n in parsed if n > 100 << 10] == [len(big) - HEADER.size] * 3
     assert on_loop == [False] * 3
@@ -653,79 +662,50 @@ async def test_concurrent_table_fetches_ask_once_and_snapshots_are_made_one_at_a
         return out
 
     monkeypatch.setattr(Table, "of", classmethod(typed))
-    frame = _table_frame(500)
-    asked = [0]
+    async with table_server(_table_frame(500)) as (lnk, asked):
+        view = lnk.view
+        tables: list[Any] = []
 
-    def serve(h: RawPeer, fields: dict[str, Any]) -> dict[str, Any]:
-        return server_identity(1)
+        async def fetch() -> None:
+            tables.append(await view.fetch_table(5))
 
-    async def after(h: RawPeer) -> None:
-        while True:
-            msg = await h.frame()
-            if msg.type == MT.TABLE_REQ:
-                asked[0] += 1
-                await h.send_bytes(frame)
-
-    serve.after = after  # type: ignore[attr-defined]
-    async with hostile_server(1, serve) as addr:
-        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options(ra=True)) as d:
-            await link(d, 1, addr)
-            view = link_of(d, 1).raw.view
-            tables: list[Any] = []
-
-            async def fetch() -> None:
-                tables.append(await view.fetch_table(5))
-
-            async with anyio.create_task_group() as tg:
-                for _ in range(8):
-                    tg.start_soon(fetch)
-            assert len(tables) == 8 and all(t is tables[0] for t in tables)
-            assert (asked[0], built[0]) == (1, 1)
-            async with anyio.create_task_group() as tg:
-                for _ in range(4):
-                    tg.start_soon(view.refresh, 5)
-            assert (asked[0], built[0], most[0]) == (5, 5, 1)
+        async with anyio.create_task_group() as tg:
+            for _ in range(8):
+                tg.start_soon(fetch)
+        assert len(tables) == 8 and all(t is tables[0] for t in tables)
+        assert (asked[0], built[0]) == (1, 1)
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(view.refresh, 5)
+        assert (asked[0], built[0], most[0]) == (5, 5, 1)
 
 
 async def test_a_peer_that_never_sends_its_table_costs_its_callers_one_timeout() -> None:
     """Four transfers on a new link want the table of a peer that never answers: one request,
     and all four fail with its timeout (before the lock, each asked; with it and nothing more,
     the fourth failed after four timeouts). Refreshes behind an unanswered one do the same."""
-    asked = [0]
+    async with table_server(None) as (lnk, asked):
+        view = lnk.view
+        codes: list[Any] = []
 
-    def serve(h: RawPeer, fields: dict[str, Any]) -> dict[str, Any]:
-        return server_identity(1)
+        async def fetch() -> None:
+            with pytest.raises(dd.LLMException) as err:
+                await view.fetch_table(0.3)
+            codes.append(err.value.status_code)
 
-    async def after(h: RawPeer) -> None:
-        while True:
-            msg = await h.frame()
-            asked[0] += msg.type == MT.TABLE_REQ
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(fetch)
+        assert codes == [S.LLM_TIMEOUT] * 4 and asked[0] == 1
+        answers: list[bool] = []
 
-    serve.after = after  # type: ignore[attr-defined]
-    async with hostile_server(1, serve) as addr:
-        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options(ra=True)) as d:
-            await link(d, 1, addr)
-            view = link_of(d, 1).raw.view
-            codes: list[Any] = []
+        async def refresh() -> None:
+            answers.append(await view.refresh(0.3))
 
-            async def fetch() -> None:
-                with pytest.raises(dd.LLMException) as err:
-                    await view.fetch_table(0.3)
-                codes.append(err.value.status_code)
-
-            async with anyio.create_task_group() as tg:
-                for _ in range(4):
-                    tg.start_soon(fetch)
-            assert codes == [S.LLM_TIMEOUT] * 4 and asked[0] == 1
-            answers: list[bool] = []
-
-            async def refresh() -> None:
-                answers.append(await view.refresh(0.3))
-
-            async with anyio.create_task_group() as tg:
-                for _ in range(3):
-                    tg.start_soon(refresh)
-            assert answers == [False] * 3 and asked[0] == 2
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(refresh)
+        assert answers == [False] * 3 and asked[0] == 2
 
 
 async def test_a_table_too_big_to_send_fails_the_peers_fetch_at_once_and_says_why(
