@@ -11,14 +11,18 @@ up in the victim's loop):
   (16-byte blocks) in reverse order (655,360 descriptors that do not merge);
 * ``blocks 48MiB``: one request naming 3,145,728 blocks of a one-tensor cache;
 * ``tensors 4M``: one request whose initiator layout claims 4,194,304 tensors;
-* ``table x200``: 200 table requests against 2000 registered caches.
+* ``table x200``: 200 table requests against 2000 registered caches;
+* ``peer table x11``: the victim asks the attacker for its table (as a transfer on a new link
+  does) and refreshes it ten times (as grants outside what it knew make it); each answer is
+  a table of 7,000 caches (894 KiB of JSON).
 
 Per attack: the probe's largest lag (wall ms, scheduling and GIL waits included: on a loaded
 machine an upper bound) and the CPU time the loop's thread spent in that longest stretch
 (``max_busy_ms``: the work done on the loop at a stretch), the RSS peak above the level before
 the attack (MB, sampled by a thread every 2 ms), the victim's answers, and the legit pulls
 (1 s deadline each) that failed. Run:
-``python benchmarks/loop_lag.py [--attacks idle,reverse,blocks,tensors,table] [--json PATH]``
+``python benchmarks/loop_lag.py [--attacks idle,reverse,blocks,tensors,table,peertable]
+[--json PATH]``
 (under a minute). Targets (benchmark, not test): max lag under 50 ms, no legit pull failed.
 """
 
@@ -44,9 +48,11 @@ from _common import csv_of, parser, print_table, write_json
 import llmdd_async as dd
 from llmdd_async.testing import LoopLagProbe
 
-ATTACKS = ("idle", "reverse", "blocks", "tensors", "table")
+ATTACKS = ("idle", "reverse", "blocks", "tensors", "table", "peertable")
 BLOCKS, TENSORS, BB = 8192, 80, 16
 TABLE_CACHES = 2000
+#: tables the victim asks the attacker for (``peertable``), and the caches each lists
+PEER_TABLES, PEER_TABLE_CACHES = 11, 7000
 LEGIT_DEADLINE_MS = 1000
 
 
@@ -110,6 +116,8 @@ async def _attack(name: str, port: int, info: dict[str, Any]) -> dict[str, Any]:
                 )
             )
         )
+    elif name == "peertable":
+        return await _serve_tables(peer)
     else:
         frames = [encode(Message(MT.TABLE_REQ))] * 200
     t0 = time.monotonic()
@@ -141,6 +149,44 @@ async def _attack(name: str, port: int, info: dict[str, Any]) -> dict[str, Any]:
         answers["why"] = repr(exc)  # type: ignore[assignment]
     peer.close()
     return {"answers": answers, "seconds": time.monotonic() - t0}
+
+
+async def _serve_tables(peer: Any) -> dict[str, Any]:
+    """Answer the victim's table requests with a big table (``peertable``)."""
+    from llmdd_async._protocol import MT, Message, encode
+
+    cache = {"tensor_bytes": 4096, "count": 1, "is_blocks": False, "remote_accessible": True}
+    caches = [
+        {**cache, "cache_id": i, "addrs": [(1 << 46) + i * 4096], "placement": 0}
+        for i in range(PEER_TABLE_CACHES)
+    ]
+    table = encode(Message(MT.TABLE, 0, {"caches": caches, "blocks_keys": {}}))
+    t0, sent = time.monotonic(), 0
+    try:
+        with anyio.fail_after(60):
+            while sent < PEER_TABLES:
+                msg = await peer.frame()
+                if msg.type == MT.TABLE_REQ:
+                    await peer.send_bytes(table)
+                    sent += 1
+                elif msg.type == MT.PING:
+                    await peer.send(Message(MT.PONG))
+    except (EOFError, OSError):
+        pass
+    peer.close()
+    return {"answers": {"TABLE": sent}, "seconds": time.monotonic() - t0}
+
+
+async def _ask_tables(v: dd.LLMDataDist) -> None:
+    """The victim's side of ``peertable``: its table of the attacker, then refreshes."""
+    links = v._engine.links.links
+    with anyio.fail_after(30):
+        while 66 not in links:
+            await anyio.sleep(0.01)
+    view = links[66].view
+    await view.fetch_table(10)
+    for _ in range(PEER_TABLES - 1):
+        await view.refresh(10)
 
 
 # ---------------------------------------------------------------------------- victim (parent)
@@ -234,6 +280,8 @@ async def victim(attacks: list[str]) -> list[dict[str, Any]]:
                             await anyio.sleep(2)
                             text = ['{"answers": {}}']
                         else:
+                            if name == "peertable":
+                                tg.start_soon(_ask_tables, v)
                             out = await anyio.run_process(
                                 [
                                     sys.executable,
@@ -264,6 +312,7 @@ async def victim(attacks: list[str]) -> list[dict[str, Any]]:
                             "blocks": "blocks 48MiB",
                             "tensors": "tensors 4M",
                             "table": "table x200",
+                            "peertable": f"peer table x{PEER_TABLES}",
                         }[name],
                         "max_lag_ms": probe.max_lag_ms,
                         "max_busy_ms": probe.max_busy_ms,
