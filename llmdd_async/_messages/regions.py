@@ -78,11 +78,12 @@ def regions_of(caches: Iterable[CacheInfo]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class TableSnapshot(dict[str, Any]):
-    """A peer's TABLE fields as a link keeps them (the dict they always were, for whoever reads
-    them so), with what is derived from them made once, here: the typed :class:`Table` (keys
-    and ids resolve against it at every transfer of the link), its caches by id, the regions
-    it publishes and each cache as re-encoded from its typed form. A peer's table may hold
-    ~100k values: a link builds this in a worker thread, never on its loop.
+    """A peer's TABLE fields as a link keeps them, with what is derived from them made once,
+    here: the typed :class:`Table` (keys and ids resolve against it at every transfer of the
+    link), its caches by id and the regions it publishes. The caches are kept typed only, not
+    as the peer's JSON: a table may list thousands, and every object a link keeps costs each
+    pass of the garbage collector, on the loop. A peer's table may hold ~100k values: a link
+    builds this in a worker thread, never on its loop.
 
     Never raises: malformed entries count as nothing, as in :meth:`Table.of`.
     """
@@ -90,12 +91,12 @@ class TableSnapshot(dict[str, Any]):
     __slots__ = ("by_id", "described", "regions", "typed")
 
     def __init__(self, fields: Mapping[str, Any]) -> None:
-        super().__init__(fields)
+        super().__init__({k: v for k, v in fields.items() if k != "caches"})
         self.typed = Table.of(fields)
         #: the first entry of each cache id (as a scan of ``typed.caches`` finds it)
         self.by_id: dict[int, CacheInfo] = {}
         for c in self.typed.caches:
             self.by_id.setdefault(c.cache_id, c)
-        #: each cache id's (last) entry, re-encoded from its typed form
-        self.described = {c.cache_id: c.encode() for c in self.typed.caches}
+        #: each cache id's last entry (what a one-sided pull plans with)
+        self.described = {c.cache_id: c for c in self.typed.caches}
         self.regions = regions_of(self.typed.caches)

@@ -53,9 +53,9 @@ class PeerView:
         self._fetch = fetch
         self.table: TableSnapshot | None = None
         #: the table's caches by id (as the peer described them; checked before any use)
-        self.caches: dict[int, dict[str, Any]] = {}
+        self.caches: dict[int, CacheInfo] = {}
         #: cache id -> (its table entry, the layout and the data type parsed from that entry)
-        self._layouts: dict[int, tuple[dict[str, Any], Layout | None, int | None, bool]] = {}
+        self._layouts: dict[int, tuple[CacheInfo, Layout | None, int | None, bool]] = {}
         #: prepared pairs of the peer's caches with ours (``prepared.plan_prepared``), each with
         #: the two layouts and the regions it was made from
         self.pairs: dict[tuple[Any, ...], tuple[Layout, Layout, Any, BlockPair | None, bool]] = {}
@@ -110,20 +110,19 @@ class PeerView:
         return self._parsed(cache_id)[2]
 
     def _parsed(self, cache_id: int) -> tuple[Layout | None, int | None, bool]:
-        desc = self.caches.get(cache_id)
+        info = self.caches.get(cache_id)
         cached = self._layouts.get(cache_id)
-        if cached is not None and cached[0] is desc:
+        if cached is not None and cached[0] is info:
             return cached[1], cached[2], cached[3]
         layout: Layout | None = None
-        info = CacheInfo.decode(desc) if desc is not None else None
         if info is not None and info.remote_accessible:
             layout = Layout.of(info.addrs, info.tensor_bytes, info.count, info.is_blocks)
             if layout.num_tensors == 0 or layout.count <= 0 or layout.tensor_bytes <= 0:
                 layout = None
         dtype = info.dtype if info is not None else None
         device = info is not None and info.device
-        if desc is not None:
-            self._layouts[cache_id] = (desc, layout, dtype, device)
+        if info is not None:
+            self._layouts[cache_id] = (info, layout, dtype, device)
         return layout, dtype, device
 
     def adopt(self, table: Mapping[str, Any]) -> None:
@@ -135,7 +134,7 @@ class PeerView:
         self.regions = snap.regions
         self._layouts = {}
         self.pairs = {}  # (made from the last copy: they would keep it alive)
-        # As the peer described them (dicts: checked again by :meth:`layout` before any use)
+        # As the peer described them (checked by :meth:`layout` before any use)
         self.caches = dict(snap.described)  # (ours to change: the snapshot's stays as made)
         self.epoch = snap.typed.epoch
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -700,9 +701,10 @@ async def test_a_lying_table_never_steers_a_one_sided_pull() -> None:
         lnk = link_of(d, PROMPT).raw
         assert lnk.statistics().recent[-1].mode == "direct"
         want = [expected_tensor(51, t, shape) for t in range(2)]
-        honest = dict(lnk.view.caches[theirs])
+        honest = lnk.view.caches[theirs]
         # 1. Addresses shifted past the published regions: not read one-sidedly.
-        lnk.view.caches[theirs] = {**honest, "addrs": [a + (1 << 40) for a in honest["addrs"]]}
+        shifted = tuple(a + (1 << 40) for a in honest.addrs)
+        lnk.view.caches[theirs] = dataclasses.replace(honest, addrs=shifted)
         await cm.pull_blocks(key, dst, [2], [2])
         assert lnk.statistics().recent[-1].mode != "direct"
         # 2. A bogus epoch address: the view is refreshed and the peer serves the pull.
@@ -748,7 +750,7 @@ async def test_one_sided_pulls_reuse_a_prepared_pair_and_it_never_widens_what_th
                 assert np.array_equal(dst.tensors[t][dst_b], want[t][src])
         assert list(lnk.view.pairs.values()) == [prepared]  # the same pair, made once
         # The peer's published memory now covers only the first half of each tensor.
-        addrs = sorted(lnk.view.caches[theirs]["addrs"])
+        addrs = sorted(lnk.view.caches[theirs].addrs)
         half = (shape[0] // 2) * shape[1]
         lnk.view.regions = (np.array(addrs, np.uint64), np.array(addrs, np.uint64) + half)
         for t in range(2):

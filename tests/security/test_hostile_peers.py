@@ -53,11 +53,7 @@ async def test_writes_outside_registered_memory_are_refused() -> None:
             src.tensors[0][...] = 0xAB
             engine = engine_of(d)
             lnk = link_of(d, 1).raw
-            table_addr = int(
-                next(
-                    c for c in (await lnk.view.fetch_table(5))["caches"] if c["cache_id"] == victim
-                )["addrs"][0]
-            )
+            table_addr = (await lnk.view.fetch_table(5)).by_id[victim].addrs[0]
             for addr in (4096, table_addr + 128, table_addr - 64):
                 spec = TransferRequest(
                     "push",

@@ -217,8 +217,8 @@ async def test_caches_that_are_not_remote_accessible_stay_private(transport: str
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options(transport)) as d:
             await link(d, 1, p.listen)
             lnk = link_of(d, 1).raw
-            table = {c["cache_id"]: c for c in (await lnk.view.fetch_table(5))["caches"]}
-            assert table[private]["addrs"] == [] and table[public]["addrs"]
+            table = {c.cache_id: c for c in (await lnk.view.fetch_table(5)).typed.caches}
+            assert table[private].addrs == () and table[public].addrs
             cm = d.cache_manager
             mine = cm.allocate_cache(dd.CacheDesc(1, [1, 256], dd.DataType.DT_UINT8))
             with pytest.raises(dd.LLMException) as err:

@@ -1203,7 +1203,7 @@ def test_a_hostile_table_resolves_to_a_clean_error_or_a_cache(
         view.layout(cid)
 
 
-def test_a_table_snapshot_is_the_dict_it_always_was_and_resolves_as_before() -> None:
+def test_a_table_snapshot_keeps_its_caches_typed_and_resolves_as_before() -> None:
     from llmdd_async._errors import LLMException
     from llmdd_async._net.addressing import resolve_in_table
     from llmdd_async._net.peer_view import PeerView, TableSnapshot
@@ -1216,7 +1216,9 @@ def test_a_table_snapshot_is_the_dict_it_always_was_and_resolves_as_before() -> 
         "epoch": [4096, 3],
     }
     snap = TableSnapshot(fields)
-    assert snap == fields and snap["caches"] is fields["caches"]
+    # (its caches kept typed only: every object a link keeps costs the collector's passes)
+    assert snap == {k: v for k, v in fields.items() if k != "caches"}
+    assert snap.typed.caches == tuple(CacheInfo.decode(c) for c in fields["caches"])
     assert resolve_in_table(snap, Address(By.BLOCKS_KEY, model_id=5), 9) == Address(
         By.CACHE_ID, cache_id=1, index=0
     )
@@ -1234,7 +1236,7 @@ def test_a_table_snapshot_is_the_dict_it_always_was_and_resolves_as_before() -> 
     view = PeerView(lambda timeout_s: None)  # type: ignore[arg-type,return-value]
     view.adopt(snap)
     assert view.epoch == (4096, 3) and sorted(view.caches) == [1, 2]
-    assert view.caches[1] == _CACHE
+    assert view.caches[1] == CacheInfo.decode(_CACHE)
     lay = view.layout(1)
     assert lay is not None and lay.addr_list == [4096, 8192] and view.layout(2) is None
     assert [r.tolist() for r in view.regions] == [[4096, 8192], [4160, 8256]]
