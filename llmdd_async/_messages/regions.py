@@ -88,15 +88,15 @@ class TableSnapshot(dict[str, Any]):
     Never raises: malformed entries count as nothing, as in :meth:`Table.of`.
     """
 
-    __slots__ = ("by_id", "described", "regions", "typed")
+    __slots__ = ("by_id", "regions", "typed")
 
     def __init__(self, fields: Mapping[str, Any]) -> None:
         super().__init__({k: v for k, v in fields.items() if k != "caches"})
         self.typed = Table.of(fields)
-        #: the first entry of each cache id (as a scan of ``typed.caches`` finds it)
+        #: the first entry of each cache id (as a scan of ``typed.caches`` finds it): what
+        #: resolves a key or an id and what a one-sided pull plans with (a peer that lists an
+        #: id twice is read by one entry of it everywhere)
         self.by_id: dict[int, CacheInfo] = {}
         for c in self.typed.caches:
             self.by_id.setdefault(c.cache_id, c)
-        #: each cache id's last entry (what a one-sided pull plans with)
-        self.described = {c.cache_id: c for c in self.typed.caches}
         self.regions = regions_of(self.typed.caches)

@@ -135,7 +135,7 @@ class PeerView:
         self._layouts = {}
         self.pairs = {}  # (made from the last copy: they would keep it alive)
         # As the peer described them (checked by :meth:`layout` before any use)
-        self.caches = dict(snap.described)  # (ours to change: the snapshot's stays as made)
+        self.caches = dict(snap.by_id)  # (ours to change: the snapshot's stays as made)
         self.epoch = snap.typed.epoch
 
     async def refresh(self, timeout_s: float) -> bool:
@@ -143,20 +143,32 @@ class PeerView:
         ids stays as it was). Returns False if the peer did not answer in time.
 
         Raises:
-            LinkBroken: the link failed meanwhile.
+            LinkBroken: the link failed meanwhile. LLMException: as :meth:`refetch`.
+        """
+        return await self.refetch(timeout_s) is not None
+
+    async def refetch(self, timeout_s: float) -> TableSnapshot | None:
+        """Fetch the peer's table again and :meth:`adopt` it; the copy adopted, or None if the
+        peer did not answer in time. Accesses that read entries of their own in the table
+        (NIXL, Mooncake) take them from the copy this returns, so that what they use and
+        what the view holds come from one copy.
+
+        Raises:
+            LinkBroken: the link failed meanwhile. LLMException: the peer's table is too big
+                to be sent (it says so), or it waited past the timeout for a build slot.
         """
         # One at a time, each asking anew (a request sent before the caller's need arose may
         # be answered by a table older than it), and adopted in the order they came.
         unanswered = self._unanswered
         async with self._fetching:
             if self._unanswered != unanswered:  # (as the fetch waited behind)
-                return False
+                return None
             table = await self._fetch(timeout_s)
             if table is None:
                 self._unanswered += 1
-                return False
+                return None
             self.adopt(table)
-            return True
+            return table
 
     async def check_remote(self, remote: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> None:
         """Every range a grant names in the peer's memory must lie in what the peer published

@@ -85,11 +85,15 @@ class RegisteredCache(Protocol):
     remote_accessible: bool
 
 
-class PeerRegions(Protocol):
-    """A link's view of its peer's memory (``_net.peer_view.PeerView``), as an access sees it."""
+class PeerTableView(Protocol):
+    """A link's view of its peer's table (``_net.peer_view.PeerView``), as an access sees it."""
 
-    #: (starts, ends) of the peer's memory it published as reachable (the access refreshes it)
-    regions: tuple[np.ndarray, np.ndarray]
+    async def refetch(self, timeout_s: float) -> TableSnapshot | None:
+        """Ask the peer for its table now and make it the view's (its regions, caches and
+        epoch, all from that copy); that copy, or None if no answer came in time. Raises
+        LinkBroken: the link failed meanwhile; LLMException: the peer's table is too big to
+        be sent (it says so), or it waited past the timeout for a build slot."""
+        ...
 
 
 class AccessLink(Protocol):
@@ -98,7 +102,7 @@ class AccessLink(Protocol):
     log: Any
 
     @property
-    def view(self) -> PeerRegions: ...
+    def view(self) -> PeerTableView: ...
 
     #: the worker threads this link may hold
     threads: anyio.CapacityLimiter
@@ -112,12 +116,6 @@ class AccessLink(Protocol):
     def alive(self) -> bool: ...
 
     def fail(self, exc: BaseException, expected: bool = False) -> None: ...
-
-    async def peer_table(self, timeout_s: float) -> TableSnapshot | None:
-        """The peer's cache table, asked for now (parsed off the loop); None if no answer
-        came in time. Raises LinkBroken: the link failed meanwhile; LLMException: the peer's
-        table is too big to be sent (it says so)."""
-        ...
 
 
 class EndpointHost(Protocol):

@@ -34,7 +34,7 @@ def _same_address(a: str, b: str) -> bool:
 
 class MooncakeAccess(EngineAccess):
     """Initiator-side access to a linked peer through Mooncake. Its ``regions`` are the peer's
-    reachable regions (``Link.view.regions``) once its table was fetched."""
+    reachable regions (as ``Link.view`` has them) once its table was fetched."""
 
     name: ClassVar[str] = "mooncake"
     peer_caps: ClassVar[tuple[str, ...]] = (Cap.MOONCAKE.value,)
@@ -77,7 +77,7 @@ class MooncakeAccess(EngineAccess):
         """
         link = self._served
         async with self._refresh_lock:
-            snap = await link.peer_table(timeout_s)
+            snap = await link.view.refetch(timeout_s)
             if snap is None:
                 raise OSError("the peer did not send its cache table in time")
             table = snap.typed
@@ -87,7 +87,6 @@ class MooncakeAccess(EngineAccess):
                 raise OSError(f"malformed Mooncake entry: {exc}") from exc
             # What the peer publishes, for its requests over the stream too.
             self.regions = snap.regions
-            link.view.regions = self.regions
             if self.closed or not link.alive:
                 raise OSError("the link closed")
             self.session = None  # until the entry passed every check: the stream
@@ -115,7 +114,7 @@ class MooncakeAccess(EngineAccess):
                 )
                 return
             ids = set(info.caches)
-            mine = [c for c in table.caches if c.cache_id in ids and c.remote_accessible]
+            mine = [c for c in snap.by_id.values() if c.cache_id in ids and c.remote_accessible]
             self._starts, self._ends = tensor_regions(
                 [np.asarray(c.addrs, dtype=U64) for c in mine], [c.tensor_bytes for c in mine]
             )

@@ -3,7 +3,7 @@ metadata fetched over the link, grants planned into NIXL requests and run throug
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
@@ -34,7 +34,7 @@ __all__ = ["NixlAccess"]
 
 class NixlAccess(EngineAccess):
     """Initiator-side access to a linked peer through NIXL. Its ``regions`` are the peer's
-    reachable regions (``Link.view.regions``) once its table was fetched."""
+    reachable regions (as ``Link.view`` has them) once its table was fetched."""
 
     name: ClassVar[str] = "nixl"
     peer_caps: ClassVar[tuple[str, ...]] = ("nixl",)
@@ -82,7 +82,7 @@ class NixlAccess(EngineAccess):
             LLMException: the link failed meanwhile.
         """
         async with self._refresh_lock:
-            snap = await self._served.peer_table(timeout_s)
+            snap = await self._served.view.refetch(timeout_s)
             if snap is None:
                 raise OSError("the peer did not send its cache table in time")
             table = snap.typed  # malformed entries count as nothing
@@ -102,14 +102,13 @@ class NixlAccess(EngineAccess):
                         self.ep.forget_peer(name)
                     raise OSError("the link closed")
                 self.peer_agent = name
-                self._load(table.caches, nx.mem)
+                self._load(snap.by_id.values(), nx.mem)
                 self.peer_gen = -1 if nx.gen is None else nx.gen
             self.regions = snap.regions
-            self._served.view.regions = self.regions
 
-    def _load(self, caches: tuple[CacheInfo, ...], mem: Mapping[str, tuple[str, int]]) -> None:
-        """The peer's NIXL-registered caches from its table's entries (and its NIXL entry's
-        memory types); prepared lists of caches that changed are dropped."""
+    def _load(self, caches: Iterable[CacheInfo], mem: Mapping[str, tuple[str, int]]) -> None:
+        """The peer's NIXL-registered caches from its table's entries, one an id (and its NIXL
+        entry's memory types); prepared lists of caches that changed are dropped."""
         fresh: dict[int, Layout] = {}
         for c in caches:
             cid = c.cache_id

@@ -21,6 +21,7 @@ from llmdd_async._errors import CopyCancelled
 from llmdd_async._memory import CancelToken
 from llmdd_async._messages import Cap
 from llmdd_async._options import parse_options
+from llmdd_async._planner import check_within
 from llmdd_async._transports import NO_CAPS
 from llmdd_async._transports import mooncake as mooncake_mod
 from llmdd_async.testing import DEFAULT_OPTIONS, engine_of, linked_pair
@@ -82,16 +83,7 @@ def test_a_request_moves_in_batches_that_split_its_ranges_and_stop_at_a_cancel()
     assert all(b <= a * mooncake_mod.BATCH_GROWTH for a, b in itertools.pairwise(sums))
     assert sums[1] == sums[0] * mooncake_mod.BATCH_GROWTH
     # Joined again, the pieces are exactly the ranges, in order.
-    pieces = [p for b in engine.batches for p in b]
-    joined: list[list[int]] = []
-    for lo, ro, n in pieces:
-        if joined and joined[-1][0] + joined[-1][2] == lo and joined[-1][1] + joined[-1][2] == ro:
-            joined[-1][2] += n
-        else:
-            joined.append([lo, ro, n])
-    assert joined == [
-        [int(a), int(b), int(c)] for a, b, c in zip(local, remote, sizes, strict=True)
-    ]
+    assert _joined(engine.batches) == _ranges(local, remote, sizes)
     token = CancelToken()
     engine = FakeEngine(token, cancel_after=1)
     with pytest.raises(CopyCancelled):
@@ -103,7 +95,23 @@ def test_a_request_moves_in_batches_that_split_its_ranges_and_stop_at_a_cancel()
     engine = FakeEngine()
     _pump_endpoint(engine).pump("READ", "s", addrs, addrs, many, CancelToken())
     assert max(len(b) for b in engine.batches) <= mooncake_mod.CHUNK_MAX_RANGES
-    assert sum(len(b) for b in engine.batches) == 5000
+    # (a batch's size follows how fast the last ran: on a busy box one may end mid-range)
+    assert _joined(engine.batches) == _ranges(addrs, addrs, many)
+
+
+def _joined(batches: list[list[tuple[int, int, int]]]) -> list[list[int]]:
+    """The batches' pieces, those that continue one another joined."""
+    joined: list[list[int]] = []
+    for lo, ro, n in (p for b in batches for p in b):
+        if joined and joined[-1][0] + joined[-1][2] == lo and joined[-1][1] + joined[-1][2] == ro:
+            joined[-1][2] += n
+        else:
+            joined.append([lo, ro, n])
+    return joined
+
+
+def _ranges(local: np.ndarray, remote: np.ndarray, sizes: np.ndarray) -> list[list[int]]:
+    return [[int(a), int(b), int(c)] for a, b, c in zip(local, remote, sizes, strict=True)]
 
 
 @needs_mooncake
@@ -263,3 +271,21 @@ async def test_a_peer_naming_another_host_for_its_engine_is_never_reached_there(
             assert np.array_equal(dst.tensors[t][:2], src.tensors[t][[6, 2]])
         with pytest.raises(OSError, match="refused"):
             await access.refresh(5)
+
+
+@needs_mooncake
+async def test_the_accesss_refresh_updates_the_whole_view_of_the_peer() -> None:
+    """The Mooncake access fetches the peer's table itself: the link's view (regions, caches,
+    epoch) adopts that same copy (before: only its regions, so the caches a one-sided pull
+    plans with came from an older copy than the regions it checks against)."""
+    async with linked_pair(MOONCAKE) as (prompt, decoder):
+        link = engine_of(decoder).links.get(1)
+        access = link.access
+        assert isinstance(access, mooncake_mod.MooncakeAccess)
+        await access.refresh(5)
+        later = prompt.cache_manager.allocate_blocks_cache(DESC)
+        assert later.cache_id not in link.view.caches
+        await access.refresh(5)
+        assert link.view.caches[later.cache_id].addrs == tuple(later.tensor_addrs)
+        addrs = np.array(later.tensor_addrs, dtype=np.uint64)
+        assert check_within(addrs, np.full(len(addrs), 16 * 1024, np.uint64), *link.view.regions)

@@ -1244,10 +1244,11 @@ def test_a_table_snapshot_keeps_its_caches_typed_and_resolves_as_before() -> Non
 
 def test_a_snapshot_finds_a_cache_by_id_as_a_scan_of_the_table_does() -> None:
     """The snapshot's index by cache id keeps the scan's answer: a peer that lists one id
-    twice is read by its first entry, whichever form of the table resolves it."""
+    twice is read by its first entry, whichever form of the table resolves it, and a link's
+    view plans one-sided pulls with that entry too (before: with the last)."""
     from llmdd_async._errors import LLMException
     from llmdd_async._net.addressing import resolve_in_table
-    from llmdd_async._net.peer_view import TableSnapshot, cache_info
+    from llmdd_async._net.peer_view import PeerView, TableSnapshot, cache_info
 
     hidden = {**_CACHE, "remote_accessible": False}
     many = [{**_CACHE, "cache_id": 100 + i} for i in range(1000)]
@@ -1265,6 +1266,9 @@ def test_a_snapshot_finds_a_cache_by_id_as_a_scan_of_the_table_does() -> None:
                     with pytest.raises(LLMException) as err:
                         resolve_in_table(table, target, 9)
                     assert err.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        view = PeerView(lambda timeout_s: None)  # type: ignore[arg-type,return-value]
+        view.adopt(TableSnapshot(fields))
+        assert view.caches[1].remote_accessible is ok and (view.layout(1) is not None) is ok
 
 
 def _packed_frame(mtype: MT, packed: bytes, sizes: list[int], arrays: bytes = b"") -> bytes:
