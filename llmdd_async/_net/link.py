@@ -396,8 +396,10 @@ class Link:
 
         Raises:
             LinkBroken: the link failed meanwhile. LLMException: the peer's table is too big
-                to be sent (it says so).
+                to be sent (it says so); LLM_TIMEOUT: it waited for the endpoint's build slot
+                past ``timeout_s`` (other links' tables were being built).
         """
+        deadline = anyio.current_time() + timeout_s
         msg = await self.roundtrip(TableRequest().encode(), MT.TABLE, timeout_s)
         if msg is None:
             return None
@@ -408,8 +410,15 @@ class Link:
                 f"cluster {self.peer_cluster_id} could not send its cache table: {why}",
                 status_code=LLMStatusCode.LLM_FAILED,
             )
-        return await anyio.to_thread.run_sync(
-            TableSnapshot, msg.fields, limiter=self.manager.table_builds
+        # (a build that has begun is not cancelled: the wait for the slot is what is bounded)
+        with anyio.move_on_after(deadline - anyio.current_time()):
+            return await anyio.to_thread.run_sync(
+                TableSnapshot, msg.fields, limiter=self.manager.table_builds
+            )
+        raise LLMException(
+            f"the cache table of cluster {self.peer_cluster_id} waited {timeout_s:g} s for a "
+            "build slot (other links' tables were being built)",
+            status_code=LLMStatusCode.LLM_TIMEOUT,
         )
 
     # ------------------------------------------------------------------ reading

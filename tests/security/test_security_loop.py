@@ -738,3 +738,24 @@ async def test_a_table_too_big_to_send_fails_the_peers_fetch_at_once_and_says_wh
             assert "exceed what a peer takes" in str(err.value)
             assert err.value.status_code == S.LLM_FAILED and lnk.alive
     assert any("link.table_refused" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_table_that_waits_for_a_build_slot_fails_at_the_fetchs_timeout() -> None:
+    """The endpoint builds one peer table at a time (``LinkManager.table_builds``): a fetch
+    whose table waits for that slot fails with LLM_TIMEOUT once its timeout has passed, and
+    the next fetch asks anew. Before: the wait for the slot was not bounded at all (hostile
+    links' tables could hold it; here a holder that never lets go)."""
+    async with table_server(_table_frame(10)) as (lnk, asked):
+        builds = lnk.manager.table_builds
+        holder = object()
+        await builds.acquire_on_behalf_of(holder)
+        try:
+            t0 = anyio.current_time()
+            with anyio.fail_after(10), pytest.raises(dd.LLMException, match="build slot") as err:
+                await lnk.view.fetch_table(0.3)
+            assert err.value.status_code == S.LLM_TIMEOUT
+            assert anyio.current_time() - t0 < 5
+        finally:
+            builds.release_on_behalf_of(holder)
+        table = await lnk.view.fetch_table(5)
+        assert len(table.typed.caches) == 10 and asked[0] == 2
