@@ -94,9 +94,9 @@ class TableSnapshot(dict[str, Any]):
         super().__init__({k: v for k, v in fields.items() if k != "caches"})
         self.typed = Table.of(fields)
         #: the first entry of each cache id (as a scan of ``typed.caches`` finds it): what
-        #: resolves a key or an id and what a one-sided pull plans with (a peer that lists an
-        #: id twice is read by one entry of it everywhere)
+        #: resolves a key or an id, what a one-sided pull plans with, and what the regions
+        #: are made of (a peer that lists an id twice is read by one entry of it everywhere)
         self.by_id: dict[int, CacheInfo] = {}
         for c in self.typed.caches:
             self.by_id.setdefault(c.cache_id, c)
-        self.regions = regions_of(self.typed.caches)
+        self.regions = regions_of(self.by_id.values())

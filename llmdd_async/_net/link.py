@@ -396,10 +396,9 @@ class Link:
 
         Raises:
             LinkBroken: the link failed meanwhile. LLMException: the peer's table is too big
-                to be sent (it says so); LLM_TIMEOUT: it waited for the endpoint's build slot
-                past ``timeout_s`` (other links' tables were being built).
+                to be sent (it says so); LLM_TIMEOUT: once here, it waited ``timeout_s`` for
+                the endpoint's build slot (other links' tables were being built).
         """
-        deadline = anyio.current_time() + timeout_s
         msg = await self.roundtrip(TableRequest().encode(), MT.TABLE, timeout_s)
         if msg is None:
             return None
@@ -410,14 +409,15 @@ class Link:
                 f"cluster {self.peer_cluster_id} could not send its cache table: {why}",
                 status_code=LLMStatusCode.LLM_FAILED,
             )
-        # (a build that has begun is not cancelled: the wait for the slot is what is bounded)
-        with anyio.move_on_after(deadline - anyio.current_time()):
+        # (a build that has begun is not cancelled: the wait for the slot is what is bounded,
+        # from the table's arrival: what the roundtrip took is not the slot's doing)
+        with anyio.move_on_after(timeout_s):
             return await anyio.to_thread.run_sync(
                 TableSnapshot, msg.fields, limiter=self.manager.table_builds
             )
         raise LLMException(
-            f"the cache table of cluster {self.peer_cluster_id} waited {timeout_s:g} s for a "
-            "build slot (other links' tables were being built)",
+            f"the cache table of cluster {self.peer_cluster_id} came, then waited {timeout_s:g} s "
+            "for this endpoint's build slot (other links' tables were being built)",
             status_code=LLMStatusCode.LLM_TIMEOUT,
         )
 

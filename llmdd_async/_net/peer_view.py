@@ -62,8 +62,7 @@ class PeerView:
         #: (address, value) of the peer's epoch counter as of that view (one-sided pulls)
         self.epoch: tuple[int, int] | None = None
         #: (starts, ends) of the peer's memory that it let us reach directly, refreshed from
-        #: its table when a grant names memory outside it (transports that fetch the table
-        #: themselves set it too)
+        #: its table when a grant names memory outside it (or an access needs a fresh copy)
         self.regions: tuple[np.ndarray, np.ndarray] = regions_of_table(None)
         self._fetching = anyio.Lock()
         #: fetches the peer did not answer in time: callers queued behind one fail with it,
@@ -155,7 +154,7 @@ class PeerView:
 
         Raises:
             LinkBroken: the link failed meanwhile. LLMException: the peer's table is too big
-                to be sent (it says so), or it waited past the timeout for a build slot.
+                to be sent (it says so), or it waited the timeout for a build slot.
         """
         # One at a time, each asking anew (a request sent before the caller's need arose may
         # be answered by a table older than it), and adopted in the order they came.

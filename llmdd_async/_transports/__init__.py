@@ -92,7 +92,7 @@ class PeerTableView(Protocol):
         """Ask the peer for its table now and make it the view's (its regions, caches and
         epoch, all from that copy); that copy, or None if no answer came in time. Raises
         LinkBroken: the link failed meanwhile; LLMException: the peer's table is too big to
-        be sent (it says so), or it waited past the timeout for a build slot."""
+        be sent (it says so), or it waited the timeout for a build slot (LLM_TIMEOUT)."""
         ...
 
 
@@ -301,11 +301,13 @@ class EngineAccess(PeerAccess):
 
     @abstractmethod
     async def refresh(self, timeout_s: float) -> None:
-        """Fetch the peer's table over the link (at most ``timeout_s``) and take its entry.
+        """Fetch the peer's table over the link (at most ``timeout_s``, and as long again for
+        the endpoint's build slot), make it the link's view, and take its entry.
 
         Raises:
             OSError: no answer, or an entry that is malformed or refused.
-            LLMException: the link failed meanwhile.
+            LLMException: the link failed meanwhile, the peer's table is too big to be sent
+                (it says so), or it waited ``timeout_s`` for a build slot (LLM_TIMEOUT).
         """
 
     @abstractmethod

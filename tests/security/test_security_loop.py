@@ -759,3 +759,13 @@ async def test_a_table_that_waits_for_a_build_slot_fails_at_the_fetchs_timeout()
             builds.release_on_behalf_of(holder)
         table = await lnk.view.fetch_table(5)
         assert len(table.typed.caches) == 10 and asked[0] == 2
+        # The slot's wait is counted from the table's arrival: a slow send of the request
+        # (a busy link) does not make a fetch fail that found the slot free.
+        send = lnk.writer.send
+
+        async def slow(*args: Any, **kwargs: Any) -> Any:
+            await anyio.sleep(0.4)
+            return await send(*args, **kwargs)
+
+        lnk.writer.send = slow
+        assert await lnk.view.refresh(0.3) and asked[0] == 3

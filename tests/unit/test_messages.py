@@ -1251,7 +1251,7 @@ def test_a_snapshot_finds_a_cache_by_id_as_a_scan_of_the_table_does() -> None:
     from llmdd_async._net.peer_view import PeerView, TableSnapshot, cache_info
 
     hidden = {**_CACHE, "remote_accessible": False}
-    many = [{**_CACHE, "cache_id": 100 + i} for i in range(1000)]
+    many = [{**_CACHE, "cache_id": 100 + i, "remote_accessible": False} for i in range(1000)]
     for first, second, ok in ((_CACHE, hidden, True), (hidden, _CACHE, False)):
         fields = {"caches": [*many, first, second], "blocks_keys": {"5": 1}, "slot_keys": []}
         for table in (fields, TableSnapshot(fields)):
@@ -1269,6 +1269,8 @@ def test_a_snapshot_finds_a_cache_by_id_as_a_scan_of_the_table_does() -> None:
         view = PeerView(lambda timeout_s: None)  # type: ignore[arg-type,return-value]
         view.adopt(TableSnapshot(fields))
         assert view.caches[1].remote_accessible is ok and (view.layout(1) is not None) is ok
+        # (the regions too: the entries an id has after its first are nobody's)
+        assert bool(len(view.regions[0])) is ok
 
 
 def _packed_frame(mtype: MT, packed: bytes, sizes: list[int], arrays: bytes = b"") -> bytes:
