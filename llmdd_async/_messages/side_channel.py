@@ -137,8 +137,12 @@ class Proof:
         return cls(pools, typed_probe, infos)
 
     def regions(self) -> tuple[np.ndarray, np.ndarray]:
-        """Sorted ``(starts, ends)`` of the tensors of its remote-accessible caches."""
-        return regions_of(self.caches)
+        """Sorted ``(starts, ends)`` of the tensors of its remote-accessible caches, an id's
+        first entry only (as :class:`TableSnapshot` reads a table)."""
+        first: dict[int, CacheInfo] = {}
+        for c in self.caches:
+            first.setdefault(c.cache_id, c)
+        return regions_of(first.values())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

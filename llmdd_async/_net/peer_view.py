@@ -73,7 +73,9 @@ class PeerView:
         """The peer's published cache table, snapshotted on first use for the link's life.
 
         Raises:
-            LinkBroken: the link failed. LLMException(LLM_TIMEOUT): no answer in time.
+            LinkBroken: the link failed. LLMException(LLM_TIMEOUT): no answer in time, or
+                the table then waited ``timeout_s`` for the endpoint's build slot;
+                LLMException(LLM_FAILED): the peer's table is too big to be sent.
         """
         if self.table is None:
             unanswered = self._unanswered

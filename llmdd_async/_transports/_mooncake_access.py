@@ -73,7 +73,8 @@ class MooncakeAccess(EngineAccess):
 
         Raises:
             OSError: no answer, a malformed entry, or one naming another host.
-            LLMException: the link failed meanwhile.
+            LLMException: the link failed meanwhile, the peer's table is too big to be sent
+                (it says so), or it waited ``timeout_s`` for a build slot (LLM_TIMEOUT).
         """
         link = self._served
         async with self._refresh_lock:

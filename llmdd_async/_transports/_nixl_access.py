@@ -79,7 +79,8 @@ class NixlAccess(EngineAccess):
 
         Raises:
             OSError: no answer, or a table without usable NIXL metadata.
-            LLMException: the link failed meanwhile.
+            LLMException: the link failed meanwhile, the peer's table is too big to be sent
+                (it says so), or it waited ``timeout_s`` for a build slot (LLM_TIMEOUT).
         """
         async with self._refresh_lock:
             snap = await self._served.view.refetch(timeout_s)

@@ -1269,8 +1269,10 @@ def test_a_snapshot_finds_a_cache_by_id_as_a_scan_of_the_table_does() -> None:
         view = PeerView(lambda timeout_s: None)  # type: ignore[arg-type,return-value]
         view.adopt(TableSnapshot(fields))
         assert view.caches[1].remote_accessible is ok and (view.layout(1) is not None) is ok
-        # (the regions too: the entries an id has after its first are nobody's)
+        # (the regions too: the entries an id has after its first are nobody's, in a table
+        # and in a same-host proof alike)
         assert bool(len(view.regions[0])) is ok
+        assert bool(len(Proof.of({"pools": [], **fields}).regions()[0])) is ok
 
 
 def _packed_frame(mtype: MT, packed: bytes, sizes: list[int], arrays: bytes = b"") -> bytes:
