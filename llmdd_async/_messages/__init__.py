@@ -58,7 +58,7 @@ from .fields import (
     caps_of,
     wire_status,
 )
-from .regions import TableSnapshot, regions_of, regions_of_table
+from .regions import TableSnapshot, no_regions, regions_of
 from .side_channel import Proof, Prove, ProveAck, ProveFin, tcp_binding_of
 from .transfer import Abort, Address, Data, Done, Grant, Request, Result
 
@@ -99,8 +99,8 @@ __all__ = [
     "Unlink",
     "UnlinkAck",
     "caps_of",
+    "no_regions",
     "regions_of",
-    "regions_of_table",
     "tcp_binding_of",
     "wire_status",
 ]

@@ -11,10 +11,10 @@ import numpy as np
 
 from .control import CacheInfo, Table
 
-__all__ = ["TableSnapshot", "regions_of", "regions_of_table"]
+__all__ = ["TableSnapshot", "no_regions", "regions_of"]
 
 
-def _no_regions() -> tuple[np.ndarray, np.ndarray]:
+def no_regions() -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
 
 
@@ -29,7 +29,7 @@ def _disjoint(starts: list[int], ends: list[int]) -> tuple[np.ndarray, np.ndarra
     the interpreter over 100 ms in one call, whichever thread made it.
     """
     if not starts:
-        return _no_regions()
+        return no_regions()
     s = np.array(starts, dtype=np.uint64)
     order = np.argsort(s, kind="stable")
     s = s[order]
@@ -39,26 +39,6 @@ def _disjoint(starts: list[int], ends: list[int]) -> tuple[np.ndarray, np.ndarra
     np.greater_equal(s[1:], np.maximum.accumulate(e)[:-1], out=first[1:])
     at = np.flatnonzero(first)
     return s[at], np.maximum.reduceat(e, at)
-
-
-def regions_of_table(table: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted, disjoint ``(starts, ends)`` of the tensors of the remote-accessible caches a
-    peer's table (or proof message) lists (overlapping ones merged); malformed entries count
-    as nothing."""
-    starts: list[int] = []
-    ends: list[int] = []
-    caches = table.get("caches") if isinstance(table, dict) else None
-    for c in caches if isinstance(caches, list) else []:
-        if not isinstance(c, dict) or c.get("remote_accessible") is not True:
-            continue
-        size, addrs = c.get("tensor_bytes"), c.get("addrs")
-        if not isinstance(size, int) or not isinstance(addrs, list):
-            continue
-        for a in addrs:
-            if isinstance(a, int) and a > 0 and size > 0 and a + size < 2**64:
-                starts.append(a)
-                ends.append(a + size)
-    return _disjoint(starts, ends)
 
 
 def regions_of(caches: Iterable[CacheInfo]) -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException, ProtocolError
-from .._messages import CacheInfo, Table, TableSnapshot, regions_of_table
+from .._messages import CacheInfo, Table, TableSnapshot, no_regions
 from .._planner import BlockPair, Layout, check_within
 from .._transports import NO_CAPS, PeerAccess, RegisteredCache
 
@@ -63,7 +63,7 @@ class PeerView:
         self.epoch: tuple[int, int] | None = None
         #: (starts, ends) of the peer's memory that it let us reach directly, refreshed from
         #: its table when a grant names memory outside it (or an access needs a fresh copy)
-        self.regions: tuple[np.ndarray, np.ndarray] = regions_of_table(None)
+        self.regions: tuple[np.ndarray, np.ndarray] = no_regions()
         self._fetching = anyio.Lock()
         #: fetches the peer did not answer in time: callers queued behind one fail with it,
         #: not each after a timeout of its own (a silent peer would cost K of them)

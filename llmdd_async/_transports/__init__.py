@@ -42,7 +42,7 @@ import numpy as np
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._memory import CancelToken
-from .._messages import Identity, Proof, TableSnapshot, regions_of_table
+from .._messages import Identity, Proof, TableSnapshot, no_regions
 from .._planner import Plan
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ class PeerAccess(ABC):
 
     def __init__(self) -> None:
         #: (starts, ends) of the peer's memory it published as reachable
-        self.regions: tuple[np.ndarray, np.ndarray] = regions_of_table(None)
+        self.regions: tuple[np.ndarray, np.ndarray] = no_regions()
 
     @abstractmethod
     def caps(self) -> dict[str, bool]:

@@ -25,8 +25,8 @@ from llmdd_async._messages import (
     Op,
     Request,
     Shape,
+    TableSnapshot,
     regions_of,
-    regions_of_table,
 )
 from llmdd_async._net import prepared
 from llmdd_async._net.grants import Resolved, TransferRequest, plan_checked, plan_selection
@@ -306,9 +306,9 @@ def test_a_peers_published_regions_are_disjoint_however_its_caches_overlap() -> 
     ]
     starts, ends = regions_of(caches)
     assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == [(1000, 1110), (4990, 5100)]
-    # the same from a table as it arrives (a proof message)
+    # the same from a table as it arrives (as a link snapshots it)
     table = {"caches": [c.encode() for c in caches]}
-    starts, ends = regions_of_table(table)
+    starts, ends = TableSnapshot(table).regions
     assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == [(1000, 1110), (4990, 5100)]
     assert check_within(np.array([1055], np.uint64), np.array([40], np.uint64), starts, ends)
 
