@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
 import anyio
@@ -532,6 +532,13 @@ def _table_frame(n_caches: int) -> bytes:
     return encode(Message(MT.TABLE, 0, {"caches": caches, "blocks_keys": {}}))
 
 
+async def _at_once(n: int, call: Callable[[], Coroutine[Any, Any, object]]) -> None:
+    """Run ``call`` ``n`` times at once (each in a task of its own) and wait for all."""
+    async with anyio.create_task_group() as tg:
+        for _ in range(n):
+            tg.start_soon(call)
+
+
 @contextlib.asynccontextmanager
 async def table_server(answer: bytes | None) -> AsyncIterator[tuple[Any, list[int]]]:
     """A hand-made server (cluster 1) that answers each table request with the bytes
@@ -669,14 +676,10 @@ async def test_concurrent_table_fetches_ask_once_and_snapshots_are_made_one_at_a
         async def fetch() -> None:
             tables.append(await view.fetch_table(5))
 
-        async with anyio.create_task_group() as tg:
-            for _ in range(8):
-                tg.start_soon(fetch)
+        await _at_once(8, fetch)
         assert len(tables) == 8 and all(t is tables[0] for t in tables)
         assert (asked[0], built[0]) == (1, 1)
-        async with anyio.create_task_group() as tg:
-            for _ in range(4):
-                tg.start_soon(view.refresh, 5)
+        await _at_once(4, lambda: view.refresh(5))
         assert (asked[0], built[0], most[0]) == (5, 5, 1)
 
 
@@ -693,18 +696,14 @@ async def test_a_peer_that_never_sends_its_table_costs_its_callers_one_timeout()
                 await view.fetch_table(0.3)
             codes.append(err.value.status_code)
 
-        async with anyio.create_task_group() as tg:
-            for _ in range(4):
-                tg.start_soon(fetch)
+        await _at_once(4, fetch)
         assert codes == [S.LLM_TIMEOUT] * 4 and asked[0] == 1
         answers: list[bool] = []
 
         async def refresh() -> None:
             answers.append(await view.refresh(0.3))
 
-        async with anyio.create_task_group() as tg:
-            for _ in range(3):
-                tg.start_soon(refresh)
+        await _at_once(3, refresh)
         assert answers == [False] * 3 and asked[0] == 2
 
 
