@@ -39,6 +39,7 @@ from ._task import CacheTask, TaskControl
 if TYPE_CHECKING:
     from ._drivers import LoopEvent
     from ._engine import Engine
+    from ._messages import TableSnapshot
     from ._timers import Timer
 
 __all__ = [
@@ -270,17 +271,63 @@ async def run_transfer(
     remote_accessible: bool,
 ) -> None:
     """Run a layer-wise transfer: in remote-accessible mode each destination's key is first
-    resolved in its peer's table (a control round trip, not payload: it needs no turn on the
-    link), then :func:`run_layerwise`.
+    resolved in its peer's table (:func:`_resolve_keys`), then :func:`run_layerwise`.
 
     Raises:
-        LLMException: as :func:`run_layerwise`, or an unresolvable destination.
+        LLMException: as :func:`run_layerwise` and :func:`_resolve_keys`, or an unresolvable
+            destination.
     """
     if remote_accessible:
-        for d in dests:
-            table = await d.link.view.fetch_table(timeout_s)
-            d.make_spec = with_table(d.make_spec, table, d.link.peer_cluster_id)
+        await _resolve_keys(ctl, dests, timeout_s)
     await run_layerwise(engine, ctl, sync, dests, timeout_s, sync_timeout_ms, window)
+
+
+async def _resolve_keys(ctl: TaskControl, dests: list[Destination], timeout_s: float) -> None:
+    """Resolve each destination through its peer's table: the tables of all links are fetched
+    at once (a control round trip each, not payload: they need no turn on their links), within
+    ``timeout_s`` in all, not one destination after another.
+
+    Raises:
+        LLMException: a fetch failed (as :meth:`PeerView.fetch_table`: the first such failure,
+            which ends the other fetches), else LLM_TIMEOUT where a table did not come in
+            time; the result of each destination of a link that failed says so.
+    """
+    links = list({id(d.link): d.link for d in dests}.values())
+    tables: dict[int, TableSnapshot] = {}
+    failed: dict[int, LLMException] = {}
+
+    async def fetch(link: Link, group: anyio.CancelScope) -> None:
+        try:
+            tables[id(link)] = await link.view.fetch_table(timeout_s)
+        except LLMException as exc:
+            failed[id(link)] = exc
+            if exc.status_code != LLMStatusCode.LLM_TIMEOUT:
+                group.cancel()  # (the transfer fails: the others need not be waited for)
+
+    with anyio.move_on_after(timeout_s):
+        async with anyio.create_task_group() as tg:
+            for link in links:
+                tg.start_soon(fetch, link, tg.cancel_scope)
+    broken = [e for e in failed.values() if e.status_code != LLMStatusCode.LLM_TIMEOUT]
+    if not broken:  # (else the fetches it ended did not time out)
+        for link in links:
+            if id(link) not in tables and id(link) not in failed:
+                failed[id(link)] = LLMException(
+                    f"cluster {link.peer_cluster_id} did not send its cache table within "
+                    f"{timeout_s:.3f} s (sync_kv_timeout)",
+                    status_code=LLMStatusCode.LLM_TIMEOUT,
+                )
+    for d in dests:
+        exc = failed.get(id(d.link))
+        if exc is not None and is_caller_facing(exc):
+            ctl.set_result(d.slot, exc.status_code)
+    if broken:
+        raise broken[0]
+    for link in links:
+        if id(link) in failed:
+            raise failed[id(link)]
+    for d in dests:
+        d.make_spec = with_table(d.make_spec, tables[id(d.link)], d.link.peer_cluster_id)
 
 
 async def run_layerwise(

@@ -31,6 +31,7 @@ from helpers import (
     endpoint_options,
     hostile_server,
     link,
+    peer_identity,
     raw_link,
     server_identity,
 )
@@ -540,14 +541,16 @@ async def _at_once(n: int, call: Callable[[], Coroutine[Any, Any, object]]) -> N
 
 
 @contextlib.asynccontextmanager
-async def table_server(answer: bytes | None) -> AsyncIterator[tuple[Any, list[int]]]:
-    """A hand-made server (cluster 1) that answers each table request with the bytes
-    ``answer`` (None: never) and each PING, and an endpoint (cluster 2, remote-accessible)
-    linked to it: yields that endpoint's link and the count of table requests so far."""
+async def table_peer(
+    answer: bytes | None, identity: dict[str, Any], delay_s: float = 0.0
+) -> AsyncIterator[tuple[tuple[str, int], list[int]]]:
+    """A hand-made server that says it is ``identity`` and answers each table request with
+    the bytes ``answer`` (None: never; empty: it hangs up) ``delay_s`` after it came, and
+    each PING: yields its address and the count of table requests so far."""
     asked = [0]
 
     def serve(h: RawPeer, fields: dict[str, Any]) -> dict[str, Any]:
-        return server_identity(1)
+        return identity
 
     async def after(h: RawPeer) -> None:
         while True:
@@ -555,12 +558,24 @@ async def table_server(answer: bytes | None) -> AsyncIterator[tuple[Any, list[in
             if msg.type == MT.TABLE_REQ:
                 asked[0] += 1
                 if answer is not None:
+                    await anyio.sleep(delay_s)
+                    if not answer:
+                        return
                     await h.send_bytes(answer)
             elif msg.type == MT.PING:
                 await h.send(Message(MT.PONG))
 
     serve.after = after  # type: ignore[attr-defined]
-    async with hostile_server(1, serve) as addr:
+    async with hostile_server(identity["cluster_id"], serve) as addr:
+        yield addr, asked
+
+
+@contextlib.asynccontextmanager
+async def table_server(answer: bytes | None) -> AsyncIterator[tuple[Any, list[int]]]:
+    """A :func:`table_peer` (cluster 1, a prompt) and an endpoint (cluster 2,
+    remote-accessible) linked to it: yields that endpoint's link and the count of table
+    requests so far."""
+    async with table_peer(answer, server_identity(1)) as (addr, asked):
         async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(endpoint_options(ra=True)) as d:
             await link(d, 1, addr)
             yield link_of(d, 1).raw, asked
@@ -768,3 +783,54 @@ async def test_a_table_that_waits_for_a_build_slot_fails_once_it_waited_the_time
 
         lnk.writer.send = slow
         assert await lnk.view.refresh(1) and asked[0] == 3
+
+
+async def test_a_layerwise_transfer_fetches_its_destinations_tables_at_once(
+    anyio_backend_name: str,
+) -> None:
+    """``transfer_cache_async`` in remote-accessible mode resolves each destination's key in
+    its peer's table before any layer goes; ``sync_kv_timeout`` is 1 s, and each peer acts
+    0.6 s after it is asked. Three peers that send a table without the key: all three are
+    asked at once, so the transfer fails after about 0.6 s. Three that never send it: it
+    fails with LLM_TIMEOUT after about 1 s, and each destination's result says so. One that
+    never sends it and one that hangs up: it fails with the broken link after about 0.6 s,
+    that destination's result says so and the other's is unset. Before: the tables were
+    fetched one destination after another, each within a timeout of its own (and as long
+    again for the endpoint's build slot): 1.8 s for the first case (each within its timeout,
+    not the transfer within its own) and no destination's result set for the others."""
+    no_key = _table_frame(0)
+    for answers, status, bound, results in (
+        ([no_key] * 3, S.LLM_KV_CACHE_NOT_EXIST, 1.5, None),
+        ([None] * 3, S.LLM_TIMEOUT, 1.9, [S.LLM_TIMEOUT] * 3),
+        ([None, b""], S.LLM_LINK_FAILED, 0.95, [None, S.LLM_LINK_FAILED]),
+    ):
+        clusters = range(2, 2 + len(answers))
+        opts = endpoint_options(ra=True, **{"llm.SyncKvCacheWaitTime": "1000"})
+        async with contextlib.AsyncExitStack() as stack:
+            peers = [
+                await stack.enter_async_context(table_peer(a, peer_identity(c), 0.6))
+                for a, c in zip(answers, clusters, strict=True)
+            ]
+            prompt = await stack.enter_async_context(
+                dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts)
+            )
+            for c, (addr, _) in zip(clusters, peers, strict=True):
+                await link(prompt, c, addr)
+            cm = prompt.cache_manager
+            src = cm.allocate_blocks_cache(_u8(2, [4, 64]))
+            cfgs = [
+                dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(c, 0), range(0, 1), range(0, 1))
+                for c in clusters
+            ]
+            sync = dd.LayerEvents()
+            sync.layer_ready(0)
+            t0 = anyio.current_time()
+            task = cm.transfer_cache_async(src, sync, cfgs, [0], [0])
+            with anyio.fail_after(10), pytest.raises(dd.LLMException) as err:
+                await task
+            took = anyio.current_time() - t0
+            assert err.value.status_code == status, err.value
+            assert took < bound, (anyio_backend_name, answers, took)
+            if results is not None:
+                assert await task.get_results() == results
+            assert [asked[0] for _, asked in peers] == [1] * len(answers)
