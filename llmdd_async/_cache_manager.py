@@ -564,8 +564,9 @@ class CacheManager:
         contiguous source select its batch slots (dim 0), as upstream's engine reads them;
         destination blocks are then slot-sized unless ``dst_block_memory_size`` says otherwise.
 
-        ``get_results()`` gives one code per config (None where no layer started); configs to
-        the same cluster share one result, as upstream.
+        ``get_results()`` gives one code per config: None where no layer started and nothing
+        failed for it (a fetch of its peer's table that failed or timed out sets its code);
+        configs to the same cluster share one result, as upstream.
 
         ``tensor_num_per_layer`` (keyword only, an extension; default 2 = K and V) is how many
         consecutive tensors one layer holds, as for :meth:`pull_blocks`: 1 for caches that keep

@@ -1,6 +1,7 @@
 """The layers a layer-wise transfer's producer hands each destination over
 (:class:`LayerChannel`): the producer awaits each layer's signal (``_layer_gate``), the
-destination's consumer sends what it was handed (``_scheduler``)."""
+destination's consumer sends what it was handed (``_scheduler``), as many layers a request
+as :func:`request_size` says."""
 
 from __future__ import annotations
 
@@ -11,7 +12,44 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._drivers import LoopEvent
 
-__all__ = ["LayerChannel"]
+__all__ = ["LayerChannel", "request_size"]
+
+#: a layer-wise request takes layers not ready yet only if, at the model's pace, they would
+#: be ready within this share of the target's bound on the request and within _LOOKAHEAD_S:
+#: it then outlives that bound only if the model stalls, and holds the target's serving slot
+#: about as long as a request per layer would, while a fast model's layers go in a few
+_LOOKAHEAD_SHARE, _LOOKAHEAD_S = 0.5, 0.1
+
+
+def request_size(
+    layers: list[int],
+    pos: int,
+    handed: int,
+    known_ready: Callable[[int], bool],
+    waited: list[float],
+    now: float,
+    bound_s: Callable[[int], float],
+) -> int:
+    """How many of a destination's ``layers`` from ``layers[pos]`` its next request carries:
+    those ``handed`` over (one at least) or known ready, and as many more as the model's pace
+    (``waited``: when the layers waited for became ready; two at least) says will be ready in
+    time for the target's bound on a request of that many layers (``bound_s``, taken to be
+    this side's own)."""
+    left = len(layers) - pos
+    n = max(1, min(handed, left))
+    while n < left and known_ready(layers[pos + n]):
+        n += 1
+    if n >= left or len(waited) < 2:
+        return n
+    # The pace: the mean gap between layers so far, or the wait for the next one if longer.
+    gap = max((waited[-1] - waited[0]) / (len(waited) - 1), now - waited[-1])
+    more = left - n
+    while more:
+        bound = _LOOKAHEAD_SHARE * bound_s(n + more)
+        if more * gap <= min(bound, _LOOKAHEAD_S):
+            break
+        more //= 2
+    return n + more
 
 
 class LayerChannel:

@@ -25,13 +25,14 @@ import anyio
 
 from ._enums import LLMStatusCode
 from ._errors import CopyCancelled, LLMException, SynchronizerAborted, is_caller_facing
-from ._layer_channel import LayerChannel
+from ._layer_channel import LayerChannel, request_size
 from ._layer_gate import SignalPump, wait_for_layer
 from ._net.addressing import resolve_in_table, with_table
 from ._net.exchange import Exchange
 from ._net.grants import TransferRequest
 from ._net.initiator import initiate, may_pull_directly, pull_direct_now
 from ._net.link import Link
+from ._net.peer_view import fetch_tables
 from ._options import DEFAULT_LAYER_WINDOW
 from ._synchronizer import LayerEvents
 from ._task import CacheTask, TaskControl
@@ -39,7 +40,6 @@ from ._task import CacheTask, TaskControl
 if TYPE_CHECKING:
     from ._drivers import LoopEvent
     from ._engine import Engine
-    from ._messages import TableSnapshot
     from ._timers import Timer
 
 __all__ = [
@@ -271,63 +271,28 @@ async def run_transfer(
     remote_accessible: bool,
 ) -> None:
     """Run a layer-wise transfer: in remote-accessible mode each destination's key is first
-    resolved in its peer's table (:func:`_resolve_keys`), then :func:`run_layerwise`.
+    resolved in its peer's table (:func:`fetch_tables`: those of the links that have none yet,
+    at once, within ``timeout_s`` in all), then :func:`run_layerwise`.
 
     Raises:
-        LLMException: as :func:`run_layerwise` and :func:`_resolve_keys`, or an unresolvable
-            destination.
+        LLMException: as :func:`run_layerwise` and :func:`fetch_tables` (the result of each
+            destination of a link whose fetch failed says so), or an unresolvable destination.
     """
     if remote_accessible:
-        await _resolve_keys(ctl, dests, timeout_s)
+        links = list({id(d.link): d.link for d in dests}.values())
+
+        def failed(i: int, exc: Exception) -> None:
+            for d in dests:
+                if d.link is links[i] and isinstance(exc, LLMException) and is_caller_facing(exc):
+                    ctl.set_result(d.slot, exc.status_code)
+
+        views = [link.view for link in links]
+        names = [f"cluster {link.peer_cluster_id}" for link in links]
+        tables = await fetch_tables(views, timeout_s, failed, names)
+        by_link = {id(link): table for link, table in zip(links, tables, strict=True)}
+        for d in dests:
+            d.make_spec = with_table(d.make_spec, by_link[id(d.link)], d.link.peer_cluster_id)
     await run_layerwise(engine, ctl, sync, dests, timeout_s, sync_timeout_ms, window)
-
-
-async def _resolve_keys(ctl: TaskControl, dests: list[Destination], timeout_s: float) -> None:
-    """Resolve each destination through its peer's table: the tables of all links are fetched
-    at once (a control round trip each, not payload: they need no turn on their links), within
-    ``timeout_s`` in all, not one destination after another.
-
-    Raises:
-        LLMException: a fetch failed (as :meth:`PeerView.fetch_table`: the first such failure,
-            which ends the other fetches), else LLM_TIMEOUT where a table did not come in
-            time; the result of each destination of a link that failed says so.
-    """
-    links = list({id(d.link): d.link for d in dests}.values())
-    tables: dict[int, TableSnapshot] = {}
-    failed: dict[int, LLMException] = {}
-
-    async def fetch(link: Link, group: anyio.CancelScope) -> None:
-        try:
-            tables[id(link)] = await link.view.fetch_table(timeout_s)
-        except LLMException as exc:
-            failed[id(link)] = exc
-            if exc.status_code != LLMStatusCode.LLM_TIMEOUT:
-                group.cancel()  # (the transfer fails: the others need not be waited for)
-
-    with anyio.move_on_after(timeout_s):
-        async with anyio.create_task_group() as tg:
-            for link in links:
-                tg.start_soon(fetch, link, tg.cancel_scope)
-    broken = [e for e in failed.values() if e.status_code != LLMStatusCode.LLM_TIMEOUT]
-    if not broken:  # (else the fetches it ended did not time out)
-        for link in links:
-            if id(link) not in tables and id(link) not in failed:
-                failed[id(link)] = LLMException(
-                    f"cluster {link.peer_cluster_id} did not send its cache table within "
-                    f"{timeout_s:.3f} s (sync_kv_timeout)",
-                    status_code=LLMStatusCode.LLM_TIMEOUT,
-                )
-    for d in dests:
-        exc = failed.get(id(d.link))
-        if exc is not None and is_caller_facing(exc):
-            ctl.set_result(d.slot, exc.status_code)
-    if broken:
-        raise broken[0]
-    for link in links:
-        if id(link) in failed:
-            raise failed[id(link)]
-    for d in dests:
-        d.make_spec = with_table(d.make_spec, tables[id(d.link)], d.link.peer_cluster_id)
 
 
 async def run_layerwise(
@@ -355,12 +320,16 @@ async def run_layerwise(
         return isinstance(sync, LayerEvents) and sync.is_layer_ready(layer)
 
     async def consume(d: Destination, handed: LayerChannel) -> None:
+        def bound(layers: int) -> float:  # the target's bound on a request of that many
+            return engine.serve_budget_s(layers * d.tensors_per_layer)
+
         try:
             pos = 0  # the index in d.layers of the next layer to send
             while pos < len(d.layers):
                 if not await handed.wait():
                     return  # the transfer failed before this layer
-                n = _request_size(d, pos, handed.ready(), known_ready, waited, ctl.now(), engine)
+                ready = handed.ready()
+                n = request_size(d.layers, pos, ready, known_ready, waited, ctl.now(), bound)
                 run = range(d.layers[pos], d.layers[pos + n - 1] + 1)
                 feed = _Feed(d, handed, run, timeout_s, ctl, started_at, sent, engine.new_event)
                 await send_layers(d, feed)
@@ -473,42 +442,7 @@ async def run_layerwise(
         raise failure[0]
 
 
-#: a layer-wise request takes layers not ready yet only if, at the model's pace, they would
-#: be ready within this share of the target's bound on the request and within _LOOKAHEAD_S:
-#: it then outlives that bound only if the model stalls, and holds the target's serving slot
-#: about as long as a request per layer would, while a fast model's layers go in a few
-_LOOKAHEAD_SHARE, _LOOKAHEAD_S = 0.5, 0.1
 _WAITED_S = 50e-6  # a layer whose synchronizer took longer was being computed (the pace)
-
-
-def _request_size(
-    d: Destination,
-    pos: int,
-    handed: int,
-    known_ready: Callable[[int], bool],
-    waited: list[float],
-    now: float,
-    engine: Engine,
-) -> int:
-    """How many of ``d``'s layers from ``d.layers[pos]`` its next request carries: those
-    ``handed`` over (one at least) or known ready, and as many more as the model's pace
-    (``waited``: when the layers waited for became ready; two at least) says will be ready in
-    time for the target's bound, taken to be this side's own (``engine.serve_budget_s``)."""
-    left = len(d.layers) - pos
-    n = max(1, min(handed, left))
-    while n < left and known_ready(d.layers[pos + n]):
-        n += 1
-    if n >= left or len(waited) < 2:
-        return n
-    # The pace: the mean gap between layers so far, or the wait for the next one if longer.
-    gap = max((waited[-1] - waited[0]) / (len(waited) - 1), now - waited[-1])
-    more = left - n
-    while more:
-        bound = _LOOKAHEAD_SHARE * engine.serve_budget_s((n + more) * d.tensors_per_layer)
-        if more * gap <= min(bound, _LOOKAHEAD_S):
-            break
-        more //= 2
-    return n + more
 
 
 class _Feed:

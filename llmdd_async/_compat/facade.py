@@ -44,7 +44,7 @@ class CacheTask:
         return LoopThread.get().run(self._task.synchronize, timeout_in_millis)
 
     def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
-        """One code per transfer config (None where no layer started)."""
+        """One code per transfer config (None where no layer started and nothing failed for it)."""
         return LoopThread.get().run(self._task.get_results, timeout_in_millis)
 
     def cancel(self) -> None:

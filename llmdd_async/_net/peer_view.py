@@ -9,7 +9,7 @@ requests carry and which a peer's requests may use, both by the kind of the link
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -21,11 +21,14 @@ from .._messages import CacheInfo, Table, TableSnapshot, no_regions
 from .._planner import BlockPair, Layout, check_within
 from .._transports import NO_CAPS, PeerAccess, RegisteredCache
 
-__all__ = ["CapsPolicy", "PeerView", "TableSnapshot", "typed_table"]
+__all__ = ["CapsPolicy", "PeerView", "TableSnapshot", "fetch_tables", "typed_table"]
 
 #: asks the peer for its table: the table (parsed off the loop), or None if it did not
 #: answer within the timeout
 FetchTable = Callable[[float], Awaitable["TableSnapshot | None"]]
+
+#: a fetch cancelled after this share of its timeout counts as unanswered
+_MOSTLY = 0.95
 
 
 def typed_table(table: Mapping[str, Any]) -> Table:
@@ -83,8 +86,7 @@ class PeerView:
                 if self.table is None:
                     table = None
                     if self._unanswered == unanswered:  # (else: as the fetch waited behind)
-                        table = await self._fetch(timeout_s)
-                        self._unanswered += table is None
+                        table = await self._ask(timeout_s)
                     if table is None:
                         raise LLMException(
                             "peer did not send its cache table in time",
@@ -164,12 +166,26 @@ class PeerView:
         async with self._fetching:
             if self._unanswered != unanswered:  # (as the fetch waited behind)
                 return None
-            table = await self._fetch(timeout_s)
+            table = await self._ask(timeout_s)
             if table is None:
-                self._unanswered += 1
                 return None
             self.adopt(table)
             return table
+
+    async def _ask(self, timeout_s: float) -> TableSnapshot | None:
+        """One fetch of the peer's table, counted as unanswered if it got none in time: None,
+        or cancelled once (almost) its whole timeout had passed (a caller's deadline of the
+        same length, set just before it, ends it first; the callers queued behind must still
+        fail with it, not each ask again)."""
+        start = anyio.current_time()
+        try:
+            table = await self._fetch(timeout_s)
+        except anyio.get_cancelled_exc_class():
+            if anyio.current_time() - start >= _MOSTLY * timeout_s:
+                self._unanswered += 1
+            raise
+        self._unanswered += table is None
+        return table
 
     async def check_remote(self, remote: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> None:
         """Every range a grant names in the peer's memory must lie in what the peer published
@@ -184,6 +200,61 @@ class PeerView:
         if await self.refresh(timeout_s) and check_within(remote, nbytes, *self.regions):
             return
         raise ProtocolError("GRANT points outside the peer's published caches")
+
+
+async def fetch_tables(
+    views: Sequence[PeerView],
+    timeout_s: float,
+    on_failure: Callable[[int, Exception], None],
+    names: Sequence[str],
+) -> list[TableSnapshot]:
+    """The table snapshot of each view (:meth:`PeerView.fetch_table`): those not fetched yet
+    are fetched at once (a control round trip each, not payload: they need no turn on their
+    links), within ``timeout_s`` in all, not one after another; with none to fetch, no task
+    or loop turn. ``on_failure(i, exc)`` is told of each view whose fetch failed, before it
+    raises; ``names[i]`` is what an error calls the peer of ``views[i]``.
+
+    Raises:
+        LLMException: the first fetch that failed other than by a timeout (it ends the others,
+            which are then not reported), else LLM_TIMEOUT for the first view whose table
+            was not ready in time; what a fetch raised that is no LLMException (a bug), as
+            it is.
+    """
+    missing = [i for i, view in enumerate(views) if view.table is None]
+    if missing:
+        failed: dict[int, Exception] = {}
+
+        def timed_out(exc: Exception) -> bool:
+            return isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_TIMEOUT
+
+        async def fetch(i: int, group: anyio.CancelScope) -> None:
+            try:
+                await views[i].fetch_table(timeout_s)
+            except Exception as exc:
+                failed[i] = exc
+                if not timed_out(exc):
+                    group.cancel()  # (the caller fails: the others need not be waited for)
+
+        with anyio.move_on_after(timeout_s):
+            async with anyio.create_task_group() as tg:
+                for i in missing:
+                    tg.start_soon(fetch, i, tg.cancel_scope)
+        broken = [exc for exc in failed.values() if not timed_out(exc)]
+        if not broken:  # (else the fetches it ended did not time out)
+            for i in missing:
+                if views[i].table is None and i not in failed:
+                    failed[i] = LLMException(
+                        f"the cache table of {names[i]} was not ready within {timeout_s:.3f} s:"
+                        " no answer in time, or it waited for this endpoint's build slot",
+                        status_code=LLMStatusCode.LLM_TIMEOUT,
+                    )
+        for i in sorted(failed):
+            on_failure(i, failed[i])
+        if failed:
+            raise broken[0] if broken else failed[min(failed)]
+    tables = [view.table for view in views]
+    assert all(t is not None for t in tables)  # (fetched above, or before)
+    return tables  # type: ignore[return-value]
 
 
 class CapsPolicy:

@@ -30,7 +30,7 @@ from helpers import (
 
 import llmdd_async as dd
 from llmdd_async._net.link import Link
-from llmdd_async.testing import PeerProcess, encode_key, wait_until
+from llmdd_async.testing import PeerProcess, encode_key, link_of, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -175,6 +175,34 @@ async def test_raw_addresses_in_request_response_mode(transport) -> None:
             await task
         assert err.value.status_code == S.LLM_PARAM_INVALID
         assert await task.get_results() == [S.LLM_PARAM_INVALID]
+
+
+async def test_keyed_transfers_after_the_first_ask_for_no_table(monkeypatch) -> None:
+    """A link's first keyed transfer fetches the peer's table (its snapshot for the link's
+    life); later ones resolve their keys in it with no fetch at all (no request, task or loop
+    turn for it before the first layer)."""
+    async with decoders("tcp") as ([dec], prompt):
+        dst = await register_blocks_at(dec, 4, (8, 256))
+        cm = prompt.cache_manager
+        src = cm.allocate_blocks_cache(dd.CacheDesc(4, [8, 256], dd.DataType.DT_UINT8))
+        fill_src(src, 64)
+        cfg = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(2, 0), range(0, 2), range(0, 2))
+        for i in range(3):
+            sync = dd.LayerEvents()
+            sync.layer_ready(0)
+            sync.layer_ready(1)
+            task = cm.transfer_cache_async(src, sync, [cfg], [i], [i + 1])
+            await task
+            assert await task.get_results() == [S.LLM_SUCCESS]
+            if i == 0:
+
+                async def no_fetch(timeout_s: float) -> Any:
+                    raise AssertionError("the table was fetched again")
+
+                monkeypatch.setattr(link_of(prompt, 2).raw.view, "fetch_table", no_fetch)
+        for t in range(4):
+            got = await peer_tensor(dec, dst, t, (8, 256))
+            assert np.array_equal(got[1:4], expected_tensor(64, t, (8, 256))[0:3])
 
 
 async def test_fan_out_to_two_decoders_and_shared_result_slots(transport) -> None:

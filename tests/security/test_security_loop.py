@@ -785,6 +785,38 @@ async def test_a_table_that_waits_for_a_build_slot_fails_once_it_waited_the_time
         assert await lnk.view.refresh(1) and asked[0] == 3
 
 
+def _layerwise_to(cm: Any, clusters: list[int]) -> Callable[[], dd.CacheTask]:
+    """Starts a layer-wise transfer of one ready layer to the key ``BlocksCacheKey(c, 0)`` of
+    each cluster ``c`` (a config each)."""
+    src = cm.allocate_blocks_cache(_u8(2, [4, 64]))
+    cfgs = [
+        dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(c, 0), range(0, 1), range(0, 1))
+        for c in clusters
+    ]
+    sync = dd.LayerEvents()
+    sync.layer_ready(0)
+    return lambda: cm.transfer_cache_async(src, sync, cfgs, [0], [0])
+
+
+@contextlib.asynccontextmanager
+async def _prompt_linked_to(
+    answers: list[bytes | None], delay_s: float = 0.6
+) -> AsyncIterator[tuple[dd.LLMDataDist, list[list[int]]]]:
+    """A prompt endpoint (remote-accessible, ``sync_kv_timeout`` 1 s) linked to a
+    :func:`table_peer` per answer (clusters 2, 3, ...): yields it and each peer's count of
+    table requests."""
+    opts = endpoint_options(ra=True, **{"llm.SyncKvCacheWaitTime": "1000"})
+    async with contextlib.AsyncExitStack() as stack:
+        peers = [
+            await stack.enter_async_context(table_peer(a, peer_identity(2 + i), delay_s))
+            for i, a in enumerate(answers)
+        ]
+        prompt = await stack.enter_async_context(dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts))
+        for i, (addr, _) in enumerate(peers):
+            await link(prompt, 2 + i, addr)
+        yield prompt, [asked for _, asked in peers]
+
+
 async def test_a_layerwise_transfer_fetches_its_destinations_tables_at_once(
     anyio_backend_name: str,
 ) -> None:
@@ -792,40 +824,23 @@ async def test_a_layerwise_transfer_fetches_its_destinations_tables_at_once(
     its peer's table before any layer goes; ``sync_kv_timeout`` is 1 s, and each peer acts
     0.6 s after it is asked. Three peers that send a table without the key: all three are
     asked at once, so the transfer fails after about 0.6 s. Three that never send it: it
-    fails with LLM_TIMEOUT after about 1 s, and each destination's result says so. One that
-    never sends it and one that hangs up: it fails with the broken link after about 0.6 s,
-    that destination's result says so and the other's is unset. Before: the tables were
-    fetched one destination after another, each within a timeout of its own (and as long
-    again for the endpoint's build slot): 1.8 s for the first case (each within its timeout,
-    not the transfer within its own) and no destination's result set for the others."""
+    fails with LLM_TIMEOUT after about 1 s, and each destination's result says so. Configs to
+    clusters 2, 2 and 3, where 2 hangs up and 3 never answers: it fails with the broken link
+    after about 0.6 s, both configs to 2 say so and the one to 3 is unset. Each peer is asked
+    once. Before: the tables were fetched one destination after another, each within a
+    timeout of its own (and as long again for the endpoint's build slot): 1.8 s for the first
+    case (each within its timeout, not the transfer within its own) and no destination's
+    result set for the others."""
     no_key = _table_frame(0)
-    for answers, status, bound, results in (
-        ([no_key] * 3, S.LLM_KV_CACHE_NOT_EXIST, 1.5, None),
-        ([None] * 3, S.LLM_TIMEOUT, 1.9, [S.LLM_TIMEOUT] * 3),
-        ([None, b""], S.LLM_LINK_FAILED, 0.95, [None, S.LLM_LINK_FAILED]),
+    for answers, clusters, status, bound, results in (
+        ([no_key] * 3, [2, 3, 4], S.LLM_KV_CACHE_NOT_EXIST, 1.5, None),
+        ([None] * 3, [2, 3, 4], S.LLM_TIMEOUT, 1.9, [S.LLM_TIMEOUT] * 3),
+        ([b"", None], [2, 2, 3], S.LLM_LINK_FAILED, 0.95, [S.LLM_LINK_FAILED] * 2 + [None]),
     ):
-        clusters = range(2, 2 + len(answers))
-        opts = endpoint_options(ra=True, **{"llm.SyncKvCacheWaitTime": "1000"})
-        async with contextlib.AsyncExitStack() as stack:
-            peers = [
-                await stack.enter_async_context(table_peer(a, peer_identity(c), 0.6))
-                for a, c in zip(answers, clusters, strict=True)
-            ]
-            prompt = await stack.enter_async_context(
-                dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts)
-            )
-            for c, (addr, _) in zip(clusters, peers, strict=True):
-                await link(prompt, c, addr)
-            cm = prompt.cache_manager
-            src = cm.allocate_blocks_cache(_u8(2, [4, 64]))
-            cfgs = [
-                dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(c, 0), range(0, 1), range(0, 1))
-                for c in clusters
-            ]
-            sync = dd.LayerEvents()
-            sync.layer_ready(0)
+        async with _prompt_linked_to(answers) as (prompt, asked):
+            start = _layerwise_to(prompt.cache_manager, clusters)
             t0 = anyio.current_time()
-            task = cm.transfer_cache_async(src, sync, cfgs, [0], [0])
+            task = start()
             with anyio.fail_after(10), pytest.raises(dd.LLMException) as err:
                 await task
             took = anyio.current_time() - t0
@@ -833,4 +848,76 @@ async def test_a_layerwise_transfer_fetches_its_destinations_tables_at_once(
             assert took < bound, (anyio_backend_name, answers, took)
             if results is not None:
                 assert await task.get_results() == results
-            assert [asked[0] for _, asked in peers] == [1] * len(answers)
+            assert [n[0] for n in asked] == [1] * len(answers)
+
+
+async def test_callers_queued_behind_a_layerwise_transfers_table_fetch_fail_with_it() -> None:
+    """A peer that never sends its table; a layer-wise transfer (``sync_kv_timeout`` 1 s)
+    fetches it, and another caller on the link (as a pull does) asks 0.1 s later, queued
+    behind that fetch: both fail after about 1 s, with one request to the peer in all (a
+    silent peer costs one timeout, not one per caller). Before: the transfer's own deadline
+    ended its fetch just before the fetch's timeout did, which did not count as unanswered,
+    so the queued caller asked again and failed a second later."""
+    async with _prompt_linked_to([None]) as (prompt, asked):
+        view = link_of(prompt, 2).raw.view
+        task = _layerwise_to(prompt.cache_manager, [2])()
+        t0 = anyio.current_time()
+        took: list[float] = []
+
+        async def other() -> None:
+            await anyio.sleep(0.1)
+            with pytest.raises(dd.LLMException) as err:
+                await view.fetch_table(1.0)
+            assert err.value.status_code == S.LLM_TIMEOUT
+            took.append(anyio.current_time() - t0)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(other)
+                with pytest.raises(dd.LLMException) as err:
+                    await task
+                assert err.value.status_code == S.LLM_TIMEOUT
+        assert took[0] < 1.6 and asked == [[1]]
+
+
+async def test_a_layerwise_transfer_cancelled_while_it_fetches_tables_leaves_the_links_usable() -> (
+    None
+):
+    """The owner cancels a layer-wise transfer while one destination's peer takes its time to
+    answer and the other's never does: it ends at once (TransferCancelled, no result set),
+    nothing of the fetches stays behind (the views' locks are free), and the next transfer on
+    the first link fetches its table anew and gets on (the key is not there: the peer's
+    answer, not a hang)."""
+    async with _prompt_linked_to([_table_frame(0), None]) as (prompt, asked):
+        task = _layerwise_to(prompt.cache_manager, [2, 3])()
+        await anyio.sleep(0.3)
+        t0 = anyio.current_time()
+        task.cancel()
+        with anyio.fail_after(5), pytest.raises(dd.TransferCancelled):
+            await task
+        assert anyio.current_time() - t0 < 0.5
+        assert await task.get_results() == [None, None]
+        views = [link_of(prompt, c).raw.view for c in (2, 3)]
+        assert not any(v._fetching.locked() for v in views)
+        with anyio.fail_after(5), pytest.raises(dd.LLMException) as err:
+            await _layerwise_to(prompt.cache_manager, [2])()
+        assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        assert asked == [[2], [1]]
+
+
+async def test_a_table_fetch_that_fails_outside_the_api_fails_the_transfer_as_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A table fetch that raises what is no LLMException (here a reset connection, as the
+    socket layer would) fails the layer-wise transfer as that error, mapped as the task maps
+    it (LLM_LINK_FAILED), not wrapped in an exception group the caller cannot read."""
+    async with _prompt_linked_to([None]) as (prompt, _):
+
+        async def reset(timeout_s: float) -> Any:
+            raise ConnectionResetError("reset by peer")
+
+        monkeypatch.setattr(link_of(prompt, 2).raw.view, "fetch_table", reset)
+        with anyio.fail_after(5), pytest.raises(dd.LLMException) as err:
+            await _layerwise_to(prompt.cache_manager, [2])()
+        assert err.value.status_code == S.LLM_LINK_FAILED
+        assert "Group" not in str(err.value) and "nursery" not in str(err.value)
