@@ -87,7 +87,6 @@ class Timers:
 
     async def run(self) -> None:
         """Run timers as they come due, until cancelled."""
-        heap = self._heap
         while True:
             now = self.now()
             while self._heap and self._heap[0][0] <= now:
@@ -101,8 +100,9 @@ class Timers:
                     fn()
                 except Exception:  # one deadline's failure must not stop every other one
                     _log.exception("timer.failed")
-            heap = self._heap
-            self._sleeping_until = heap[0][0] if heap else math.inf
+            # (no local name for the heap while asleep: it would keep a list that a compaction
+            # replaced, cancelled timers and all, until the next wake-up)
+            self._sleeping_until = self._heap[0][0] if self._heap else math.inf
             with anyio.CancelScope(deadline=self._sleeping_until) as scope:
                 self._scope = scope
                 try:
