@@ -272,7 +272,7 @@ async def run_transfer(
 ) -> None:
     """Run a layer-wise transfer: in remote-accessible mode each destination's key is first
     resolved in its peer's table (:func:`fetch_tables`: those of the links that have none yet,
-    at once, within ``timeout_s`` in all), then :func:`run_layerwise`.
+    at once), then :func:`run_layerwise`.
 
     Raises:
         LLMException: as :func:`run_layerwise` and :func:`fetch_tables` (the result of each
@@ -286,9 +286,7 @@ async def run_transfer(
                 if d.link is links[i] and isinstance(exc, LLMException) and is_caller_facing(exc):
                     ctl.set_result(d.slot, exc.status_code)
 
-        views = [link.view for link in links]
-        names = [f"cluster {link.peer_cluster_id}" for link in links]
-        tables = await fetch_tables(views, timeout_s, failed, names)
+        tables = await fetch_tables([link.view for link in links], timeout_s, failed)
         by_link = {id(link): table for link, table in zip(links, tables, strict=True)}
         for d in dests:
             d.make_spec = with_table(d.make_spec, by_link[id(d.link)], d.link.peer_cluster_id)

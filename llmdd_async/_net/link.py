@@ -120,7 +120,7 @@ class Link:
         self.broken: BaseException | None = None
         self.closed = False
         #: the peer's cache table as this side knows it
-        self.view = PeerView(self.peer_table)
+        self.view = PeerView(self.peer_table, f"cluster {self.peer_cluster_id}")
         #: what the peer's control frames do here
         self.router = FrameRouter(self)
         decoder.unwanted = self.router.unwanted
@@ -389,19 +389,27 @@ class Link:
                 return False
         return False
 
-    async def peer_table(self, timeout_s: float) -> TableSnapshot | None:
-        """Ask the peer for its cache table; None if no answer came in ``timeout_s``. The
-        answer is parsed in a worker thread: a peer's table may hold ~100k values, some 200 ms
-        of Python (its JSON was parsed on the loop, bounded by the decoder).
+    async def peer_table(
+        self,
+        timeout_s: float,
+        slot_s: float | None = None,
+        answered: Callable[[], None] = lambda: None,
+    ) -> TableSnapshot | None:
+        """Ask the peer for its cache table; None if no answer came in ``timeout_s``
+        (``answered()`` is called when it came). The answer is parsed in a worker thread: a
+        peer's table may hold ~100k values, some 200 ms of Python (its JSON was parsed on the
+        loop, bounded by the decoder).
 
         Raises:
             LinkBroken: the link failed meanwhile. LLMException: the peer's table is too big
-                to be sent (it says so); LLM_TIMEOUT: once here, it waited ``timeout_s`` for
-                the endpoint's build slot (other links' tables were being built).
+                to be sent (it says so); LLM_TIMEOUT: once here, it waited ``slot_s`` (None:
+                ``timeout_s``) for the endpoint's build slot (other tables were being built).
         """
         msg = await self.roundtrip(TableRequest().encode(), MT.TABLE, timeout_s)
         if msg is None:
             return None
+        answered()
+        slot_s = timeout_s if slot_s is None else slot_s
         refused = msg.fields.get("refused")
         if refused is not None:
             why = refused[:500] if isinstance(refused, str) else "(no reason given)"
@@ -411,13 +419,13 @@ class Link:
             )
         # (a build that has begun is not cancelled: the wait for the slot is what is bounded,
         # from the table's arrival: what the roundtrip took is not the slot's doing)
-        with anyio.move_on_after(timeout_s):
+        with anyio.move_on_after(slot_s):
             return await anyio.to_thread.run_sync(
                 TableSnapshot, msg.fields, limiter=self.manager.table_builds
             )
         raise LLMException(
-            f"the cache table of cluster {self.peer_cluster_id} came, then waited {timeout_s:g} s "
-            "for this endpoint's build slot (other links' tables were being built)",
+            f"the cache table of cluster {self.peer_cluster_id} came, then waited {slot_s:g} s "
+            "for this endpoint's build slot (other tables were being built)",
             status_code=LLMStatusCode.LLM_TIMEOUT,
         )
 

@@ -10,7 +10,7 @@ requests carry and which a peer's requests may use, both by the kind of the link
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import anyio
 import numpy as np
@@ -23,9 +23,16 @@ from .._transports import NO_CAPS, PeerAccess, RegisteredCache
 
 __all__ = ["CapsPolicy", "PeerView", "TableSnapshot", "fetch_tables", "typed_table"]
 
-#: asks the peer for its table: the table (parsed off the loop), or None if it did not
-#: answer within the timeout
-FetchTable = Callable[[float], Awaitable["TableSnapshot | None"]]
+
+class FetchTable(Protocol):
+    """Asks the peer for its table: the table (parsed off the loop), or None if it did not
+    answer within ``timeout_s``; the table's wait for the endpoint's build slot is bounded by
+    ``slot_s`` (None: ``timeout_s``) from its arrival, which ``answered()`` reports."""
+
+    def __call__(
+        self, timeout_s: float, slot_s: float | None = None, answered: Callable[[], None] = ...
+    ) -> Awaitable[TableSnapshot | None]: ...
+
 
 #: a fetch cancelled after this share of its timeout counts as unanswered
 _MOSTLY = 0.95
@@ -52,8 +59,10 @@ class PeerView:
     ``epoch`` come from the latest copy (:meth:`refresh`), all three from the same one.
     """
 
-    def __init__(self, fetch: FetchTable) -> None:
+    def __init__(self, fetch: FetchTable, name: str = "the peer") -> None:
+        """``name``: what errors call the peer (``cluster 3``)."""
         self._fetch = fetch
+        self.name = name
         self.table: TableSnapshot | None = None
         #: the table's caches by id (as the peer described them; checked before any use)
         self.caches: dict[int, CacheInfo] = {}
@@ -72,13 +81,13 @@ class PeerView:
         #: not each after a timeout of its own (a silent peer would cost K of them)
         self._unanswered = 0
 
-    async def fetch_table(self, timeout_s: float) -> TableSnapshot:
+    async def fetch_table(self, timeout_s: float, slot_s: float | None = None) -> TableSnapshot:
         """The peer's published cache table, snapshotted on first use for the link's life.
 
         Raises:
             LinkBroken: the link failed. LLMException(LLM_TIMEOUT): no answer in time, or
-                the table then waited ``timeout_s`` for the endpoint's build slot;
-                LLMException(LLM_FAILED): the peer's table is too big to be sent.
+                the table then waited ``slot_s`` (None: ``timeout_s``) for the endpoint's
+                build slot; LLMException(LLM_FAILED): the peer's table is too big to be sent.
         """
         if self.table is None:
             unanswered = self._unanswered
@@ -86,10 +95,10 @@ class PeerView:
                 if self.table is None:
                     table = None
                     if self._unanswered == unanswered:  # (else: as the fetch waited behind)
-                        table = await self._ask(timeout_s)
+                        table = await self._ask(timeout_s, slot_s)
                     if table is None:
                         raise LLMException(
-                            "peer did not send its cache table in time",
+                            f"{self.name} did not send its cache table in time",
                             status_code=LLMStatusCode.LLM_TIMEOUT,
                         )
                     self.table = table
@@ -172,16 +181,18 @@ class PeerView:
             self.adopt(table)
             return table
 
-    async def _ask(self, timeout_s: float) -> TableSnapshot | None:
-        """One fetch of the peer's table, counted as unanswered if it got none in time: None,
-        or cancelled once (almost) its whole timeout had passed (a caller's deadline of the
-        same length, set just before it, ends it first; the callers queued behind must still
-        fail with it, not each ask again)."""
+    async def _ask(self, timeout_s: float, slot_s: float | None = None) -> TableSnapshot | None:
+        """One fetch of the peer's table, counted as unanswered if no answer came in time:
+        None, or cancelled before the answer once (almost) its whole timeout had passed (a
+        pull's deadline of the same length, set just before it, ends it first; the callers
+        queued behind must still fail with it, not each ask again). A table that came and
+        then waited for the build slot was answered."""
         start = anyio.current_time()
+        came: list[bool] = []
         try:
-            table = await self._fetch(timeout_s)
+            table = await self._fetch(timeout_s, slot_s, lambda: came.append(True))
         except anyio.get_cancelled_exc_class():
-            if anyio.current_time() - start >= _MOSTLY * timeout_s:
+            if not came and anyio.current_time() - start >= _MOSTLY * timeout_s:
                 self._unanswered += 1
             raise
         self._unanswered += table is None
@@ -203,16 +214,13 @@ class PeerView:
 
 
 async def fetch_tables(
-    views: Sequence[PeerView],
-    timeout_s: float,
-    on_failure: Callable[[int, Exception], None],
-    names: Sequence[str],
+    views: Sequence[PeerView], timeout_s: float, on_failure: Callable[[int, Exception], None]
 ) -> list[TableSnapshot]:
     """The table snapshot of each view (:meth:`PeerView.fetch_table`): those not fetched yet
-    are fetched at once (a control round trip each, not payload: they need no turn on their
-    links), within ``timeout_s`` in all, not one after another; with none to fetch, no task
-    or loop turn. ``on_failure(i, exc)`` is told of each view whose fetch failed, before it
-    raises; ``names[i]`` is what an error calls the peer of ``views[i]``.
+    are fetched at once, not one after another, each peer with ``timeout_s`` to answer;
+    with none to fetch, no task or loop turn. Their tables take the endpoint's build slot
+    one at a time, so each may wait for it as long as all of them may (``timeout_s`` each).
+    ``on_failure(i, exc)`` is told of each view whose fetch failed, before it raises.
 
     Raises:
         LLMException: the first fetch that failed other than by a timeout (it ends the others,
@@ -223,38 +231,28 @@ async def fetch_tables(
     missing = [i for i, view in enumerate(views) if view.table is None]
     if missing:
         failed: dict[int, Exception] = {}
+        slot_s = timeout_s * len(missing)
 
         def timed_out(exc: Exception) -> bool:
             return isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_TIMEOUT
 
         async def fetch(i: int, group: anyio.CancelScope) -> None:
             try:
-                await views[i].fetch_table(timeout_s)
+                await views[i].fetch_table(timeout_s, slot_s)
             except Exception as exc:
                 failed[i] = exc
                 if not timed_out(exc):
                     group.cancel()  # (the caller fails: the others need not be waited for)
 
-        with anyio.move_on_after(timeout_s):
-            async with anyio.create_task_group() as tg:
-                for i in missing:
-                    tg.start_soon(fetch, i, tg.cancel_scope)
-        broken = [exc for exc in failed.values() if not timed_out(exc)]
-        if not broken:  # (else the fetches it ended did not time out)
+        async with anyio.create_task_group() as tg:
             for i in missing:
-                if views[i].table is None and i not in failed:
-                    failed[i] = LLMException(
-                        f"the cache table of {names[i]} was not ready within {timeout_s:.3f} s:"
-                        " no answer in time, or it waited for this endpoint's build slot",
-                        status_code=LLMStatusCode.LLM_TIMEOUT,
-                    )
+                tg.start_soon(fetch, i, tg.cancel_scope)
         for i in sorted(failed):
             on_failure(i, failed[i])
+        broken = [exc for _, exc in sorted(failed.items()) if not timed_out(exc)]
         if failed:
             raise broken[0] if broken else failed[min(failed)]
-    tables = [view.table for view in views]
-    assert all(t is not None for t in tables)  # (fetched above, or before)
-    return tables  # type: ignore[return-value]
+    return [cast(TableSnapshot, view.table) for view in views]  # (fetched above, or before)
 
 
 class CapsPolicy:

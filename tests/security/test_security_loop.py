@@ -851,16 +851,23 @@ async def test_a_layerwise_transfer_fetches_its_destinations_tables_at_once(
             assert [n[0] for n in asked] == [1] * len(answers)
 
 
-async def test_callers_queued_behind_a_layerwise_transfers_table_fetch_fail_with_it() -> None:
-    """A peer that never sends its table; a layer-wise transfer (``sync_kv_timeout`` 1 s)
-    fetches it, and another caller on the link (as a pull does) asks 0.1 s later, queued
-    behind that fetch: both fail after about 1 s, with one request to the peer in all (a
-    silent peer costs one timeout, not one per caller). Before: the transfer's own deadline
-    ended its fetch just before the fetch's timeout did, which did not count as unanswered,
-    so the queued caller asked again and failed a second later."""
+@pytest.mark.parametrize("first", ["pull", "layerwise"])
+async def test_callers_queued_behind_a_transfers_table_fetch_fail_with_it(first: str) -> None:
+    """A peer that never sends its table; a transfer (``sync_kv_timeout`` 1 s: a pull by key,
+    or a layer-wise transfer) fetches it, and another caller on the link asks 0.1 s later,
+    queued behind that fetch: both fail after about 1 s, with one request to the peer in all
+    (a silent peer costs one timeout, not one per caller). Before: the pull's own deadline,
+    set just before its fetch, ended the fetch a moment before the fetch's timeout would
+    have, which did not count as unanswered, so the queued caller asked again and failed a
+    second later (as the first version of the layer-wise transfer's fetch at once did)."""
     async with _prompt_linked_to([None]) as (prompt, asked):
         view = link_of(prompt, 2).raw.view
-        task = _layerwise_to(prompt.cache_manager, [2])()
+        cm = prompt.cache_manager
+        if first == "pull":
+            dst = cm.allocate_blocks_cache(_u8(2, [4, 64]))
+            task = cm.pull_blocks(dd.BlocksCacheKey(2, 0), dst, [0], [0])
+        else:
+            task = _layerwise_to(cm, [2])()
         t0 = anyio.current_time()
         took: list[float] = []
 
@@ -878,6 +885,51 @@ async def test_callers_queued_behind_a_layerwise_transfers_table_fetch_fail_with
                     await task
                 assert err.value.status_code == S.LLM_TIMEOUT
         assert took[0] < 1.6 and asked == [[1]]
+
+
+async def test_a_table_cut_while_it_waits_for_the_build_slot_was_answered() -> None:
+    """A table that came, then waited for the endpoint's build slot until its caller's
+    deadline cut it, was answered: a caller queued behind asks again and gets it (the peer is
+    not taken for a silent one)."""
+    async with table_server(_table_frame(3)) as (lnk, asked):
+        builds = lnk.manager.table_builds
+        holder = object()
+        await builds.acquire_on_behalf_of(holder)
+        got: list[int] = []
+
+        async def queued() -> None:
+            await anyio.sleep(0.1)
+            got.append(len((await lnk.view.fetch_table(5)).typed.caches))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(queued)
+                with anyio.move_on_after(1.0):
+                    await lnk.view.fetch_table(1.0)
+                await anyio.sleep(0.1)
+                builds.release_on_behalf_of(holder)
+        assert got == [3] and asked[0] == 2
+
+
+async def test_a_layerwise_transfers_tables_wait_for_the_build_slot_as_long_as_they_all_may() -> (
+    None
+):
+    """The tables a layer-wise transfer fetches at once take the endpoint's build slot one at
+    a time, so each may wait for it as long as all of them may (``sync_kv_timeout`` each):
+    with the slot held 1.5 s, three tables of 1 s each are still built (the key is not in
+    them: the transfer gets as far as resolving it)."""
+    async with _prompt_linked_to([_table_frame(0)] * 3, delay_s=0) as (prompt, asked):
+        builds = link_of(prompt, 2).raw.manager.table_builds
+        holder = object()
+        await builds.acquire_on_behalf_of(holder)
+        task = _layerwise_to(prompt.cache_manager, [2, 3, 4])()
+        with anyio.fail_after(10):
+            await anyio.sleep(1.5)
+            builds.release_on_behalf_of(holder)
+            with pytest.raises(dd.LLMException) as err:
+                await task
+        assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST, err.value
+        assert asked == [[1]] * 3
 
 
 async def test_a_layerwise_transfer_cancelled_while_it_fetches_tables_leaves_the_links_usable() -> (
@@ -913,7 +965,7 @@ async def test_a_table_fetch_that_fails_outside_the_api_fails_the_transfer_as_it
     it (LLM_LINK_FAILED), not wrapped in an exception group the caller cannot read."""
     async with _prompt_linked_to([None]) as (prompt, _):
 
-        async def reset(timeout_s: float) -> Any:
+        async def reset(timeout_s: float, slot_s: float | None = None) -> Any:
             raise ConnectionResetError("reset by peer")
 
         monkeypatch.setattr(link_of(prompt, 2).raw.view, "fetch_table", reset)
