@@ -46,7 +46,7 @@ from .._transports._staging import LinkStaging
 from .._transports.tcp import (
     StreamPlan,
 )
-from .peer_view import CapsPolicy, PeerView
+from .peer_view import BuildTurns, CapsPolicy, PeerView
 from .reader import LinkReader
 from .requests import (
     LinkStatistics,
@@ -392,24 +392,25 @@ class Link:
     async def peer_table(
         self,
         timeout_s: float,
-        slot_s: float | None = None,
+        turns: BuildTurns | None = None,
         answered: Callable[[], None] = lambda: None,
     ) -> TableSnapshot | None:
         """Ask the peer for its cache table; None if no answer came in ``timeout_s``
         (``answered()`` is called when it came). The answer is parsed in a worker thread: a
         peer's table may hold ~100k values, some 200 ms of Python (its JSON was parsed on the
-        loop, bounded by the decoder).
+        loop, bounded by the decoder). ``turns``: the tables fetched with this one, built one
+        after another (:class:`BuildTurns`).
 
         Raises:
             LinkBroken: the link failed meanwhile. LLMException: the peer's table is too big
-                to be sent (it says so); LLM_TIMEOUT: once here, it waited ``slot_s`` (None:
-                ``timeout_s``) for the endpoint's build slot (other tables were being built).
+                to be sent (it says so); LLM_TIMEOUT: once here (and its turn came), it waited
+                ``timeout_s`` for the endpoint's build slot (other links' tables were being
+                built), or one of ``turns`` did.
         """
         msg = await self.roundtrip(TableRequest().encode(), MT.TABLE, timeout_s)
         if msg is None:
             return None
         answered()
-        slot_s = timeout_s if slot_s is None else slot_s
         refused = msg.fields.get("refused")
         if refused is not None:
             why = refused[:500] if isinstance(refused, str) else "(no reason given)"
@@ -417,15 +418,23 @@ class Link:
                 f"cluster {self.peer_cluster_id} could not send its cache table: {why}",
                 status_code=LLMStatusCode.LLM_FAILED,
             )
-        # (a build that has begun is not cancelled: the wait for the slot is what is bounded,
-        # from the table's arrival: what the roundtrip took is not the slot's doing)
-        with anyio.move_on_after(slot_s):
-            return await anyio.to_thread.run_sync(
-                TableSnapshot, msg.fields, limiter=self.manager.table_builds
-            )
+        waited = f"then waited {timeout_s:g} s"
+        async with turns.lock if turns is not None else contextlib.nullcontext():
+            if turns is None or not turns.starved:
+                # (a build that has begun is not cancelled: the wait for the slot is what is
+                # bounded, from the table's arrival or its turn: neither what the roundtrip
+                # took nor the builds of the tables fetched with it are the slot's doing)
+                with anyio.move_on_after(timeout_s):
+                    return await anyio.to_thread.run_sync(
+                        TableSnapshot, msg.fields, limiter=self.manager.table_builds
+                    )
+                if turns is not None:
+                    turns.starved = True
+            else:
+                waited = f"but a table fetched with it had waited {timeout_s:g} s"
         raise LLMException(
-            f"the cache table of cluster {self.peer_cluster_id} came, then waited {slot_s:g} s "
-            "for this endpoint's build slot (other tables were being built)",
+            f"the cache table of cluster {self.peer_cluster_id} came, {waited} for this "
+            "endpoint's build slot (other links' tables were being built)",
             status_code=LLMStatusCode.LLM_TIMEOUT,
         )
 

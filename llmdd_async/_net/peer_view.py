@@ -21,21 +21,34 @@ from .._messages import CacheInfo, Table, TableSnapshot, no_regions
 from .._planner import BlockPair, Layout, check_within
 from .._transports import NO_CAPS, PeerAccess, RegisteredCache
 
-__all__ = ["CapsPolicy", "PeerView", "TableSnapshot", "fetch_tables", "typed_table"]
+__all__ = ["BuildTurns", "CapsPolicy", "PeerView", "TableSnapshot", "fetch_tables", "typed_table"]
+
+
+#: a fetch cut after this share of its timeout with no answer counts as unanswered
+_MOSTLY = 0.95
+
+
+class BuildTurns:
+    """The tables fetched together (:func:`fetch_tables`) take the endpoint's build slot one
+    after another of their own accord: each then waits for the slot, from its turn, only as
+    long as other links' builds hold it (its fetch's timeout), not for its fellows' builds;
+    and once one of them waited that long, the others do not wait again (a slot held by
+    others costs the fetches one timeout, not one each)."""
+
+    def __init__(self) -> None:
+        self.lock = anyio.Lock()
+        #: one of them waited its timeout for the slot
+        self.starved = False
 
 
 class FetchTable(Protocol):
-    """Asks the peer for its table: the table (parsed off the loop), or None if it did not
-    answer within ``timeout_s``; the table's wait for the endpoint's build slot is bounded by
-    ``slot_s`` (None: ``timeout_s``) from its arrival, which ``answered()`` reports."""
+    """Asks the peer for its cache table: the table (parsed off the loop), or None if it did
+    not answer within ``timeout_s``; ``answered()`` is called when it came, and its build
+    takes a turn of ``turns`` (:class:`BuildTurns`) if given."""
 
     def __call__(
-        self, timeout_s: float, slot_s: float | None = None, answered: Callable[[], None] = ...
+        self, timeout_s: float, turns: BuildTurns | None = None, answered: Callable[[], None] = ...
     ) -> Awaitable[TableSnapshot | None]: ...
-
-
-#: a fetch cancelled after this share of its timeout counts as unanswered
-_MOSTLY = 0.95
 
 
 def typed_table(table: Mapping[str, Any]) -> Table:
@@ -81,13 +94,14 @@ class PeerView:
         #: not each after a timeout of its own (a silent peer would cost K of them)
         self._unanswered = 0
 
-    async def fetch_table(self, timeout_s: float, slot_s: float | None = None) -> TableSnapshot:
+    async def fetch_table(self, timeout_s: float, turns: BuildTurns | None = None) -> TableSnapshot:
         """The peer's published cache table, snapshotted on first use for the link's life.
+        ``turns``: the tables fetched with it (:class:`BuildTurns`).
 
         Raises:
             LinkBroken: the link failed. LLMException(LLM_TIMEOUT): no answer in time, or
-                the table then waited ``slot_s`` (None: ``timeout_s``) for the endpoint's
-                build slot; LLMException(LLM_FAILED): the peer's table is too big to be sent.
+                the table then waited ``timeout_s`` for the endpoint's build slot;
+                LLMException(LLM_FAILED): the peer's table is too big to be sent.
         """
         if self.table is None:
             unanswered = self._unanswered
@@ -95,7 +109,7 @@ class PeerView:
                 if self.table is None:
                     table = None
                     if self._unanswered == unanswered:  # (else: as the fetch waited behind)
-                        table = await self._ask(timeout_s, slot_s)
+                        table = await self._ask(timeout_s, turns)
                     if table is None:
                         raise LLMException(
                             f"{self.name} did not send its cache table in time",
@@ -181,7 +195,7 @@ class PeerView:
             self.adopt(table)
             return table
 
-    async def _ask(self, timeout_s: float, slot_s: float | None = None) -> TableSnapshot | None:
+    async def _ask(self, timeout_s: float, turns: BuildTurns | None = None) -> TableSnapshot | None:
         """One fetch of the peer's table, counted as unanswered if no answer came in time:
         None, or cancelled before the answer once (almost) its whole timeout had passed (a
         pull's deadline of the same length, set just before it, ends it first; the callers
@@ -190,7 +204,7 @@ class PeerView:
         start = anyio.current_time()
         came: list[bool] = []
         try:
-            table = await self._fetch(timeout_s, slot_s, lambda: came.append(True))
+            table = await self._fetch(timeout_s, turns, lambda: came.append(True))
         except anyio.get_cancelled_exc_class():
             if not came and anyio.current_time() - start >= _MOSTLY * timeout_s:
                 self._unanswered += 1
@@ -218,9 +232,10 @@ async def fetch_tables(
 ) -> list[TableSnapshot]:
     """The table snapshot of each view (:meth:`PeerView.fetch_table`): those not fetched yet
     are fetched at once, not one after another, each peer with ``timeout_s`` to answer;
-    with none to fetch, no task or loop turn. Their tables take the endpoint's build slot
-    one at a time, so each may wait for it as long as all of them may (``timeout_s`` each).
-    ``on_failure(i, exc)`` is told of each view whose fetch failed, before it raises.
+    with none to fetch, no task or loop turn. Their builds take turns (:class:`BuildTurns`),
+    so in all the fetches take about one timeout for the answers and one for the build slot,
+    as a single fetch may. ``on_failure(i, exc)`` is told of each view whose fetch failed,
+    before it raises.
 
     Raises:
         LLMException: the first fetch that failed other than by a timeout (it ends the others,
@@ -231,14 +246,14 @@ async def fetch_tables(
     missing = [i for i, view in enumerate(views) if view.table is None]
     if missing:
         failed: dict[int, Exception] = {}
-        slot_s = timeout_s * len(missing)
+        turns = BuildTurns()
 
         def timed_out(exc: Exception) -> bool:
             return isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_TIMEOUT
 
         async def fetch(i: int, group: anyio.CancelScope) -> None:
             try:
-                await views[i].fetch_table(timeout_s, slot_s)
+                await views[i].fetch_table(timeout_s, turns)
             except Exception as exc:
                 failed[i] = exc
                 if not timed_out(exc):

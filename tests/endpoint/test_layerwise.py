@@ -179,8 +179,7 @@ async def test_raw_addresses_in_request_response_mode(transport) -> None:
 
 async def test_keyed_transfers_after_the_first_ask_for_no_table(monkeypatch) -> None:
     """A link's first keyed transfer fetches the peer's table (its snapshot for the link's
-    life); later ones resolve their keys in it with no fetch at all (no request, task or loop
-    turn for it before the first layer)."""
+    life); later ones resolve their keys in it with no fetch at all."""
     async with decoders("tcp") as ([dec], prompt):
         dst = await register_blocks_at(dec, 4, (8, 256))
         cm = prompt.cache_manager

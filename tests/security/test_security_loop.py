@@ -911,25 +911,45 @@ async def test_a_table_cut_while_it_waits_for_the_build_slot_was_answered() -> N
         assert got == [3] and asked[0] == 2
 
 
-async def test_a_layerwise_transfers_tables_wait_for_the_build_slot_as_long_as_they_all_may() -> (
-    None
-):
-    """The tables a layer-wise transfer fetches at once take the endpoint's build slot one at
-    a time, so each may wait for it as long as all of them may (``sync_kv_timeout`` each):
-    with the slot held 1.5 s, three tables of 1 s each are still built (the key is not in
-    them: the transfer gets as far as resolving it)."""
+async def test_the_tables_a_layerwise_transfer_fetches_at_once_take_turns_for_the_build_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tables a layer-wise transfer fetches at once (``sync_kv_timeout`` 1 s) are built
+    one after another, each waiting for the endpoint's build slot from its turn: four tables
+    that take 0.4 s each to build (a big table's) all get built, though the last waits 1.2 s
+    for the slot (the key is not in them: the transfer gets as far as resolving it). And a
+    slot that other links hold the whole time costs the transfer one timeout, not one per
+    table: it fails with LLM_TIMEOUT after about 1 s. Before: the first case failed with the
+    fourth table's slot timeout (each table's wait for the slot counted from its arrival,
+    its fellows' builds included), and the second waited 3 s with a wait of the timeout for
+    each table in turn (the first version of the fetch at once)."""
+    from llmdd_async._net import link as link_module
+
+    snapshot = link_module.TableSnapshot
+
+    def slow(fields: Any) -> Any:
+        time.sleep(0.4)
+        return snapshot(fields)
+
+    with monkeypatch.context() as m:
+        m.setattr(link_module, "TableSnapshot", slow)
+        async with _prompt_linked_to([_table_frame(0)] * 4, delay_s=0) as (prompt, asked):
+            with anyio.fail_after(10), pytest.raises(dd.LLMException) as err:
+                await _layerwise_to(prompt.cache_manager, [2, 3, 4, 5])()
+            assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST, err.value
+            assert asked == [[1]] * 4
     async with _prompt_linked_to([_table_frame(0)] * 3, delay_s=0) as (prompt, asked):
         builds = link_of(prompt, 2).raw.manager.table_builds
         holder = object()
         await builds.acquire_on_behalf_of(holder)
-        task = _layerwise_to(prompt.cache_manager, [2, 3, 4])()
-        with anyio.fail_after(10):
-            await anyio.sleep(1.5)
+        try:
+            t0 = anyio.current_time()
+            with anyio.fail_after(10), pytest.raises(dd.LLMException, match="build slot") as err:
+                await _layerwise_to(prompt.cache_manager, [2, 3, 4])()
+            assert err.value.status_code == S.LLM_TIMEOUT
+            assert anyio.current_time() - t0 < 1.9
+        finally:
             builds.release_on_behalf_of(holder)
-            with pytest.raises(dd.LLMException) as err:
-                await task
-        assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST, err.value
-        assert asked == [[1]] * 3
 
 
 async def test_a_layerwise_transfer_cancelled_while_it_fetches_tables_leaves_the_links_usable() -> (
