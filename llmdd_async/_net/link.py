@@ -404,8 +404,8 @@ class Link:
         Raises:
             LinkBroken: the link failed meanwhile. LLMException: the peer's table is too big
                 to be sent (it says so); LLM_TIMEOUT: once here (and its turn came), it waited
-                ``timeout_s`` for the endpoint's build slot (other links' tables were being
-                built), or one of ``turns`` did.
+                for the endpoint's build slot (other links' tables were being built) until
+                ``timeout_s`` had passed since its arrival, less what ``turns`` waited.
         """
         msg = await self.roundtrip(TableRequest().encode(), MT.TABLE, timeout_s)
         if msg is None:
@@ -418,20 +418,27 @@ class Link:
                 f"cluster {self.peer_cluster_id} could not send its cache table: {why}",
                 status_code=LLMStatusCode.LLM_FAILED,
             )
+        builds, borrower = self.manager.table_builds, object()
         waited = f"then waited {timeout_s:g} s"
         async with turns.lock if turns is not None else contextlib.nullcontext():
-            if turns is None or not turns.starved:
-                # (a build that has begun is not cancelled: the wait for the slot is what is
-                # bounded, from the table's arrival or its turn: neither what the roundtrip
-                # took nor the builds of the tables fetched with it are the slot's doing)
-                with anyio.move_on_after(timeout_s):
-                    return await anyio.to_thread.run_sync(
-                        TableSnapshot, msg.fields, limiter=self.manager.table_builds
-                    )
-                if turns is not None:
-                    turns.starved = True
-            else:
-                waited = f"but a table fetched with it had waited {timeout_s:g} s"
+            # The wait for the slot is bounded, from the table's arrival or its turn: neither
+            # what the roundtrip took nor the builds of the tables fetched with it are the
+            # slot's doing; the tables fetched together share one timeout for their waits.
+            budget = timeout_s - (turns.waited_s if turns is not None else 0.0)
+            start = anyio.current_time()
+            got = False
+            with anyio.move_on_after(budget):
+                await builds.acquire_on_behalf_of(borrower)
+                got = True
+            if turns is not None:
+                turns.waited_s += anyio.current_time() - start
+                if budget <= 0:
+                    waited = f"but the tables fetched with it had waited {timeout_s:g} s"
+            if got:  # (the turn is kept until the build is done: a fellow waits from then)
+                try:  # (a build that has begun is not cancelled: a worker runs it to its end)
+                    return await anyio.to_thread.run_sync(TableSnapshot, msg.fields)
+                finally:
+                    builds.release_on_behalf_of(borrower)
         raise LLMException(
             f"the cache table of cluster {self.peer_cluster_id} came, {waited} for this "
             "endpoint's build slot (other links' tables were being built)",

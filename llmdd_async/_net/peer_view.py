@@ -30,15 +30,14 @@ _MOSTLY = 0.95
 
 class BuildTurns:
     """The tables fetched together (:func:`fetch_tables`) take the endpoint's build slot one
-    after another of their own accord: each then waits for the slot, from its turn, only as
-    long as other links' builds hold it (its fetch's timeout), not for its fellows' builds;
-    and once one of them waited that long, the others do not wait again (a slot held by
-    others costs the fetches one timeout, not one each)."""
+    after another of their own accord, each waiting for it from its turn (not for its
+    fellows' builds), and their waits for other links' builds share one timeout: a slot held
+    by others costs the fetches one timeout in all, not one each."""
 
     def __init__(self) -> None:
         self.lock = anyio.Lock()
-        #: one of them waited its timeout for the slot
-        self.starved = False
+        #: how long they have waited for the slot so far
+        self.waited_s = 0.0
 
 
 class FetchTable(Protocol):
@@ -233,9 +232,9 @@ async def fetch_tables(
     """The table snapshot of each view (:meth:`PeerView.fetch_table`): those not fetched yet
     are fetched at once, not one after another, each peer with ``timeout_s`` to answer;
     with none to fetch, no task or loop turn. Their builds take turns (:class:`BuildTurns`),
-    so in all the fetches take about one timeout for the answers and one for the build slot,
-    as a single fetch may. ``on_failure(i, exc)`` is told of each view whose fetch failed,
-    before it raises.
+    so in all the fetches wait about one timeout for the answers and one for the build slot,
+    as a single fetch may, besides their own builds. ``on_failure(i, exc)`` is told of each
+    view whose fetch failed, before it raises.
 
     Raises:
         LLMException: the first fetch that failed other than by a timeout (it ends the others,

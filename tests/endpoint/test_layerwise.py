@@ -195,7 +195,7 @@ async def test_keyed_transfers_after_the_first_ask_for_no_table(monkeypatch) -> 
             assert await task.get_results() == [S.LLM_SUCCESS]
             if i == 0:
 
-                async def no_fetch(timeout_s: float, slot_s: float | None = None) -> Any:
+                async def no_fetch(timeout_s: float, turns: Any = None) -> Any:
                     raise AssertionError("the table was fetched again")
 
                 monkeypatch.setattr(link_of(prompt, 2).raw.view, "fetch_table", no_fetch)

@@ -911,18 +911,31 @@ async def test_a_table_cut_while_it_waits_for_the_build_slot_was_answered() -> N
         assert got == [3] and asked[0] == 2
 
 
+async def _hold_in_spells(limiter: anyio.CapacityLimiter, spell_s: float) -> None:
+    """Hold ``limiter`` (as other links' table builds would) ``spell_s`` at a time, queueing
+    again at once after each, until cancelled."""
+    holder = object()
+    while True:
+        await limiter.acquire_on_behalf_of(holder)
+        try:
+            await anyio.sleep(spell_s)
+        finally:
+            limiter.release_on_behalf_of(holder)
+
+
 async def test_the_tables_a_layerwise_transfer_fetches_at_once_take_turns_for_the_build_slot(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The tables a layer-wise transfer fetches at once (``sync_kv_timeout`` 1 s) are built
-    one after another, each waiting for the endpoint's build slot from its turn: four tables
-    that take 0.4 s each to build (a big table's) all get built, though the last waits 1.2 s
-    for the slot (the key is not in them: the transfer gets as far as resolving it). And a
-    slot that other links hold the whole time costs the transfer one timeout, not one per
-    table: it fails with LLM_TIMEOUT after about 1 s. Before: the first case failed with the
-    fourth table's slot timeout (each table's wait for the slot counted from its arrival,
-    its fellows' builds included), and the second waited 3 s with a wait of the timeout for
-    each table in turn (the first version of the fetch at once)."""
+    one after another, each waiting for the endpoint's build slot from its turn, and their
+    waits for other links' builds share one timeout. Four tables that take 0.4 s each to
+    build (a big table's) all get built, though the last is built 1.2 s after it came (the
+    key is not in them: the transfer gets as far as resolving it). A slot that other links
+    hold the whole time, or hand round in spells of 0.8 s, costs the transfer one timeout in
+    all, not one per table: it fails with LLM_TIMEOUT after about 1 s. Before (the tables
+    fetched at once, each waiting for the slot from its arrival for as long as all of them
+    might): the held slot took 3 s, the slot in spells 2.4 s (and no failure); with each
+    table's wait counted from its arrival alone, the fourth big table timed out."""
     from llmdd_async._net import link as link_module
 
     snapshot = link_module.TableSnapshot
@@ -938,18 +951,19 @@ async def test_the_tables_a_layerwise_transfer_fetches_at_once_take_turns_for_th
                 await _layerwise_to(prompt.cache_manager, [2, 3, 4, 5])()
             assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST, err.value
             assert asked == [[1]] * 4
-    async with _prompt_linked_to([_table_frame(0)] * 3, delay_s=0) as (prompt, asked):
-        builds = link_of(prompt, 2).raw.manager.table_builds
-        holder = object()
-        await builds.acquire_on_behalf_of(holder)
-        try:
-            t0 = anyio.current_time()
-            with anyio.fail_after(10), pytest.raises(dd.LLMException, match="build slot") as err:
-                await _layerwise_to(prompt.cache_manager, [2, 3, 4])()
-            assert err.value.status_code == S.LLM_TIMEOUT
-            assert anyio.current_time() - t0 < 1.9
-        finally:
-            builds.release_on_behalf_of(holder)
+    for spell in (None, 0.8):
+        async with _prompt_linked_to([_table_frame(0)] * 3, delay_s=0) as (prompt, asked):
+            builds = link_of(prompt, 2).raw.manager.table_builds
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_hold_in_spells, builds, 10 if spell is None else spell)
+                await anyio.sleep(0.05)
+                t0 = anyio.current_time()
+                with anyio.fail_after(10), pytest.raises(dd.LLMException, match="slot") as err:
+                    await _layerwise_to(prompt.cache_manager, [2, 3, 4])()
+                assert err.value.status_code == S.LLM_TIMEOUT
+                assert anyio.current_time() - t0 < 1.9, spell
+                tg.cancel_scope.cancel()
 
 
 async def test_a_layerwise_transfer_cancelled_while_it_fetches_tables_leaves_the_links_usable() -> (
@@ -985,7 +999,7 @@ async def test_a_table_fetch_that_fails_outside_the_api_fails_the_transfer_as_it
     it (LLM_LINK_FAILED), not wrapped in an exception group the caller cannot read."""
     async with _prompt_linked_to([None]) as (prompt, _):
 
-        async def reset(timeout_s: float, slot_s: float | None = None) -> Any:
+        async def reset(timeout_s: float, turns: Any = None) -> Any:
             raise ConnectionResetError("reset by peer")
 
         monkeypatch.setattr(link_of(prompt, 2).raw.view, "fetch_table", reset)
