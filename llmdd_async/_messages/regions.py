@@ -11,7 +11,7 @@ import numpy as np
 
 from .control import CacheInfo, Table
 
-__all__ = ["TableSnapshot", "no_regions", "regions_of"]
+__all__ = ["TableSnapshot", "first_entries", "no_regions", "regions_of"]
 
 
 def no_regions() -> tuple[np.ndarray, np.ndarray]:
@@ -39,6 +39,15 @@ def _disjoint(starts: list[int], ends: list[int]) -> tuple[np.ndarray, np.ndarra
     np.greater_equal(s[1:], np.maximum.accumulate(e)[:-1], out=first[1:])
     at = np.flatnonzero(first)
     return s[at], np.maximum.reduceat(e, at)
+
+
+def first_entries(caches: Iterable[CacheInfo]) -> dict[int, CacheInfo]:
+    """The first entry of each cache id among ``caches`` (as a scan finds it): the one entry a
+    table or proof is read by, where a peer lists an id twice."""
+    first: dict[int, CacheInfo] = {}
+    for c in caches:
+        first.setdefault(c.cache_id, c)
+    return first
 
 
 def regions_of(caches: Iterable[CacheInfo]) -> tuple[np.ndarray, np.ndarray]:
@@ -76,7 +85,5 @@ class TableSnapshot(dict[str, Any]):
         #: the first entry of each cache id (as a scan of ``typed.caches`` finds it): what
         #: resolves a key or an id, what a one-sided pull plans with, and what the regions
         #: are made of (a peer that lists an id twice is read by one entry of it everywhere)
-        self.by_id: dict[int, CacheInfo] = {}
-        for c in self.typed.caches:
-            self.by_id.setdefault(c.cache_id, c)
+        self.by_id: dict[int, CacheInfo] = first_entries(self.typed.caches)
         self.regions = regions_of(self.by_id.values())

@@ -18,7 +18,7 @@ import numpy as np
 from .._protocol import MT, Message
 from .control import CacheInfo
 from .fields import U64_MAX, bad_field, expect_type, int_field, str_field
-from .regions import regions_of
+from .regions import first_entries, regions_of
 
 #: ``[[ip, port], [ip, port]]`` of a TCP connection (``local_peer.tcp_binding``), typed
 TcpBinding = tuple[tuple[str, int], tuple[str, int]]
@@ -139,10 +139,7 @@ class Proof:
     def regions(self) -> tuple[np.ndarray, np.ndarray]:
         """Sorted ``(starts, ends)`` of the tensors of its remote-accessible caches, an id's
         first entry only (as :class:`TableSnapshot` reads a table)."""
-        first: dict[int, CacheInfo] = {}
-        for c in self.caches:
-            first.setdefault(c.cache_id, c)
-        return regions_of(first.values())
+        return regions_of(first_entries(self.caches).values())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
