@@ -263,3 +263,36 @@ def test_each_transport_is_held_against_its_own_limit(
     assert _limit_of("nixl") == _limit_of("nixl-raw") == nixl_limit
     assert _limit_of("same-host") == "memcpy"
     assert _limit_of("tcp") == _limit_of("mooncake-raw") == "raw_socket"
+
+
+@pytest.mark.skipif(
+    len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2, reason="needs two CPUs"
+)
+def test_the_floor_runs_each_end_on_a_cpu_of_its_own_and_puts_the_caller_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from llmdd_async.bench import limits
+
+    before = os.sched_getaffinity(0)
+    seen: list[set[int]] = []
+    started: list[list[str]] = []
+    real_popen = subprocess.Popen
+
+    def popen(args: list[str], *a: Any, **k: Any) -> Any:
+        started.append(list(args))
+        return real_popen(args, *a, **k)
+
+    real_rpc = limits.time.perf_counter
+
+    def clock() -> float:  # (called on this thread while it times each request)
+        seen.append(os.sched_getaffinity(0))
+        return real_rpc()
+
+    monkeypatch.setattr(limits.subprocess, "Popen", popen)
+    monkeypatch.setattr(limits.time, "perf_counter", clock)
+    p50, p99 = limits.raw_rpc_us(4096, n=20)
+    assert 0 < p50 <= p99
+    cpus = sorted(before)
+    assert seen and all(s == {cpus[0]} for s in seen)  # the client on the first CPU...
+    assert started[0][-1] == str(cpus[1])  # ...the server told to run on the second
+    assert os.sched_getaffinity(0) == before  # and this thread is as it was
