@@ -129,6 +129,14 @@ OPTION_DOCS: dict[str, tuple[str, str]] = {
         "ms",
         "the most one request of a peer may run here, whatever deadline the peer asks for",
     ),
+    "llm.BusyPoll": (
+        "µs, `0`..`1000000`",
+        "after each frame a link sends or receives, the event loop keeps polling (no sleep) "
+        "for this long: the next frame is picked up by a running loop, not by a process the "
+        "kernel wakes on an idle CPU (tens of microseconds a request on VMs), at the cost of "
+        "a busy core while traffic flows, and the GIL held between polls: off where other "
+        "threads run Python ([tuning](../how-to/tuning.md)); `0`: off",
+    ),
     "llm.LinkHeartbeat": (
         "ms, `2000`..`3600000`",
         "a link whose peer's host acknowledges nothing for this long (a partition, a host gone "
@@ -174,6 +182,7 @@ def _option_defaults() -> dict[str, str]:
         "llm.LinkThreads": f"`{limits.threads}`",
         "llm.ServeTimeout": "`llm.SyncKvCacheWaitTime` per layer of the request",
         "llm.LinkHeartbeat": "`llm.SyncKvCacheWaitTime`, at least `10000` (the stall timeout)",
+        "llm.BusyPoll": f"`{round(parsed.busy_poll_s * 1e6)}` (off)",
         "llm.MetaBudget": f"4 x `llm.LinkMaxMeta` (`{limits.meta_budget_bytes}`)",
         "llm.MemoryUtilization": f"`{utilization}` (what `LLMConfig` emits)",
         "ge.flowGraphMemMaxSize": f"`{LEGACY_DEFAULT_KV_BYTES}` (lazily touched)",

@@ -17,6 +17,7 @@ import anyio.to_thread
 import numpy as np
 from anyio.abc import TaskGroup
 
+from ._busy_poll import BusyPoll
 from ._devices import DeviceAdapter, DevicePool, load_adapter
 from ._drivers import (
     LoopEvent,
@@ -93,6 +94,8 @@ class Engine:
         #: deadlines of transfers that run without a task of their own; ``timers.now()`` is
         #: the loop's clock
         self.timers = Timers()
+        #: llm.BusyPoll: keeps the loop polling for a while after link traffic (links kick it)
+        self.busy_poll = BusyPoll(options.busy_poll_s)
         #: makes the running backend's own event (set on the loop thread): cheaper than an
         #: ``anyio.Event`` where one is made per layer
         self.new_event: Callable[[], LoopEvent] = anyio.Event
@@ -138,6 +141,8 @@ class Engine:
                 self._new_wakeup = wakeup_factory()
                 self.timers.now = loop_clock()
                 tg.start_soon(self.timers.run)
+                self.busy_poll = BusyPoll(self.options.busy_poll_s, self.timers.now)
+                tg.start_soon(self.busy_poll.run)
                 try:
                     await self.start_services()
                     self.log.info("engine.up", role=str(self.role))

@@ -36,6 +36,10 @@ DEFAULT_LAYER_SYNC_TIMEOUT_MS = 600_000
 #: how many leave at once).
 DEFAULT_LAYER_WINDOW = 16
 
+#: llm.BusyPoll's bound (microseconds): a second of polling after each frame is already a
+#: core spent for good on any endpoint that sees traffic
+MAX_BUSY_POLL_US = 1_000_000
+
 #: Option keys of upstream (reference §4: emitted by ``LLMConfig``, accepted or derived by
 #: ``init``) and this library's own ``llm.`` options.
 UPSTREAM_OPTIONS = frozenset(
@@ -86,6 +90,7 @@ OWN_OPTIONS = frozenset(
         "llm.ServeTimeout",
         "llm.MetaBudget",
         "llm.LinkHeartbeat",
+        "llm.BusyPoll",
     }
 )
 KNOWN_OPTIONS = UPSTREAM_OPTIONS | OWN_OPTIONS
@@ -180,6 +185,8 @@ class EngineOptions:
     limits: LinkLimits = LinkLimits()
     #: llm.PayloadAuth: every DATA frame's payload carries a MAC (keyed links only)
     payload_auth: bool = False
+    #: llm.BusyPoll: seconds the event loop keeps polling after link traffic (0: off)
+    busy_poll_s: float = 0.0
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -358,6 +365,11 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         window.isdigit() and 1 <= int(window) <= 1024,
         f"llm.LayerWindow must be 1..1024, got {window!r}",
     )
+    busy = opts.get("llm.BusyPoll", "0")
+    raise_if_false(
+        busy.isdigit() and int(busy) <= MAX_BUSY_POLL_US,
+        f"llm.BusyPoll must be microseconds in [0, {MAX_BUSY_POLL_US}], got {busy!r}",
+    )
     return EngineOptions(
         raw=opts,
         cache_manager=cache_manager,
@@ -375,4 +387,5 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         link_total_time_s=int(total_time),
         limits=parse_limits(opts),
         payload_auth=payload_auth == "1",
+        busy_poll_s=int(busy) / 1e6,
     )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
+    from .._busy_poll import BusyPoll
     from .._devices import DeviceAdapter, DevicePool
     from .._enums import LLMRole, LLMStatusCode, Placement
     from .._memory import EpochPage
@@ -123,6 +124,11 @@ class LinkHost(Protocol):
     @property
     def timers(self) -> Timers:
         """Deadlines of transfers that run without a task (from the reader)."""
+        ...
+
+    @property
+    def busy_poll(self) -> BusyPoll:
+        """Kicked on each link's traffic (``llm.BusyPoll``)."""
         ...
 
     def soon(self, fn: Callable[[], None]) -> bool:

@@ -45,7 +45,6 @@ from .._transports.tcp import (
     INLINE_BYTES,
     Fence,
     PayloadMac,
-    StreamPlan,
     recv_views,
     scratch_views,
 )
@@ -276,6 +275,7 @@ class LinkReader:
         """The driver's callback: read and act on what is there; True when work is left."""
         link = self.link
         writer = link.writer
+        link.host.busy_poll.kick()
         # What the frames of this read answer leaves together, once they are all read.
         writer.cork()
         try:
@@ -594,7 +594,3 @@ def _slice_many(views: list[memoryview], pos: int, n: int) -> list[memoryview]:
     if hi:
         out[-1] = out[-1][: len(out[-1]) - hi]
     return out
-
-
-#: (for the typing of StreamPlan in _Landing)
-_ = StreamPlan

@@ -177,6 +177,7 @@ class LinkWriter:
             LinkBroken: the link is down or the socket failed.
         """
         self._send_held()
+        self.link.host.busy_poll.kick()
         async with self.send_lock:
             if not self.link.alive:
                 raise self.link.down_error()
@@ -210,6 +211,7 @@ class LinkWriter:
         """
         if not self.link.alive:
             return False
+        self.link.host.busy_poll.kick()
         if self._corked:
             self._held.append((frames, views, done))
             self._held_bytes += sum(map(len, views))  # (1-D byte views)
@@ -368,6 +370,7 @@ class LinkWriter:
             LinkBroken: the link failed (the link is then broken).
         """
         self._send_held()
+        self.link.host.busy_poll.kick()
         off, end = (0, stream.total) if span is None else span
         flags = FLAG_TO_INITIATOR if to_initiator else 0
         if lead is not None and (end - off > INLINE_BYTES or end <= off):
@@ -478,6 +481,7 @@ class LinkWriter:
         link.
         """
         self._send_held()
+        self.link.host.busy_poll.kick()
         off, end = span
         n = end - off
         if (

@@ -43,6 +43,7 @@ import numpy as np
 
 import llmdd_async as dd
 from llmdd_async._childproc import run_on_loop
+from llmdd_async._options import MAX_BUSY_POLL_US
 from llmdd_async.bench import peers
 from llmdd_async.bench.limits import (
     MEMORY_FRACTION,
@@ -76,6 +77,14 @@ def _ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values
+
+
+def _busy_poll_us(text: str) -> int:
+    if not text.isdigit() or int(text) > MAX_BUSY_POLL_US:
+        raise argparse.ArgumentTypeError(
+            f"expected microseconds in [0, {MAX_BUSY_POLL_US}], got {text!r}"
+        )
+    return int(text)
 
 
 def _choices(*allowed: str) -> Any:
@@ -120,6 +129,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--requests", type=_ints, default=[200], help="requests per measurement (first value)"
     )
     p.add_argument(
+        "--busy-poll",
+        metavar="US",
+        type=_busy_poll_us,
+        default=0,
+        help="llm.BusyPoll of both endpoints: microseconds their loops keep polling after "
+        "link traffic (0: off, as endpoints run unless told)",
+    )
+    p.add_argument(
         "--json", metavar="PATH", default=None, help="write the results there ('-': stdout)"
     )
     p.add_argument(
@@ -136,6 +153,7 @@ async def _measure(
         "llm.EnableRemoteCacheAccessible": "1" if mode == "remote-accessible" else "0",
         "llm.Transport": transport,
         "llm.SyncKvCacheWaitTime": "60000",
+        "llm.BusyPoll": str(args.busy_poll),
     }
     rows: list[dict[str, Any]] = []
     nreq = args.requests[0]
@@ -291,6 +309,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
         },
         "loops": list(args.loops),
         "modes": list(args.modes),
+        "busy_poll_us": args.busy_poll,
         "transports": list(args.transports),
         "engines": peers.versions(
             [t for t in args.transports if t in ("nixl", "mooncake", *peers.ENGINES)]
