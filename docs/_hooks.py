@@ -130,7 +130,7 @@ OPTION_DOCS: dict[str, tuple[str, str]] = {
         "the most one request of a peer may run here, whatever deadline the peer asks for",
     ),
     "llm.BusyPoll": (
-        "µs, `0`..`1000000`",
+        "µs, `0`..`10000`",
         "after each frame a link sends or receives, the event loop keeps polling (no sleep) "
         "for this long: the next frame is picked up by a running loop, not by a process the "
         "kernel wakes on an idle CPU (tens of microseconds a request on VMs), at the cost of "

@@ -3,14 +3,20 @@
 An endpoint whose loop sleeps between a request and its answer is woken by the kernel when
 the answer comes: on a machine whose idle CPUs halt (most VMs), that wake-up interrupts an
 idle CPU and the woken process runs with cold caches, which costs about as much as the
-Python work of a small request. With a window set, each frame sent or received keeps the
-loop polling (``epoll`` with no timeout, between whatever else runs) for that long after
-it: the next frame is picked up by a running loop. It trades a busy core while traffic flows
-for latency, as NIXL's and Mooncake's polling threads do; it is off by default.
+Python work of a small request. With a window set, each frame a link sends or receives keeps
+the loop polling (``epoll`` with a zero timeout, between whatever else runs) for that long
+after it: the next frame is picked up by a running loop. It trades a busy core while traffic
+flows for latency, as NIXL's and Mooncake's polling threads do; it is off by default.
+
+Polling only pays while the CPU is otherwise idle. A poller that finds its thread was off the
+CPU between two passes (another process ran there, or another thread held the GIL) rests:
+there a poller only takes turns from them and, being always runnable, loses the priority the
+scheduler gives a woken process, which costs milliseconds, not microseconds.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import anyio
@@ -18,22 +24,49 @@ import anyio.lowlevel
 
 __all__ = ["BusyPoll"]
 
+#: a pass whose thread was off the CPU this long ran on a busy machine (or waited for the GIL)
+AWAY_S = 500e-6
+#: how long the poller then rests (the loop sleeps between events, as with polling off)
+REST_S = 0.05
+
 
 class BusyPoll:
     """The poller of one endpoint: :meth:`kick` on link traffic, :meth:`run` in its task
-    group. With a window of 0 :meth:`run` returns at once and :meth:`kick` does nothing."""
+    group. With a window of 0 :meth:`run` returns at once and :meth:`kick` costs nothing
+    else. ``now`` and ``cpu`` are the loop's clock and this thread's CPU time (seconds)."""
 
-    __slots__ = ("_now", "_parked", "_seen", "_until", "window_s")
+    __slots__ = (
+        "_cpu",
+        "_now",
+        "_parked",
+        "_seen",
+        "away_s",
+        "rest_s",
+        "resting",
+        "rests",
+        "window_s",
+    )
 
-    def __init__(self, window_s: float, now: Callable[[], float] = anyio.current_time) -> None:
+    def __init__(
+        self,
+        window_s: float,
+        now: Callable[[], float] = anyio.current_time,
+        cpu: Callable[[], float] = time.thread_time,
+    ) -> None:
         #: seconds the loop keeps polling after the last kick (0: off)
         self.window_s = window_s
+        self.away_s = AWAY_S
+        self.rest_s = REST_S
         self._now = now
+        self._cpu = cpu
         #: traffic since the poller last looked (it then moves the end of its window)
         self._seen = False
-        self._until = 0.0
         #: set while the poller waits for traffic (a kick wakes it)
         self._parked: anyio.Event | None = None
+        #: resting after its thread was found off the CPU (kicks do not wake it)
+        self.resting = False
+        #: rests so far
+        self.rests = 0
 
     @property
     def parked(self) -> bool:
@@ -54,15 +87,38 @@ class BusyPoll:
         """Poll while traffic keeps coming, wait for it otherwise; until cancelled."""
         if self.window_s <= 0:
             return
-        now, window = self._now, self.window_s
+        try:
+            while True:
+                if not self._seen:
+                    parked = self._parked = anyio.Event()
+                    await parked.wait()
+                await self._poll()
+        finally:
+            self._parked = None
+            self.resting = False
+
+    async def _poll(self) -> None:
+        """Keep the loop turning until a window passes with no kick, or rest."""
+        now, cpu = self._now, self._cpu
+        self._seen = False
+        t, c = now(), cpu()
+        until = t + self.window_s
         while True:
+            # One pass is one turn of the loop: its I/O is polled with a zero timeout while
+            # something is ready to run, and this is.
+            await anyio.lowlevel.checkpoint()
+            t2, c2 = now(), cpu()
+            if (t2 - t) - (c2 - c) > self.away_s:
+                self.rests += 1
+                self.resting = True
+                try:
+                    await anyio.sleep(self.rest_s)
+                finally:
+                    self.resting = False
+                return  # (traffic meanwhile: polled again at once)
+            t, c = t2, c2
             if self._seen:
                 self._seen = False
-                self._until = now() + window
-            if now() < self._until:
-                # Each pass is one turn of the loop: its I/O is polled with no timeout while
-                # something is ready to run, and this is.
-                await anyio.lowlevel.checkpoint()
-                continue
-            parked = self._parked = anyio.Event()
-            await parked.wait()
+                until = t + self.window_s
+            elif t >= until:
+                return

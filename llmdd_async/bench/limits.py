@@ -104,6 +104,30 @@ def raw_socket_gbps(nbytes: int, repeat: int = 3, chunk: int = 4 << 20) -> float
     return nbytes / statistics.median(results[1:]) / 1e9
 
 
+def _two_cpus() -> tuple[int, int]:
+    """Two CPUs this thread may run on, of different cores where sysfs names the siblings
+    (the last ones: the first CPU takes most interrupts); ``(-1, -1)`` with fewer than two."""
+    if not hasattr(os, "sched_getaffinity"):
+        return -1, -1
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return -1, -1
+    first = cpus[-1]
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{first}/topology/thread_siblings_list") as f:
+            text = f.read()
+        siblings = {int(x) for part in text.strip().split(",") for x in _span(part)}
+    except (OSError, ValueError):
+        siblings = {first}
+    others = [c for c in reversed(cpus) if c not in siblings] or [c for c in cpus if c != first]
+    return first, others[0]
+
+
+def _span(part: str) -> range:
+    lo, _, hi = part.partition("-")
+    return range(int(lo), int(hi or lo) + 1)
+
+
 _RPC_SERVER = """
 import os, socket, sys
 import numpy as np
@@ -126,22 +150,22 @@ def raw_rpc_us(size: int, n: int = 500) -> tuple[float, float]:
     request, a ``size``-byte reply into a numpy buffer): p50 and p99 in microseconds, the
     floor of one request of that size.
 
-    With two CPUs or more to run on, each end runs on a CPU of its own, as the benchmarks'
-    two processes do (and a prefill and a decode worker always do): left alone for a short run,
-    the kernel keeps both on one CPU, where waking the other end needs no interrupt to an idle
-    CPU (on this project's 2-vCPU VM 23-25 us p50 for 64 KiB, against 57-63 us on two CPUs,
-    which is also what ``rpc_floor.py`` finds once the kernel has spread them)."""
+    With two CPUs or more to run on (of different cores where the machine says so), each end
+    runs on a CPU of its own, as two endpoints that each do real work run (and a prefill and a
+    decode worker always do): left alone for a short run, the kernel keeps both on one CPU,
+    where waking the other end needs no interrupt to an idle CPU (on this project's 2-vCPU VM
+    23-25 us p50 for 64 KiB, against 57-63 us on two CPUs, which is also what
+    ``rpc_floor.py`` finds once the kernel has spread them)."""
+    ours, theirs = _two_cpus()
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    ours, theirs = (cpus[0], cpus[1]) if len(cpus) >= 2 else (-1, -1)
     child = subprocess.Popen([sys.executable, "-c", _RPC_SERVER, str(port), str(size), str(theirs)])
     view = np.empty(size, np.uint8).data
     lat = []
-    saved = set(cpus)
-    if ours >= 0:
-        os.sched_setaffinity(0, {ours})  # (this thread only; put back below)
+    saved = os.sched_getaffinity(0) if ours >= 0 else set()
     try:
+        if ours >= 0:
+            os.sched_setaffinity(0, {ours})  # (this thread only; put back below)
         conn, _ = listener.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
@@ -157,9 +181,11 @@ def raw_rpc_us(size: int, n: int = 500) -> tuple[float, float]:
                 if i >= 20:  # warm-up
                     lat.append(time.perf_counter() - t0)
     finally:
-        if ours >= 0:
-            os.sched_setaffinity(0, saved)
-        listener.close()
-        child.wait(timeout=30)
+        try:
+            if ours >= 0:
+                os.sched_setaffinity(0, saved)
+        finally:
+            listener.close()
+            child.wait(timeout=30)
     lat.sort()
     return lat[len(lat) // 2] * 1e6, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6

@@ -128,6 +128,48 @@ def test_json_to_stdout_and_no_file_unless_asked(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_busy_poll_goes_to_both_endpoints_and_into_the_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    done = _bench(
+        "--block-kib", "16", "--blocks", "1", "--concurrency", "1", "--requests", "4",
+        "--ops", "pull", "--transports", "tcp", "--loops", "asyncio", "--json", "-",
+        "--busy-poll", "300", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["meta"]["busy_poll_us"] == 300
+    for bad in ("-5", "10001", "1e3"):
+        refused = _bench("--busy-poll", bad)
+        assert refused.returncode == 2 and "usage:" in refused.stderr, bad
+    # Both ends get the option (this process's endpoint, and the peer's through its options).
+    from llmdd_async.bench import runner
+
+    seen: list[dict[str, str]] = []
+    real_start = runner.PeerProcess.start
+
+    def start(role: Any, cluster_id: int, options: dict[str, str], *a: Any, **k: Any) -> Any:
+        seen.append(options)
+        return real_start(role, cluster_id, options, *a, **k)
+
+    monkeypatch.setattr(runner.PeerProcess, "start", start)
+    real_running = dd.LLMDataDist.running
+
+    def running(self: Any, options: dict[str, str]) -> Any:
+        seen.append(options)
+        return real_running(self, options)
+
+    monkeypatch.setattr(dd.LLMDataDist, "running", running)
+    args = runner.build_parser().parse_args(
+        ["--block-kib", "16", "--blocks", "1", "--concurrency", "1", "--requests", "4",
+         "--ops", "pull", "--transports", "tcp", "--loops", "asyncio", "--busy-poll", "250"]
+    )  # fmt: skip
+    rows = runner.run_on_loop(
+        "asyncio", runner._measure, "tcp", "asyncio", "remote-accessible", args, lambda: None
+    )
+    assert rows and len(seen) == 2
+    assert all(o["llm.BusyPoll"] == "250" for o in seen)
+
+
 def test_pushes_alone_in_default_mode_are_refused_before_the_sweep(tmp_path: Path) -> None:
     done = _bench("--ops", "push", "--modes", "default", cwd=tmp_path)
     assert done.returncode == 2
@@ -271,28 +313,33 @@ def test_each_transport_is_held_against_its_own_limit(
 def test_the_floor_runs_each_end_on_a_cpu_of_its_own_and_puts_the_caller_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import types
+
     from llmdd_async.bench import limits
 
     before = os.sched_getaffinity(0)
-    seen: list[set[int]] = []
-    started: list[list[str]] = []
+    ours: list[set[int]] = []
+    theirs: list[str] = []
+    children: list[Any] = []
     real_popen = subprocess.Popen
 
     def popen(args: list[str], *a: Any, **k: Any) -> Any:
-        started.append(list(args))
-        return real_popen(args, *a, **k)
+        children.append(real_popen(args, *a, **k))
+        return children[-1]
 
-    real_rpc = limits.time.perf_counter
-
-    def clock() -> float:  # (called on this thread while it times each request)
-        seen.append(os.sched_getaffinity(0))
-        return real_rpc()
+    def clock() -> float:  # (read by raw_rpc_us, on this thread, around each request)
+        ours.append(os.sched_getaffinity(0))
+        if not theirs and len(ours) > 4:  # the server answered: it pinned itself first
+            status = Path(f"/proc/{children[0].pid}/status").read_text()
+            theirs.append(status.split("Cpus_allowed_list:")[1].split()[0])
+        return time.perf_counter()
 
     monkeypatch.setattr(limits.subprocess, "Popen", popen)
-    monkeypatch.setattr(limits.time, "perf_counter", clock)
+    monkeypatch.setattr(limits, "time", types.SimpleNamespace(perf_counter=clock))
     p50, p99 = limits.raw_rpc_us(4096, n=20)
     assert 0 < p50 <= p99
-    cpus = sorted(before)
-    assert seen and all(s == {cpus[0]} for s in seen)  # the client on the first CPU...
-    assert started[0][-1] == str(cpus[1])  # ...the server told to run on the second
+    (mine,) = {frozenset(s) for s in ours}  # one CPU throughout...
+    assert len(mine) == 1 and mine <= before
+    assert theirs and theirs[0].isdigit()  # ...the server on one other CPU
+    assert int(theirs[0]) in before and {int(theirs[0])} != set(mine)
     assert os.sched_getaffinity(0) == before  # and this thread is as it was
