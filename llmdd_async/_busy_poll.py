@@ -33,7 +33,8 @@ REST_S = 0.05
 class BusyPoll:
     """The poller of one endpoint: :meth:`kick` on link traffic, :meth:`run` in its task
     group. With a window of 0 :meth:`run` returns at once and :meth:`kick` costs nothing
-    else. ``now`` and ``cpu`` are the loop's clock and this thread's CPU time (seconds)."""
+    else. ``now`` is a wall clock and ``cpu`` this thread's CPU time (seconds), both precise
+    to the microsecond: not the loop's clock (uvloop's counts milliseconds)."""
 
     __slots__ = (
         "_cpu",
@@ -50,7 +51,7 @@ class BusyPoll:
     def __init__(
         self,
         window_s: float,
-        now: Callable[[], float] = anyio.current_time,
+        now: Callable[[], float] = time.perf_counter,
         cpu: Callable[[], float] = time.thread_time,
     ) -> None:
         #: seconds the loop keeps polling after the last kick (0: off)

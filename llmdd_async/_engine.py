@@ -141,7 +141,6 @@ class Engine:
                 self._new_wakeup = wakeup_factory()
                 self.timers.now = loop_clock()
                 tg.start_soon(self.timers.run)
-                self.busy_poll = BusyPoll(self.options.busy_poll_s, self.timers.now)
                 tg.start_soon(self.busy_poll.run)
                 try:
                     await self.start_services()

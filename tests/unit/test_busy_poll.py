@@ -6,6 +6,7 @@ asyncio, uvloop and trio; the poller's own tests run on clocks they move themsel
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import anyio
@@ -138,6 +139,23 @@ async def test_work_done_on_the_loop_between_passes_is_not_taken_for_a_busy_cpu(
         assert poll.rests == 0 and not poll.resting
         await _until(lambda: poll.parked)
         tg.cancel_scope.cancel()
+
+
+async def test_an_endpoints_poller_reads_a_clock_of_microseconds() -> None:
+    """Its window and its look at the CPU need microseconds: uvloop's loop clock counts
+    milliseconds, and with it every pass looked like one whose thread was off the CPU."""
+    async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(
+        helpers.endpoint_options("tcp", **{"llm.BusyPoll": "500"})
+    ) as d:
+        now = d._engine.busy_poll._now
+        fine = []
+        for _ in range(20):  # (a preempted try reads more: one within the bounds suffices)
+            a = now()
+            end = time.perf_counter() + 200e-6
+            while time.perf_counter() < end:
+                pass
+            fine.append(150e-6 <= now() - a < 900e-6)
+        assert any(fine)
 
 
 def test_the_option_is_microseconds_off_by_default() -> None:
