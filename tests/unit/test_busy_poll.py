@@ -5,8 +5,10 @@ asyncio, uvloop and trio; the poller's own tests run on clocks they move themsel
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -52,6 +54,20 @@ async def _until(cond: Any, within_s: float = 5.0) -> None:
             await anyio.sleep(0.001)
 
 
+@contextlib.asynccontextmanager
+async def _kicked_poller(window_s: float = 1e-3) -> AsyncIterator[tuple[Clocks, BusyPoll]]:
+    """A poller on clocks the test moves, running, kicked once; cancelled on exit."""
+    clocks = Clocks()
+    poll = BusyPoll(window_s, clocks.now, clocks.cpu)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(poll.run)
+        await _turns(3)
+        assert poll.parked  # no traffic yet: it waits
+        poll.kick()
+        yield clocks, poll
+        tg.cancel_scope.cancel()
+
+
 async def test_off_the_poller_returns_at_once_and_kicks_do_nothing() -> None:
     poll = BusyPoll(0.0)
     with anyio.fail_after(1):
@@ -61,13 +77,7 @@ async def test_off_the_poller_returns_at_once_and_kicks_do_nothing() -> None:
 
 
 async def test_a_kick_keeps_the_loop_turning_for_the_window_then_it_waits_again() -> None:
-    clocks = Clocks()
-    poll = BusyPoll(1e-3, clocks.now, clocks.cpu)  # a window of 1000 clock reads
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(poll.run)
-        await _turns(3)
-        assert poll.parked  # no traffic yet: it waits
-        poll.kick()
+    async with _kicked_poller() as (clocks, poll):  # a window of 1000 clock reads
         assert not poll.parked
         start = clocks.t
         await _turns(200)  # the poller reads the clock each pass: still inside its window
@@ -82,34 +92,22 @@ async def test_a_kick_keeps_the_loop_turning_for_the_window_then_it_waits_again(
         assert not poll.parked and clocks.t > read
         await _until(lambda: poll.parked)
         assert poll.rests == 0
-        tg.cancel_scope.cancel()
     assert not poll.parked  # (cancelled: not left looking parked)
 
 
 async def test_kicks_within_the_window_extend_it() -> None:
-    clocks = Clocks()
-    poll = BusyPoll(1e-3, clocks.now, clocks.cpu)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(poll.run)
-        await _turns(3)
-        poll.kick()
+    async with _kicked_poller() as (clocks, poll):
         start = clocks.t
         while clocks.t - start < 5e-3:  # five windows, kicked well within each
             await _turns(100)
             assert not poll.parked
             poll.kick()
         await _until(lambda: poll.parked)
-        tg.cancel_scope.cancel()
 
 
 async def test_a_poller_whose_thread_was_off_the_cpu_rests_and_kicks_do_not_wake_it() -> None:
-    clocks = Clocks()
-    poll = BusyPoll(1e-3, clocks.now, clocks.cpu)
-    poll.rest_s = 0.2
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(poll.run)
-        await _turns(3)
-        poll.kick()
+    async with _kicked_poller() as (clocks, poll):
+        poll.rest_s = 0.2
         await _turns(20)
         assert not poll.resting
         clocks.step, clocks.away = 1e-3, True  # a pass whose thread spent 1 ms off the CPU
@@ -123,22 +121,15 @@ async def test_a_poller_whose_thread_was_off_the_cpu_rests_and_kicks_do_not_wake
         await _until(lambda: not poll.resting)  # then it polls again for that traffic
         await _until(lambda: poll.parked)
         assert poll.rests == 1
-        tg.cancel_scope.cancel()
 
 
 async def test_work_done_on_the_loop_between_passes_is_not_taken_for_a_busy_cpu() -> None:
-    clocks = Clocks()
-    poll = BusyPoll(1e-3, clocks.now, clocks.cpu)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(poll.run)
-        await _turns(3)
-        poll.kick()
+    async with _kicked_poller() as (clocks, poll):
         clocks.step = 2e-3  # passes 2 ms apart, all of it this thread's CPU time
         await _turns(20)
         clocks.step = 1e-6
         assert poll.rests == 0 and not poll.resting
         await _until(lambda: poll.parked)
-        tg.cancel_scope.cancel()
 
 
 async def test_an_endpoints_poller_reads_a_clock_of_microseconds() -> None:
