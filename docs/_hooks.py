@@ -133,7 +133,7 @@ OPTION_DOCS: dict[str, tuple[str, str]] = {
         "µs, `0`..`10000`",
         "after each frame a link sends or receives, the event loop keeps polling (no sleep) "
         "for this long: the next frame is picked up by a running loop, not by a process the "
-        "kernel wakes on an idle CPU (tens of microseconds a request on VMs), at the cost of "
+        "kernel wakes on an idle CPU (about 100 µs a small request on a VM), at the cost of "
         "a busy core while traffic flows, and the GIL held between polls: off where other "
         "threads run Python ([tuning](../how-to/tuning.md)); `0`: off",
     ),

@@ -367,7 +367,7 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
     )
     busy = opts.get("llm.BusyPoll", "0")
     raise_if_false(
-        busy.isascii() and busy.isdigit() and int(busy) <= MAX_BUSY_POLL_US,
+        busy.isascii() and busy.isdigit() and len(busy) <= 9 and int(busy) <= MAX_BUSY_POLL_US,
         f"llm.BusyPoll must be microseconds in [0, {MAX_BUSY_POLL_US}], got {busy!r}",
     )
     return EngineOptions(

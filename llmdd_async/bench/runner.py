@@ -80,7 +80,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _busy_poll_us(text: str) -> int:
-    if not text.isdigit() or int(text) > MAX_BUSY_POLL_US:
+    if not (text.isascii() and text.isdigit() and len(text) <= 9) or int(text) > MAX_BUSY_POLL_US:
         raise argparse.ArgumentTypeError(
             f"expected microseconds in [0, {MAX_BUSY_POLL_US}], got {text!r}"
         )
