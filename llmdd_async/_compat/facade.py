@@ -21,6 +21,7 @@ from .._config import legacy_device_options
 from .._enums import LLMRole, LLMStatusCode, RegisterMemStatus
 from .._errors import LLMException, raise_param
 from .._faces import face_of
+from .._log import get_logger
 from .._sync_loop import LoopThread
 from .._task import CacheTask as _AsyncCacheTask
 from .._task import TaskStatistics
@@ -248,6 +249,13 @@ class LLMDataDist:
                 )
             per_device = legacy_device_options(options)
             role, cid = self._async.role, self._async.cluster_id
+            if options.get("llm.BusyPoll", "0").strip("0"):
+                # The loop thread would hold the GIL between its polls while the callers'
+                # threads run Python: they wait for it, and the calls get slower, not faster.
+                get_logger("engine", cluster_id=cid).warning(
+                    "option.busy_poll_with_blocking_calls",
+                    advice="leave llm.BusyPoll off with the blocking API (docs: tuning)",
+                )
             devices = [self._async] + [_datadist.LLMDataDist(role, cid) for _ in per_device[1:]]
             LoopThread.get().run(_init_devices, devices, per_device)
             self._devices = devices

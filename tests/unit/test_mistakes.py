@@ -172,3 +172,23 @@ def test_layer_events_check_their_indices() -> None:
     dd.LayerEvents().layer_ready(10_000)  # no count given: any index >= 0
     with pytest.raises(dd.LLMException):
         dd.LayerEvents().layer_ready(-1)
+
+
+def test_busy_polling_under_the_blocking_api_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The facade's loop thread would hold the GIL its callers need (docs: tuning)."""
+    from llmdd_async import sync
+
+    def warned() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "busy_poll_with_blocking_calls" in r.getMessage()]
+
+    for value, want in (("500", 1), ("0", 0), ("000", 0)):
+        caplog.clear()
+        d = sync.LLMDataDist(dd.LLMRole.PROMPT, 7)
+        with caplog.at_level(logging.WARNING, logger="llmdd_async"):
+            d.init(cm_options(**{"llm.BusyPoll": value}))
+        try:
+            assert len(warned()) == want, value
+        finally:
+            d.finalize()
