@@ -248,6 +248,19 @@ def parse_pool(key: str, value: str) -> PoolConfig | None:
     return PoolConfig(size, shift)
 
 
+def parse_busy_poll_us(value: str) -> int:
+    """``llm.BusyPoll``: microseconds, ASCII digits, at most :data:`MAX_BUSY_POLL_US`.
+
+    Raises:
+        LLMException: LLM_PARAM_INVALID for anything else.
+    """
+    raise_if_false(
+        value.isascii() and value.isdigit() and len(value) <= 9 and int(value) <= MAX_BUSY_POLL_US,
+        f"llm.BusyPoll must be microseconds in [0, {MAX_BUSY_POLL_US}], got {value!r}",
+    )
+    return int(value)
+
+
 def option_key_hints(options: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(key, closest known key)`` for every unknown key that looks like a misspelling: a
     known key up to letter case, or (for ``llm.`` keys) one that ``difflib`` finds close.
@@ -365,11 +378,7 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         window.isdigit() and 1 <= int(window) <= 1024,
         f"llm.LayerWindow must be 1..1024, got {window!r}",
     )
-    busy = opts.get("llm.BusyPoll", "0")
-    raise_if_false(
-        busy.isascii() and busy.isdigit() and len(busy) <= 9 and int(busy) <= MAX_BUSY_POLL_US,
-        f"llm.BusyPoll must be microseconds in [0, {MAX_BUSY_POLL_US}], got {busy!r}",
-    )
+    busy_us = parse_busy_poll_us(opts.get("llm.BusyPoll", "0"))
     return EngineOptions(
         raw=opts,
         cache_manager=cache_manager,
@@ -387,5 +396,5 @@ def parse_options(options: Mapping[str, str]) -> EngineOptions:
         link_total_time_s=int(total_time),
         limits=parse_limits(opts),
         payload_auth=payload_auth == "1",
-        busy_poll_s=int(busy) / 1e6,
+        busy_poll_s=busy_us / 1e6,
     )

@@ -249,15 +249,16 @@ class LLMDataDist:
                 )
             per_device = legacy_device_options(options)
             role, cid = self._async.role, self._async.cluster_id
-            if options.get("llm.BusyPoll", "0").strip("0"):
+            devices = [self._async] + [_datadist.LLMDataDist(role, cid) for _ in per_device[1:]]
+            LoopThread.get().run(_init_devices, devices, per_device)
+            engine = self._async._engine  # (started on the loop thread: read, not called)
+            if engine is not None and engine.options.busy_poll_s:
                 # The loop thread would hold the GIL between its polls while the callers'
                 # threads run Python: they wait for it, and the calls get slower, not faster.
                 get_logger("engine", cluster_id=cid).warning(
                     "option.busy_poll_with_blocking_calls",
                     advice="leave llm.BusyPoll off with the blocking API (docs: tuning)",
                 )
-            devices = [self._async] + [_datadist.LLMDataDist(role, cid) for _ in per_device[1:]]
-            LoopThread.get().run(_init_devices, devices, per_device)
             self._devices = devices
             _live[:] = [self]
 

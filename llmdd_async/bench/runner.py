@@ -42,7 +42,7 @@ import numpy as np
 
 import llmdd_async as dd
 from llmdd_async._childproc import run_on_loop
-from llmdd_async._options import MAX_BUSY_POLL_US
+from llmdd_async._options import parse_busy_poll_us
 from llmdd_async.bench import peers
 from llmdd_async.bench.limits import (
     MEMORY_FRACTION,
@@ -79,11 +79,10 @@ def _ints(text: str) -> list[int]:
 
 
 def _busy_poll_us(text: str) -> int:
-    if not (text.isascii() and text.isdigit() and len(text) <= 9) or int(text) > MAX_BUSY_POLL_US:
-        raise argparse.ArgumentTypeError(
-            f"expected microseconds in [0, {MAX_BUSY_POLL_US}], got {text!r}"
-        )
-    return int(text)
+    try:
+        return parse_busy_poll_us(text)
+    except dd.LLMException as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _choices(*allowed: str) -> Any:
