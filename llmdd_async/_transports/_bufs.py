@@ -29,16 +29,16 @@ def batch(bufs: list[memoryview], idx: int) -> Chunk:
     size = sum(map(len, out))
     if size <= _SYSCALL_BYTES:  # (most calls: no buffer is cut)
         return out, size
-    total = 0
-    for i, b in enumerate(out):
-        room = _SYSCALL_BYTES - total
-        if room <= 0:
-            return out[:i], total
-        if b.nbytes > room:
-            out[i] = b[:room]
-            return out[: i + 1], -1
-        total += b.nbytes
-    return out, total
+    # (running sizes and a bisection: C speed over a call's thousand views of a many-tensor
+    # plan, where a Python loop cost about a tenth of the bytes' time)
+    ends = list(itertools.accumulate(map(len, out)))
+    k = bisect.bisect_right(ends, _SYSCALL_BYTES)  # buffers that fit whole
+    total = ends[k - 1] if k else 0
+    if total == _SYSCALL_BYTES:
+        return out[:k], total
+    out = out[: k + 1]  # (the sum is over the bound: buffer k crosses it, and is cut)
+    out[k] = out[k][: _SYSCALL_BYTES - total]
+    return out, -1
 
 
 def moved(bufs: list[memoryview], idx: int, n: int, chunk: Chunk) -> int:
