@@ -403,18 +403,23 @@ def run_child(args: list[str], env: dict[str, str], timeout: float) -> tuple[Any
 @contextlib.contextmanager
 def _rpc_child(script: str, size: int) -> Iterator[socket.socket]:
     """A child process running ``script`` (a request/response server for ``size``-byte
-    replies) connected to us: yields our end of the connection."""
+    replies, told a CPU to run on or -1) connected to us: yields our end of the connection.
+    Each end runs on a CPU of its own while it lasts (``limits.two_ends``: the blocking
+    floor's reason)."""
+    from llmdd_async.bench.limits import two_ends
+
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    child = subprocess.Popen([sys.executable, "-c", script, str(port), str(size)])
-    try:
-        conn, _ = listener.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with conn:
-            yield conn
-    finally:
-        listener.close()
-        child.wait(timeout=30)
+    with contextlib.closing(listener), two_ends() as cpu:
+        child = subprocess.Popen([sys.executable, "-c", script, str(port), str(size), str(cpu)])
+        try:
+            conn, _ = listener.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with conn:
+                yield conn
+        finally:
+            listener.close()
+            child.wait(timeout=30)
 
 
 def _p50_p99_us(lat: list[float]) -> tuple[float, float]:
@@ -430,9 +435,11 @@ def raw_rpc_us(n: int, size: int = BLOCK) -> tuple[float, float]:
 
 
 _AIO_RPC_SERVER = """
-import asyncio, socket, sys
+import asyncio, os, socket, sys
 import numpy as np
-port, size = map(int, sys.argv[1:])
+port, size, cpu = map(int, sys.argv[1:])
+if cpu >= 0:
+    os.sched_setaffinity(0, {cpu})
 async def main():
     loop = asyncio.get_running_loop()
     s = socket.create_connection(("127.0.0.1", port))

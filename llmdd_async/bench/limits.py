@@ -5,13 +5,14 @@ how much memory a run may take."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -128,6 +129,24 @@ def _span(part: str) -> range:
     return range(int(lo), int(hi or lo) + 1)
 
 
+@contextlib.contextmanager
+def two_ends() -> Iterator[int]:
+    """Run the calling thread on a CPU of its own for the block and yield another CPU for the
+    other end of a request/response floor (``-1`` with fewer than two CPUs: nothing pinned),
+    of a different core where sysfs says so; the thread's affinity is put back after. See
+    :func:`raw_rpc_us` for why."""
+    ours, theirs = _two_cpus()
+    if ours < 0:
+        yield -1
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {ours})  # (this thread only)
+    try:
+        yield theirs
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
 _RPC_SERVER = """
 import os, socket, sys
 import numpy as np
@@ -156,36 +175,31 @@ def raw_rpc_us(size: int, n: int = 500) -> tuple[float, float]:
     where waking the other end needs no interrupt to an idle CPU (on this project's 2-vCPU VM
     23-25 us p50 for 64 KiB, against 57-63 us on two CPUs, which is also what
     ``rpc_floor.py`` finds once the kernel has spread them)."""
-    ours, theirs = _two_cpus()
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    child = subprocess.Popen([sys.executable, "-c", _RPC_SERVER, str(port), str(size), str(theirs)])
     view = np.empty(size, np.uint8).data
     lat = []
-    saved = os.sched_getaffinity(0) if ours >= 0 else set()
-    try:
-        if ours >= 0:
-            os.sched_setaffinity(0, {ours})  # (this thread only; put back below)
-        conn, _ = listener.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with conn:
-            for i in range(n + 20):
-                t0 = time.perf_counter()
-                conn.sendall(b"\0" * 8)
-                got = 0
-                while got < size:
-                    k = conn.recv_into(view[got:], size - got)
-                    if k == 0:
-                        raise RuntimeError("raw request/response: the server closed")
-                    got += k
-                if i >= 20:  # warm-up
-                    lat.append(time.perf_counter() - t0)
-    finally:
+    with contextlib.closing(listener), two_ends() as theirs:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _RPC_SERVER, str(port), str(size), str(theirs)]
+        )
         try:
-            if ours >= 0:
-                os.sched_setaffinity(0, saved)
+            conn, _ = listener.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with conn:
+                for i in range(n + 20):
+                    t0 = time.perf_counter()
+                    conn.sendall(b"\0" * 8)
+                    got = 0
+                    while got < size:
+                        k = conn.recv_into(view[got:], size - got)
+                        if k == 0:
+                            raise RuntimeError("raw request/response: the server closed")
+                        got += k
+                    if i >= 20:  # warm-up
+                        lat.append(time.perf_counter() - t0)
         finally:
-            listener.close()
+            listener.close()  # (a child still connecting is refused, and ends)
             child.wait(timeout=30)
     lat.sort()
     return lat[len(lat) // 2] * 1e6, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6
