@@ -15,12 +15,13 @@ import contextlib
 import itertools
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
 
+from .._collector import collector_paused
 from .._enums import LLMStatusCode
 from .._errors import (
     LinkBroken,
@@ -436,7 +437,7 @@ class Link:
                     waited = f"but the tables fetched with it had waited {timeout_s:g} s"
             if got:  # (the turn is kept until the build is done: a fellow waits from then)
                 try:  # (a build that has begun is not cancelled: a worker runs it to its end)
-                    return await anyio.to_thread.run_sync(TableSnapshot, msg.fields)
+                    return await anyio.to_thread.run_sync(_snapshot, msg.fields)
                 finally:
                     builds.release_on_behalf_of(borrower)
         raise LLMException(
@@ -450,3 +451,11 @@ class Link:
         """The link's only socket reader (:class:`~.reader.LinkReader`); ends when the link
         breaks or closes."""
         await self.reader.run(task_status)
+
+
+def _snapshot(fields: Mapping[str, Any]) -> TableSnapshot:
+    """A peer's table as a snapshot, built with the garbage collector paused (``_collector``:
+    its records would set off full collections that hold the GIL, and so the loop, for tens
+    of ms)."""
+    with collector_paused():
+        return TableSnapshot(fields)

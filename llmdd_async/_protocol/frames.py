@@ -11,6 +11,7 @@ import json
 import struct
 from typing import Any, Protocol
 
+from .._collector import collector_paused
 from .._errors import ProtocolError
 
 MAGIC = 0x3144444C  # b"LDD1" little-endian
@@ -397,7 +398,8 @@ def _decode_meta(
         raise ProtocolError(f"JSON fields of {mtype.name} with a number of over 20 digits")
     try:
         if big:
-            fields = json.loads(text, parse_float=_no_float, parse_constant=_no_float)
+            with collector_paused():  # (see _collector: ~40 ms at most)
+                fields = json.loads(text, parse_float=_no_float, parse_constant=_no_float)
         else:
             fields = json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSON errors, huge integers, bad UTF-8
