@@ -198,14 +198,15 @@ def test_the_asyncio_floor_of_peers_runs_each_end_on_a_cpu_of_its_own(
 ) -> None:
     import types
 
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("one CPU: the floor has no second one to pin (each end runs anywhere)")
     sys.path.insert(0, str(BENCH))
     try:
         import peers
     finally:
         sys.path.remove(str(BENCH))
-    before = os.sched_getaffinity(0)
-    if len(before) < 2:
-        pytest.fail("this test needs two CPUs to run on")
+        sys.modules.pop("peers", None)  # (a later import finds the file again)
     ours: list[set[int]] = []
     theirs: list[str] = []
     children: list[subprocess.Popen[bytes]] = []

@@ -104,3 +104,25 @@ def test_a_peer_table_is_built_with_the_collector_paused(monkeypatch: pytest.Mon
     snap = link_module._snapshot(_big_table().fields)
     assert seen == [False] and len(snap.by_id) == 3000
     assert gc.isenabled()
+
+
+@pytest.mark.usefixtures("collector_on")
+def test_overlapping_pauses_keep_the_collector_off_until_the_last_ends() -> None:
+    import threading
+
+    worker_in, loop_done, states = threading.Event(), threading.Event(), []
+
+    def build_in_a_worker() -> None:
+        with collector_paused():
+            worker_in.set()
+            loop_done.wait(5)
+            states.append(gc.isenabled())  # (the pause that began first has ended)
+
+    with collector_paused():  # (the loop's parse, begun first)
+        worker = threading.Thread(target=build_in_a_worker)
+        worker.start()
+        assert worker_in.wait(5)
+    loop_done.set()
+    worker.join(5)
+    assert states == [False], "the collector came back on under a pause still running"
+    assert gc.isenabled()
