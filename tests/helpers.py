@@ -5,6 +5,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
+import subprocess
+import time
+import types
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -450,3 +454,39 @@ def cyclic_garbage() -> list[Any]:
         gc.set_debug(0)
     garbage, gc.garbage[:] = list(gc.garbage), []
     return garbage
+
+
+def watch_floor_ends(monkeypatch: Any, module: Any) -> tuple[list[set[int]], list[str]]:
+    """Watch a latency floor that ``module`` measures (its ``subprocess.Popen`` and
+    ``time.perf_counter``, read on this thread around each request): the CPUs this thread may
+    run on at each read, and those of the server it started, once it answered (it pinned
+    itself before)."""
+    ours: list[set[int]] = []
+    theirs: list[str] = []
+    children: list[Any] = []
+    real_popen = subprocess.Popen
+
+    def popen(args: list[str], *a: Any, **k: Any) -> Any:
+        children.append(real_popen(args, *a, **k))
+        return children[-1]
+
+    def clock() -> float:
+        ours.append(os.sched_getaffinity(0))
+        if not theirs and len(ours) > 4:
+            status = Path(f"/proc/{children[0].pid}/status").read_text()
+            theirs.append(status.split("Cpus_allowed_list:")[1].split()[0])
+        return time.perf_counter()
+
+    monkeypatch.setattr(module.subprocess, "Popen", popen)
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock))
+    return ours, theirs
+
+
+def check_floor_ends(ours: list[set[int]], theirs: list[str], before: set[int]) -> None:
+    """What :func:`watch_floor_ends` saw: this thread on one CPU throughout, the server on one
+    other, and this thread's CPUs as they were (``before``) once the floor is measured."""
+    (mine,) = {frozenset(s) for s in ours}
+    assert len(mine) == 1 and mine <= before
+    assert theirs and theirs[0].isdigit()
+    assert int(theirs[0]) in before and {int(theirs[0])} != set(mine)
+    assert os.sched_getaffinity(0) == before

@@ -313,33 +313,12 @@ def test_each_transport_is_held_against_its_own_limit(
 def test_the_floor_runs_each_end_on_a_cpu_of_its_own_and_puts_the_caller_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import types
+    from helpers import check_floor_ends, watch_floor_ends
 
     from llmdd_async.bench import limits
 
     before = os.sched_getaffinity(0)
-    ours: list[set[int]] = []
-    theirs: list[str] = []
-    children: list[Any] = []
-    real_popen = subprocess.Popen
-
-    def popen(args: list[str], *a: Any, **k: Any) -> Any:
-        children.append(real_popen(args, *a, **k))
-        return children[-1]
-
-    def clock() -> float:  # (read by raw_rpc_us, on this thread, around each request)
-        ours.append(os.sched_getaffinity(0))
-        if not theirs and len(ours) > 4:  # the server answered: it pinned itself first
-            status = Path(f"/proc/{children[0].pid}/status").read_text()
-            theirs.append(status.split("Cpus_allowed_list:")[1].split()[0])
-        return time.perf_counter()
-
-    monkeypatch.setattr(limits.subprocess, "Popen", popen)
-    monkeypatch.setattr(limits, "time", types.SimpleNamespace(perf_counter=clock))
+    ours, theirs = watch_floor_ends(monkeypatch, limits)
     p50, p99 = limits.raw_rpc_us(4096, n=20)
     assert 0 < p50 <= p99
-    (mine,) = {frozenset(s) for s in ours}  # one CPU throughout...
-    assert len(mine) == 1 and mine <= before
-    assert theirs and theirs[0].isdigit()  # ...the server on one other CPU
-    assert int(theirs[0]) in before and {int(theirs[0])} != set(mine)
-    assert os.sched_getaffinity(0) == before  # and this thread is as it was
+    check_floor_ends(ours, theirs, before)

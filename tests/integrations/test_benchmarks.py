@@ -196,7 +196,7 @@ def test_every_module_a_benchmark_imports_can_be_found() -> None:
 def test_the_asyncio_floor_of_peers_runs_each_end_on_a_cpu_of_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import types
+    from helpers import check_floor_ends, watch_floor_ends
 
     before = os.sched_getaffinity(0)
     if len(before) < 2:
@@ -207,28 +207,7 @@ def test_the_asyncio_floor_of_peers_runs_each_end_on_a_cpu_of_its_own(
     finally:
         sys.path.remove(str(BENCH))
         sys.modules.pop("peers", None)  # (a later import finds the file again)
-    ours: list[set[int]] = []
-    theirs: list[str] = []
-    children: list[subprocess.Popen[bytes]] = []
-    real_popen = subprocess.Popen
-
-    def popen(args: list[str], *a: object, **k: object) -> subprocess.Popen[bytes]:
-        children.append(real_popen(args, *a, **k))  # type: ignore[call-overload]
-        return children[-1]
-
-    def clock() -> float:  # (read by the client, on this thread, around each request)
-        ours.append(os.sched_getaffinity(0))
-        if not theirs and len(ours) > 4:  # the server answered: it pinned itself first
-            status = Path(f"/proc/{children[0].pid}/status").read_text()
-            theirs.append(status.split("Cpus_allowed_list:")[1].split()[0])
-        return float(len(ours))
-
-    monkeypatch.setattr(peers.subprocess, "Popen", popen)
-    monkeypatch.setattr(peers, "time", types.SimpleNamespace(perf_counter=clock))
+    ours, theirs = watch_floor_ends(monkeypatch, peers)
     p50, p99 = peers.asyncio_rpc_us(20, 4096)
     assert 0 < p50 <= p99
-    (mine,) = {frozenset(s) for s in ours}  # one CPU throughout...
-    assert len(mine) == 1 and mine <= before
-    assert theirs and theirs[0].isdigit()  # ...the server on one other CPU
-    assert int(theirs[0]) in before and {int(theirs[0])} != set(mine)
-    assert os.sched_getaffinity(0) == before  # and this thread is as it was
+    check_floor_ends(ours, theirs, before)
