@@ -465,9 +465,14 @@ class LinkReader:
             try:
                 if rest <= INLINE_BYTES:  # staged, small: on the loop, bounded by the stall
                     inflow = _Inflow(landing, pos, rest, scratch)
-                    with anyio.fail_after(stall_s):
+                    with anyio.move_on_after(stall_s) as stalled:
                         while not inflow.pump(link.sock):
                             await anyio.wait_readable(link.sock)
+                    if stalled.cancelled_caught:  # (as _stalled says it for inline payloads)
+                        raise TimeoutError(
+                            f"cluster {link.peer_cluster_id} stopped in the middle of a frame "
+                            f"for {stall_s:g} s"
+                        )
                 else:
                     fence = Fence(token, stall_s, req.deadline if req is not None else None)
                     if req is not None:

@@ -756,6 +756,62 @@ async def test_a_peer_that_stops_in_the_middle_of_a_payload_loses_only_its_link(
             peer.close()
 
 
+@pytest.mark.parametrize("ranges", [64, 256], ids=["on-the-loop", "in-a-worker"])
+async def test_a_peer_that_stops_in_a_frame_received_straight_into_memory_loses_its_link(
+    short_stall: float, monkeypatch: pytest.MonkeyPatch, ranges: int
+) -> None:
+    """A push of more than ``VIEWS_INLINE`` big ranges (shuffled blocks of 16 KiB) is received
+    straight into the cache, a view per range (made in a worker thread), on the loop for a
+    frame of up to ``INLINE_BYTES``, in a worker beyond. The peer sends a DATA header and part
+    of its payload, then nothing: others are served meanwhile, the link breaks at the stall
+    timeout saying why, the cache is let go, and only the bytes sent landed, where the stream
+    puts them."""
+    from llmdd_async._net import streams
+
+    straight: list[int] = []
+    views = streams.ManyRangesStream._views
+
+    def spied(self: Any, offset: int, n: int) -> list[memoryview]:
+        straight.append(n)
+        return views(self, offset, n)
+
+    monkeypatch.setattr(streams.ManyRangesStream, "_views", spied)
+    blocks, bb = streams.VIEWS_INLINE + 64, streams.DIRECT_BYTES
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(_server_options()) as p:
+        mem = np.zeros((blocks, bb), np.uint8)
+        desc = dd.CacheDesc(1, [blocks, bb], dd.DataType.DT_UINT8)
+        cache = p.cache_manager.register_blocks_cache(desc, [mem])
+        other = p.cache_manager.allocate_cache(_u8([1, 64 << 10]))
+        other.tensors[0][...] = 7
+        dst = np.random.default_rng(3).permutation(blocks)
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            req = helpers.blocks_request(
+                "push", 1, cache.cache_id, np.arange(blocks), dst, 1, bb, blocks
+            )
+            await peer.send(req)
+            assert wire_status(await peer.recv(MT.GRANT)) == S.LLM_SUCCESS
+            sent = 6 * bb + 1000
+            await peer.send(Message(MT.DATA, 1, {"off": 0}, payload_len=ranges * bb))
+            await peer.send_bytes(b"\x77" * sent)  # and not one byte more
+            t0 = time.monotonic()
+            async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(_client_options()) as d:
+                await link(d, 1, p.listen_address)
+                await _legit_pulls(d, other.cache_id)  # the loop is not held
+            await wait_until(lambda: not link_of(p, 66, alive=False).alive, 10)
+            waited = time.monotonic() - t0
+            broken = str(link_of(p, 66, alive=False).broken)
+            said = ("stopped in the middle of a frame", "moved no byte", "did not finish a receive")
+            assert any(why in broken for why in said), broken
+            assert waited < 2 * short_stall + 2, waited
+            assert straight == [ranges * bb]  # (the frame went straight into memory)
+            assert cache_entry(p, cache.cache_id).pins == 0
+            assert (mem[dst[:6]] == 0x77).all() and (mem[dst[6], :1000] == 0x77).all()
+            assert not mem[dst[6], 1000:].any() and not mem[dst[7:]].any()
+        finally:
+            peer.close()
+
+
 @pytest.mark.parametrize(
     "lie",
     ["past_the_plan", "past_a_frame", "past_the_meta"],
