@@ -482,11 +482,18 @@ def watch_floor_ends(monkeypatch: Any, module: Any) -> tuple[list[set[int]], lis
     return ours, theirs
 
 
-def check_floor_ends(ours: list[set[int]], theirs: list[str], before: set[int]) -> None:
-    """What :func:`watch_floor_ends` saw: this thread on one CPU throughout, the server on one
-    other, and this thread's CPUs as they were (``before``) once the floor is measured."""
-    (mine,) = {frozenset(s) for s in ours}
-    assert len(mine) == 1 and mine <= before
-    assert theirs and theirs[0].isdigit()
-    assert int(theirs[0]) in before and {int(theirs[0])} != set(mine)
-    assert os.sched_getaffinity(0) == before
+def check_floor_ends(ours: list[set[int]], theirs: list[str], allowed: set[int]) -> None:
+    """What :func:`watch_floor_ends` saw, this thread allowed ``allowed`` before the floor: on
+    two CPUs or more, this thread on one of them throughout and the server on another; on
+    one, nothing pinned (both where this thread may run). This thread's CPUs as they were
+    after, either way."""
+    if len(allowed) < 2:
+        (cpu,) = allowed
+        assert ours and all(s == allowed for s in ours)
+        assert theirs == [str(cpu)]
+    else:
+        (mine,) = {frozenset(s) for s in ours}
+        assert len(mine) == 1 and mine <= allowed
+        assert theirs and theirs[0].isdigit()
+        assert int(theirs[0]) in allowed and {int(theirs[0])} != set(mine)
+    assert os.sched_getaffinity(0) == allowed

@@ -193,21 +193,25 @@ def test_every_module_a_benchmark_imports_can_be_found() -> None:
     assert json.loads(out.stdout) == {}
 
 
+@pytest.mark.parametrize("cpus", ["all", "one"])
 def test_the_asyncio_floor_of_peers_runs_each_end_on_a_cpu_of_its_own(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, cpus: str
 ) -> None:
     from helpers import check_floor_ends, watch_floor_ends
 
-    before = os.sched_getaffinity(0)
-    if len(before) < 2:
-        pytest.skip("one CPU: the floor has no second one to pin (each end runs anywhere)")
     sys.path.insert(0, str(BENCH))
     try:
         import peers
     finally:
         sys.path.remove(str(BENCH))
         sys.modules.pop("peers", None)  # (a later import finds the file again)
-    ours, theirs = watch_floor_ends(monkeypatch, peers)
-    p50, p99 = peers.asyncio_rpc_us(20, 4096)
-    assert 0 < p50 <= p99
-    check_floor_ends(ours, theirs, before)
+    before = os.sched_getaffinity(0)
+    allowed = before if cpus == "all" else {min(before)}  # ("one": nothing to pin)
+    os.sched_setaffinity(0, allowed)
+    try:
+        ours, theirs = watch_floor_ends(monkeypatch, peers)
+        p50, p99 = peers.asyncio_rpc_us(20, 4096)
+        assert 0 < p50 <= p99
+        check_floor_ends(ours, theirs, allowed)
+    finally:
+        os.sched_setaffinity(0, before)
