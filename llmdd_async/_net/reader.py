@@ -412,12 +412,7 @@ class LinkReader:
             self._stall_mark = -1
             self._arm_stall()
             return
-        stall_s = link.host.stall_timeout_s
-        link.fail(
-            TimeoutError(
-                f"cluster {link.peer_cluster_id} stopped in the middle of a frame for {stall_s:g} s"
-            )
-        )
+        link.fail(_stopped_mid_frame(link))
 
     # ------------------------------------------------------------------ in a task
     def _defer(self, work: Callable[[Any], Awaitable[None]], arg: Any) -> None:
@@ -468,11 +463,8 @@ class LinkReader:
                     with anyio.move_on_after(stall_s) as stalled:
                         while not inflow.pump(link.sock):
                             await anyio.wait_readable(link.sock)
-                    if stalled.cancelled_caught:  # (as _stalled says it for inline payloads)
-                        raise TimeoutError(
-                            f"cluster {link.peer_cluster_id} stopped in the middle of a frame "
-                            f"for {stall_s:g} s"
-                        )
+                    if stalled.cancelled_caught:
+                        raise _stopped_mid_frame(link)
                 else:
                     fence = Fence(token, stall_s, req.deadline if req is not None else None)
                     if req is not None:
@@ -533,6 +525,12 @@ class LinkReader:
         with contextlib.suppress(Exception), anyio.move_on_after(1):
             await link.send(abort.encode())
         raise exc
+
+
+def _stopped_mid_frame(link: Link) -> TimeoutError:
+    """Why a link breaks whose peer stopped in a frame for the stall timeout."""
+    stall_s, peer = link.host.stall_timeout_s, link.peer_cluster_id
+    return TimeoutError(f"cluster {peer} stopped in the middle of a frame for {stall_s:g} s")
 
 
 def _count(link: Link, landing: _Landing) -> None:

@@ -723,6 +723,17 @@ async def test_a_peer_that_stops_in_a_frame_right_behind_a_payload_loses_only_it
             peer.close()
 
 
+async def _served_until_the_stall_breaks(p: dd.LLMDataDist, cache_id: int) -> tuple[float, str]:
+    """While peer 66 stalls in a frame: a legit peer's pulls of ``cache_id`` are served (the
+    loop is not held), then 66's link breaks. Returns the seconds that took and why it broke."""
+    t0 = time.monotonic()
+    async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(_client_options()) as d:
+        await link(d, 1, p.listen_address)
+        await _legit_pulls(d, cache_id)
+    await wait_until(lambda: not link_of(p, 66, alive=False).alive, 10)
+    return time.monotonic() - t0, str(link_of(p, 66, alive=False).broken)
+
+
 async def test_a_peer_that_stops_in_the_middle_of_a_payload_loses_only_its_link(
     short_stall: float,
 ) -> None:
@@ -741,13 +752,7 @@ async def test_a_peer_that_stops_in_the_middle_of_a_payload_loses_only_its_link(
             assert wire_status(grant) == S.LLM_SUCCESS
             await peer.send(Message(MT.DATA, 1, {"off": 0}, payload_len=4096))
             await peer.send_bytes(b"\x77" * 1000)  # and not one byte more
-            t0 = time.monotonic()
-            async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(_client_options()) as d:
-                await link(d, 1, p.listen_address)
-                await _legit_pulls(d, other.cache_id)  # the loop is not held
-            await wait_until(lambda: not link_of(p, 66, alive=False).alive, 10)
-            waited = time.monotonic() - t0
-            broken = str(link_of(p, 66, alive=False).broken)
+            waited, broken = await _served_until_the_stall_breaks(p, other.cache_id)
             assert "middle of a frame" in broken, broken
             assert waited < 2 * short_stall + 2, waited
             assert cache_entry(p, cache.cache_id).pins == 0
@@ -794,13 +799,7 @@ async def test_a_peer_that_stops_in_a_frame_received_straight_into_memory_loses_
             sent = 6 * bb + 1000
             await peer.send(Message(MT.DATA, 1, {"off": 0}, payload_len=ranges * bb))
             await peer.send_bytes(b"\x77" * sent)  # and not one byte more
-            t0 = time.monotonic()
-            async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(_client_options()) as d:
-                await link(d, 1, p.listen_address)
-                await _legit_pulls(d, other.cache_id)  # the loop is not held
-            await wait_until(lambda: not link_of(p, 66, alive=False).alive, 10)
-            waited = time.monotonic() - t0
-            broken = str(link_of(p, 66, alive=False).broken)
+            waited, broken = await _served_until_the_stall_breaks(p, other.cache_id)
             said = ("stopped in the middle of a frame", "moved no byte", "did not finish a receive")
             assert any(why in broken for why in said), broken
             assert waited < 2 * short_stall + 2, waited
