@@ -9,6 +9,7 @@ up through the host.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from .link import Link
     from .requests import Serving
 
-__all__ = ["LinkHost", "RequestServer", "ScratchPool"]
+__all__ = ["LinkHost", "RequestServer", "ScratchPool", "Served"]
 
 
 class ScratchPool:
@@ -184,13 +185,24 @@ class LinkHost(Protocol):
         ...
 
 
+class Served(enum.Enum):
+    """What :meth:`RequestServer.serve_now` did with a request."""
+
+    #: served (or being served) from the reader: nothing more to do
+    NOW = "now"
+    #: nothing was sent: it would be served from the reader, but every serving slot of the
+    #: link (``llm.LinkServing``) is taken; asked again when one is freed
+    NO_SLOT = "no slot"
+    #: nothing was sent: a task must serve it
+    TASK = "task"
+
+
 class RequestServer(Protocol):
     """The target side of transfers: how a link serves the requests its peer starts."""
 
-    def serve_now(self, link: Link, request: XferRequest) -> bool:
+    def serve_now(self, link: Link, request: XferRequest) -> Served:
         """Serve ``request`` from the link's reader itself, if it is small enough to need no
-        task; False when a task must serve it (then nothing was sent). Never raises for a
-        bad request (the task answers it)."""
+        task. Never raises for a bad request (the task answers it)."""
         ...
 
     async def serve_request(self, link: Link, req: Serving, request: XferRequest) -> None:

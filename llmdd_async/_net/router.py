@@ -1,16 +1,20 @@
 """What an established link does with each control frame its peer sends.
 
 :class:`FrameRouter` admits the peer's requests (or refuses them, LLM_LINK_BUSY, past the
-link's queue limits) and hands them to the link's server; routes GRANT, RESULT, DONE and
-ABORT to the requests they concern; and answers the peer's PING, TABLE_REQ and UNLINK from
-tasks of their own, at most ``_MAX_REPLIES`` owed at once (the reader waits beyond that, so a
-peer that sends but never reads floods its own socket buffers, not our memory).
+link's queue limits) and hands them to the link's server (one that waits for a serving slot
+waits here, parked, and is served from the reader once a slot is freed); routes GRANT,
+RESULT, DONE and ABORT to the requests they concern; and answers the peer's PING, TABLE_REQ
+and UNLINK from tasks of their own, at most ``_MAX_REPLIES`` owed at once (the reader waits
+beyond that, so a peer that sends but never reads floods its own socket buffers, not our
+memory).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -23,6 +27,7 @@ from .._errors import LinkBroken, LLMException, ProtocolError, is_caller_facing
 from .._messages import Abort, Grant, Pong, UnlinkAck
 from .._messages import Request as XferRequest
 from .._protocol import MT, UNCHARGED_META, Message
+from .host import Served
 from .requests import Pending, Request, Serving
 
 if TYPE_CHECKING:
@@ -56,6 +61,15 @@ class FrameRouter:
         #: this side's requests waiting for a reply of a given type (TABLE, UNLINK_ACK, PONG)
         self._waiters: dict[MT, list[Pending]] = {MT.TABLE: [], MT.UNLINK_ACK: [], MT.PONG: []}
         self._replies = anyio.Semaphore(_MAX_REPLIES)
+        #: requests served from the reader once a serving slot is free, in order (each also
+        #: in ``link.serving``: counted in the link's queue, failed with the link)
+        self._parked: deque[tuple[Serving, XferRequest]] = deque()
+        self._unparking = False
+
+    @property
+    def parked(self) -> bool:
+        """Requests wait for a serving slot (apart from one being served now)."""
+        return bool(self._parked) and not self._unparking
 
     def unwanted(self, kind: MT) -> bool:
         """A reply nobody waits for now (the decoder then leaves its fields unparsed)."""
@@ -214,7 +228,7 @@ class FrameRouter:
             if charged and budget is not None:
                 budget.release(charged)
             raise
-        if served:
+        if served is Served.NOW:
             if charged and budget is not None:
                 budget.release(charged)
             return
@@ -228,7 +242,64 @@ class FrameRouter:
         req.charged = charged
         link.queued_bytes += meta_bytes
         link.serving[msg.req_id] = req
-        link.host.spawn(link.server.serve_request, link, req, request)
+        if served is Served.TASK:
+            link.host.spawn(link.server.serve_request, link, req, request)
+            return
+        # Parked: a task each would cost more than serving them (many small requests in
+        # flight to one target). Its early bytes (an eager push's) are discarded meanwhile
+        # (nothing receives them: see eager), so it is granted, not taken as sent.
+        if request.eager is not None:
+            request = dataclasses.replace(request, eager=None)
+        self._parked.append((req, request))
+        # Aborted, or the link failed: it leaves the queue unserved.
+        req.done_event.callback = lambda: self._unpark(req)
+
+    def _unpark(self, req: Serving) -> None:
+        """A parked request was aborted, or its link failed: it leaves the queue unserved."""
+        with contextlib.suppress(StopIteration):
+            self._parked.remove(next(p for p in self._parked if p[0] is req))
+        if self.link.serving.get(req.req_id) is req:
+            del self.link.serving[req.req_id]
+        self._release_queued(req)
+
+    def _release_queued(self, req: Serving) -> None:
+        """What a queued request held of the link's and the endpoint's budgets."""
+        link = self.link
+        link.queued_bytes -= req.meta_bytes
+        req.meta_bytes = 0
+        budget = link.decoder.budget
+        if req.charged and budget is not None:
+            budget.release(req.charged)
+        req.charged = 0
+
+    def serve_parked(self) -> None:
+        """Serve parked requests, in order, while serving slots are free (call it when one is
+        freed). A failure breaks the link, as one in the reader would."""
+        if self._unparking:
+            return  # (one ended while another is served: the loop below goes on)
+        link = self.link
+        parked = self._parked
+        self._unparking = True
+        try:
+            while parked and link.alive and link.serving_limiter.available_tokens >= 1:
+                req, request = parked.popleft()
+                req.done_event.callback = None
+                if link.serving.get(req.req_id) is req:
+                    del link.serving[req.req_id]
+                try:
+                    served = link.server.serve_now(link, request)
+                except BaseException:
+                    self._release_queued(req)
+                    raise
+                if served is Served.NOW:
+                    self._release_queued(req)
+                else:  # a task serves it (and releases what it holds)
+                    link.serving[req.req_id] = req
+                    link.host.spawn(link.server.serve_request, link, req, request)
+        except Exception as exc:
+            link.fail(exc)
+        finally:
+            self._unparking = False
 
     def _aborted(self, msg: Message) -> None:
         """The peer stopped a request (and, with ``broken``, the link)."""

@@ -30,7 +30,7 @@ from .._timers import Timer
 from .._transports.tcp import INLINE_BYTES, StreamPlan, host_views
 from .eager import stream_digest
 from .grants import INLINE_PIECES, finish, plan_checked, resolve
-from .host import LinkHost
+from .host import LinkHost, Served
 from .link import Link
 from .prepared import plan_on_loop
 from .requests import Serving
@@ -81,12 +81,15 @@ async def serve_request(engine: LinkHost, link: Link, req: Serving, request: Req
 
     Never raises: failures go back to the initiator (in the GRANT, or as an ABORT later).
     """
-    async with link.serving_limiter:
-        if pieces_bound(request) <= INLINE_PIECES:
-            await _serve(engine, link, req, request)
-            return
-        async with _large_limiters(link)[1]:
-            await _serve(engine, link, req, request)
+    try:
+        async with link.serving_limiter:
+            if pieces_bound(request) <= INLINE_PIECES:
+                await _serve(engine, link, req, request)
+                return
+            async with _large_limiters(link)[1]:
+                await _serve(engine, link, req, request)
+    finally:
+        link.router.serve_parked()  # (a slot was freed)
 
 
 #: large requests of one link in flight at once (each holds its plan; their frames share the
@@ -231,15 +234,17 @@ def _consume_on_done(
     req.on_done = consume
 
 
-def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
+def serve_now(engine: LinkHost, link: Link, request: Request) -> Served:
     """Serve a small request from the link's reader itself, with no task or thread. A streamed
     pull is planned, granted and sent in one non-blocking ``sendmsg``; a streamed push is
     granted and its DATA lands from the reader; a local grant (the initiator copies itself)
-    waits for the DONE there (:func:`_grant_now`). Returns False when a task must serve the
-    request instead: anything else (streamed pulls that consume a key, device memory, more
-    than ``INLINE_BYTES`` over the stream, more than ``INLINE_PIECES`` ranges), or any failure
-    (the task answers it with its status). While the send lock is taken the frames queue for
-    the link's writer (:meth:`Link.send_soon`).
+    waits for the DONE there (:func:`_grant_now`). Returns ``Served.TASK`` when a task must
+    serve the request instead: anything else (streamed pulls that consume a key, device
+    memory, more than ``INLINE_BYTES`` over the stream, more than ``INLINE_PIECES`` ranges), or
+    any failure (the task answers it with its status); ``Served.NO_SLOT`` (nothing done) when
+    it would hold a serving slot and none is free, or earlier requests already wait for one
+    (the router parks it: :meth:`~.router.FrameRouter.serve_parked`). While the send lock is
+    taken the frames queue for the link's writer (:meth:`Link.send_soon`).
 
     Nothing of ours is touched once a streamed pull's bytes are in the socket, so it ends
     there (its GRANT says no DONE is expected).
@@ -248,13 +253,14 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
     if pieces_bound(request) > INLINE_PIECES or (
         not direct and bound_bytes(request) > INLINE_BYTES
     ):
-        return False
-    if direct and link.serving_limiter.available_tokens < 1:
-        return False  # a local grant holds a serving slot: the task waits for one, and plans
+        return Served.TASK
+    if (direct or request.op is Op.PUSH) and not _slot_free(link):
+        # A local grant or a push holds a serving slot: planned once one is free.
+        return Served.NO_SLOT
     try:
         entries, plan, slot_info, mode, ntensors = resolve_and_plan(engine, link, request)
     except Exception:
-        return False  # the task answers with the status
+        return Served.TASK  # the task answers with the status
     pull = request.op is Op.PULL
     if mode is Mode.LOCAL:
         return _grant_now(engine, link, request, entries, plan, ntensors, mode, slot_info)
@@ -265,7 +271,7 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
         or not engine.host_reachable(plan.src if pull else plan.dst)
         or len(plan.nbytes) > VIEWS_INLINE
     ):
-        return False
+        return Served.TASK
     # A request the initiator planned as we did (.eager: the digest of its own ranges) is a
     # push taken as sent, or a pull whose DATA goes alone, flagged so.
     theirs = plan.dst if pull else plan.src
@@ -293,9 +299,15 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> bool:
     views = host_views(plan.src, plan.nbytes)
     if not link.send_soon(frames, views, unpin):
         unpin()
-        return False
+        return Served.TASK
     link.stats_bytes += total
-    return True
+    return Served.NOW
+
+
+def _slot_free(link: Link) -> bool:
+    """A serving slot is free for a request served from the reader, and no earlier request
+    of the link waits for one (they keep their order)."""
+    return link.serving_limiter.available_tokens >= 1 and not link.router.parked
 
 
 def _grant_now(
@@ -308,11 +320,12 @@ def _grant_now(
     mode: Mode,
     slot_info: tuple[int, np.ndarray] | None,
     eager: bool = False,
-) -> bool:
+) -> Served:
     """Grant a request from the reader and finish it there: a streamed push ends where its
     DATA lands (straight into our checked ranges; then the RESULT), a local grant where the
     initiator's DONE arrives (its effect, consuming a key, happens there too). It holds one of
-    the link's serving slots (``llm.LinkServing``), as a task would: False when none is free.
+    the link's serving slots (``llm.LinkServing``), as a task would: ``Served.NO_SLOT`` when
+    none is free; the slot freed, the next request parked for one is served.
     ``eager``: a push whose bytes follow its request is taken as sent, with no GRANT (its
     DATA, flagged so, lands; see :mod:`.eager`).
 
@@ -325,10 +338,9 @@ def _grant_now(
     if request.timeout_ms > 0:
         budget_s = min(budget_s, request.timeout_ms / 1000)
     req = Serving(request.req_id, time.monotonic() + budget_s)
-    try:
-        link.serving_limiter.acquire_on_behalf_of_nowait(req)
-    except anyio.WouldBlock:
-        return False
+    if not _slot_free(link):
+        return Served.NO_SLOT
+    link.serving_limiter.acquire_on_behalf_of_nowait(req)
     pull = request.op is Op.PULL
     registry = engine.registry
     for e in entries:
@@ -346,6 +358,7 @@ def _grant_now(
             link.serving_limiter.release_on_behalf_of(req)
             for e in entries:
                 registry.unpin(e)
+            link.router.serve_parked()
 
     def landed() -> None:
         if req.error is None and not req.token.cancelled:
@@ -381,7 +394,7 @@ def _grant_now(
     link.serving[req.req_id] = req
     timer.append(timers.call_later(budget_s, expired))
     if req.eager:
-        return True
+        return Served.NOW
     local_side, target_side = (plan.dst, plan.src) if pull else (plan.src, plan.dst)
     grant = Grant(
         request.req_id,
@@ -394,7 +407,7 @@ def _grant_now(
     )
     if not link.send_soon([grant], [], _nothing):
         end()
-    return True
+    return Served.NOW
 
 
 def _nothing() -> None:
@@ -456,7 +469,7 @@ class Target:
     def __init__(self, host: LinkHost) -> None:
         self.host = host
 
-    def serve_now(self, link: Link, request: Request) -> bool:
+    def serve_now(self, link: Link, request: Request) -> Served:
         """See :func:`serve_now`."""
         return serve_now(self.host, link, request)
 

@@ -17,6 +17,7 @@ from helpers import cyclic_garbage, endpoint_options, raw_link
 
 import llmdd_async as dd
 from llmdd_async._messages import Data, Grant, Mode, Ping
+from llmdd_async._net.host import Served
 from llmdd_async._net.writer import LinkWriter
 from llmdd_async._protocol import MT
 from llmdd_async.testing import (
@@ -463,12 +464,61 @@ async def test_a_layerwise_grant_out_of_layer_order_breaks_the_link_and_sends_no
             peer.close()
 
 
-async def test_a_local_grant_waiting_for_a_serving_slot_is_planned_once(
+@pytest.mark.parametrize("transport", ["tcp", "same-host"])
+async def test_pushes_in_flight_past_the_serving_slots_are_parked_and_land(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Remote-accessible mode: a push holds one of the target's serving slots until its bytes
+    land (over TCP) or the initiator's DONE (same host). Eight in flight while the one slot
+    is held: they are parked, not given tasks; a parked push's early bytes (sent behind its
+    request, before any GRANT) are discarded and sent again under its GRANT; once the slot
+    is freed, every block lands where it should."""
+    opts = {**DEFAULT_OPTIONS, "llm.Transport": transport, "llm.LinkServing": "1"}
+    async with linked_pair(opts) as (prompt, decoder):
+        theirs = np.zeros((BLOCKS, BLOCK), np.uint8)
+        desc = dd.CacheDesc(1, [BLOCKS, BLOCK], dd.DataType.DT_UINT8)
+        prompt.cache_manager.register_blocks_cache(desc, [theirs], dd.BlocksCacheKey(1, 0))
+        mine = np.random.default_rng(3).integers(0, 255, (BLOCKS, BLOCK), dtype=np.uint8)
+        cache = decoder.cache_manager.register_blocks_cache(desc, [mine])
+        tasks = _count_serving_tasks(prompt, monkeypatch)
+        server = engine_of(prompt).links.server
+        outcomes: list[Served] = []
+        serve_now = server.serve_now
+
+        def recorded(link: Any, request: Any) -> Served:
+            outcomes.append(serve_now(link, request))
+            return outcomes[-1]
+
+        monkeypatch.setattr(server, "serve_now", recorded)
+        key = dd.BlocksCacheKey(1, 0)
+        served = link_of(prompt, 2)
+        slots = served._link.serving_limiter
+        holder = object()  # the slot held, as by a push whose bytes are slow to come
+        slots.acquire_on_behalf_of_nowait(holder)
+        moves = [(s, (s * 7) % BLOCKS) for s in range(8)]
+        running = [decoder.cache_manager.push_blocks(key, cache, [s], [d]) for s, d in moves]
+        await wait_until(lambda: served.serving == 8, 5)  # all parked, early bytes discarded
+        assert not theirs.any()
+        slots.release_on_behalf_of(holder)
+        served._link.router.serve_parked()
+        for t in running:
+            await t
+        for s, d in moves:
+            assert np.array_equal(theirs[d], mine[s])
+        assert Served.NO_SLOT in outcomes, "no push waited for the one slot"
+        assert tasks == []
+        await wait_until(lambda: not served.serving, 5)
+        assert served._link.queued_bytes == 0
+
+
+async def test_a_local_grant_waiting_for_a_serving_slot_is_parked_and_planned_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Same host, default mode: a local grant holds one of the link's serving slots until the
-    initiator's DONE. With every slot taken, a small request goes to a task that waits for one
-    and plans it then; the reader does not plan it first for nothing."""
+    initiator's DONE. With every slot taken, a small request is parked (no task: with many in
+    flight a task each cost the target twice the CPU), and planned and granted from the
+    reader once a slot is freed, in the order the requests came; the reader does not plan it
+    first for nothing."""
     from llmdd_async._net import target
 
     plans: list[int] = []
@@ -483,6 +533,19 @@ async def test_a_local_grant_waiting_for_a_serving_slot_is_planned_once(
     async with linked_pair(opts) as (prompt, decoder):
         cache, src, dst = await _setup(prompt, decoder)
         tasks = _count_serving_tasks(prompt, monkeypatch)
+        server = engine_of(prompt).links.server
+        outcomes: list[Served] = []
+        serve_now = server.serve_now
+
+        def recorded(link: Any, request: Any) -> Served:
+            outcomes.append(serve_now(link, request))
+            return outcomes[-1]
+
+        monkeypatch.setattr(server, "serve_now", recorded)
         await _eight_pulls_in_flight(decoder, cache, src, dst)
-        assert tasks, "no request waited for the one slot"
-        assert sorted(plans) == sorted(set(plans)) and len(plans) == 8
+        assert Served.NO_SLOT in outcomes, "no request waited for the one slot"
+        assert tasks == []
+        assert plans == sorted(set(plans)) and len(plans) == 8  # once each, in order
+        served = link_of(prompt, 2)
+        await wait_until(lambda: not served.serving, 5)
+        assert served._link.queued_bytes == 0

@@ -11,6 +11,7 @@ import pytest
 
 import llmdd_async as dd
 from llmdd_async._messages import Grant, Mode, Result
+from llmdd_async._net.host import Served
 from llmdd_async._net.target import resolve_and_plan
 from llmdd_async._transports.tcp import StreamPlan
 from llmdd_async.testing import DEFAULT_OPTIONS, engine_of, linked_pair
@@ -58,7 +59,7 @@ async def test_a_second_grant_cannot_turn_a_pull_into_a_push(
                 await req.data_event.wait()
                 link.send_soon([Result(req.req_id).encode()], [], _nothing)
 
-        monkeypatch.setattr(server, "serve_now", lambda link, request: False)
+        monkeypatch.setattr(server, "serve_now", lambda link, request: Served.TASK)
         monkeypatch.setattr(server, "serve_request", two_grants)
         with pytest.raises(dd.LLMException) as caught:
             with anyio.fail_after(10):

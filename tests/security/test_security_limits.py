@@ -26,7 +26,7 @@ import pytest
 from helpers import RawPeer, cluster, endpoint_options, link
 
 import llmdd_async as dd
-from llmdd_async._messages import Grant, wire_status
+from llmdd_async._messages import Abort, Grant, wire_status
 from llmdd_async._protocol import MT, Message, encode
 from llmdd_async._transports.tcp import INLINE_BYTES
 from llmdd_async.testing import (
@@ -347,6 +347,71 @@ async def test_requests_that_arrive_together_are_queued_not_refused() -> None:
                 raise AssertionError(f"request 2 was answered: {msg.type} {msg.fields}")
         finally:
             peer.close()
+
+
+async def _push_holding_the_slot(p: dd.LLMDataDist, peer: RawPeer, cache_id: int) -> Any:
+    """With ``llm.LinkServing`` = 1: the peer's push 1 granted (holding the one slot until its
+    bytes come), push 2 parked behind it; returns the link."""
+    for rid in (1, 2):
+        await peer.send(pull_request(rid, cache_id, 256, op="push"))
+    grant = await peer.recv(MT.GRANT)
+    assert grant.req_id == 1 and wire_status(grant) == S.LLM_SUCCESS
+    lnk = link_of(p, 66, alive=False)
+    await wait_until(lambda: lnk.serving == 2, 5)
+    return lnk
+
+
+async def test_a_parked_request_its_peer_aborts_leaves_the_queue_unserved() -> None:
+    """A request waiting for a serving slot is parked in the link's queue. Its peer aborts it:
+    it leaves the queue (its place and its bytes) and is never granted; the next request takes
+    its place, and is granted once the slot is freed."""
+    opts = _server_options(**{"llm.LinkQueue": "2", "llm.LinkServing": "1"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
+            queued = lnk._link.queued_bytes
+            assert queued > 0
+            await peer.send(Abort(2, S.LLM_TIMEOUT, "gave up", to_initiator=False).encode())
+            await wait_until(lambda: lnk.serving == 1, 5)
+            assert lnk._link.queued_bytes == 0
+            await peer.send(pull_request(3, cache.cache_id, 256, op="push"))  # not refused
+            await wait_until(lambda: lnk.serving == 2, 5)
+            await peer.send(Message(MT.DATA, 1, {"off": 0}, payload_len=256))
+            await peer.send_bytes(bytes(256))
+            seen: list[tuple[int, MT]] = []
+            with anyio.fail_after(10):
+                while len(seen) < 2:
+                    msg = await peer.frame()
+                    seen.append((msg.req_id, msg.type))
+            assert seen == [(1, MT.RESULT), (3, MT.GRANT)]
+            assert wire_status(msg) == S.LLM_SUCCESS
+            with anyio.move_on_after(0.3):  # nothing for the aborted request, ever
+                msg = await peer.frame()
+                raise AssertionError(f"answered: {msg.req_id} {msg.type} {msg.fields}")
+            assert lnk.alive and lnk.serving == 1
+        finally:
+            peer.close()
+
+
+async def test_parked_requests_of_a_link_that_fails_hold_nothing() -> None:
+    """A peer that parks requests behind one holding the slot, then hangs up: the link's queue
+    empties, with nothing pinned and no bytes counted."""
+    opts = _server_options(**{"llm.LinkQueue": "4", "llm.LinkServing": "1"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
+            await peer.send(pull_request(3, cache.cache_id, 256, op="push"))
+            await wait_until(lambda: lnk.serving == 3, 5)
+        finally:
+            peer.close()
+        await wait_until(lambda: not lnk.alive, 10)
+        await wait_until(lambda: lnk.serving == 0, 10)
+        assert lnk._link.queued_bytes == 0
+        assert cache_entry(p, cache.cache_id).pins == 0
 
 
 async def test_a_streamed_pull_is_one_round_trip_and_holds_nothing_after() -> None:
