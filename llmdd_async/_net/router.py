@@ -280,8 +280,9 @@ class FrameRouter:
         link = self.link
         parked = self._parked
         self._unparking = True
+        tasks = 0  # (each takes a slot once it runs: no more are served here than are free)
         try:
-            while parked and link.alive and link.serving_limiter.available_tokens >= 1:
+            while parked and link.alive and link.serving_limiter.available_tokens > tasks:
                 req, request = parked.popleft()
                 req.done_event.callback = None
                 if link.serving.get(req.req_id) is req:
@@ -296,6 +297,7 @@ class FrameRouter:
                 else:  # a task serves it (and releases what it holds)
                     link.serving[req.req_id] = req
                     link.host.spawn(link.server.serve_request, link, req, request)
+                    tasks += 1
         except Exception as exc:
             link.fail(exc)
         finally:

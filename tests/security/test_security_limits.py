@@ -395,6 +395,37 @@ async def test_a_parked_request_its_peer_aborts_leaves_the_queue_unserved() -> N
             peer.close()
 
 
+async def test_parked_requests_that_cannot_be_served_are_each_refused() -> None:
+    """Parked requests are planned only once a slot is free: those that name no cache of ours
+    are then refused (LLM_KV_CACHE_NOT_EXIST), each one, in order, and the link serves on."""
+    opts = _server_options(**{"llm.LinkQueue": "8", "llm.LinkServing": "1"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
+            for rid in range(3, 7):
+                await peer.send(pull_request(rid, 1 << 40, 256, op="push"))
+            await wait_until(lambda: lnk.serving == 6, 5)
+            answers: list[tuple[int, MT, Any]] = []
+            for rid, n in ((1, 2), (2, 7)):  # each push's bytes, and what follows them
+                await peer.send(Message(MT.DATA, rid, {"off": 0}, payload_len=256))
+                await peer.send_bytes(bytes(256))
+                with anyio.fail_after(10):
+                    while len(answers) < n:
+                        msg = await peer.frame()
+                        answers.append((msg.req_id, msg.type, wire_status(msg)))
+            ok, gone = S.LLM_SUCCESS, S.LLM_KV_CACHE_NOT_EXIST
+            assert answers == [
+                (1, MT.RESULT, ok), (2, MT.GRANT, ok), (2, MT.RESULT, ok),
+                *[(rid, MT.GRANT, gone) for rid in range(3, 7)],
+            ]  # fmt: skip
+            await wait_until(lambda: lnk.serving == 0, 5)
+            assert lnk.alive
+        finally:
+            peer.close()
+
+
 async def test_parked_requests_of_a_link_that_fails_hold_nothing() -> None:
     """A peer that parks requests behind one holding the slot, then hangs up: the link's queue
     empties, with nothing pinned and no bytes counted."""
