@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -64,12 +65,13 @@ class FrameRouter:
         #: requests served from the reader once a serving slot is free, in order (each also
         #: in ``link.serving``: counted in the link's queue, failed with the link)
         self._parked: deque[tuple[Serving, XferRequest]] = deque()
+        self._live = 0  # (those of them not aborted)
         self._unparking = False
 
     @property
     def parked(self) -> bool:
         """Requests wait for a serving slot (apart from one being served now)."""
-        return bool(self._parked) and not self._unparking
+        return self._live > 0 and not self._unparking
 
     def unwanted(self, kind: MT) -> bool:
         """A reply nobody waits for now (the decoder then leaves its fields unparsed)."""
@@ -232,6 +234,11 @@ class FrameRouter:
             if charged and budget is not None:
                 budget.release(charged)
             return
+        if served is Served.TASK and not (
+            link.serving_limiter.available_tokens >= 1 and not self.parked
+        ):
+            # Its task would wait for a slot, ahead of requests parked for one before it.
+            served = Served.NO_SLOT
         # The peer's deadline, but never more than this side would give itself: one
         # stalled peer must not hold our workers for longer (upstream: 1800 s).
         deadline_s = link.host.serve_budget_s(1024)
@@ -244,23 +251,31 @@ class FrameRouter:
         link.serving[msg.req_id] = req
         if served is Served.TASK:
             link.host.spawn(link.server.serve_request, link, req, request)
-            return
-        # Parked: a task each would cost more than serving them (many small requests in
-        # flight to one target). Its early bytes (an eager push's) are discarded meanwhile
-        # (nothing receives them: see eager), so it is granted, not taken as sent.
-        if request.eager is not None:
-            request = dataclasses.replace(request, eager=None)
-        self._parked.append((req, request))
+        else:
+            # Parked: a task each would cost more than serving them (many small requests in
+            # flight to one target).
+            self._park(req, request)
+
+    def _park(self, req: Serving, request: XferRequest, first: bool = False) -> None:
+        """Queue a request (recorded in ``link.serving``) until a serving slot is free."""
+        if first:
+            self._parked.appendleft((req, request))
+        else:
+            self._parked.append((req, request))
+        self._live += 1
         # Aborted, or the link failed: it leaves the queue unserved.
         req.done_event.callback = lambda: self._unpark(req)
 
     def _unpark(self, req: Serving) -> None:
-        """A parked request was aborted, or its link failed: it leaves the queue unserved."""
-        with contextlib.suppress(StopIteration):
-            self._parked.remove(next(p for p in self._parked if p[0] is req))
-        if self.link.serving.get(req.req_id) is req:
-            del self.link.serving[req.req_id]
+        """A parked request was aborted, or its link failed: it leaves the queue unserved (its
+        entry stays behind in the queue, skipped, until the queue is compacted)."""
+        serving = self.link.serving
+        if serving.get(req.req_id) is req:
+            del serving[req.req_id]
         self._release_queued(req)
+        self._live -= 1
+        if len(self._parked) > 2 * self._live + 16:
+            self._parked = deque(p for p in self._parked if serving.get(p[0].req_id) is p[0])
 
     def _release_queued(self, req: Serving) -> None:
         """What a queued request held of the link's and the endpoint's budgets."""
@@ -278,20 +293,21 @@ class FrameRouter:
         if self._unparking:
             return  # (one ended while another is served: the loop below goes on)
         link = self.link
-        parked = self._parked
         self._unparking = True
         tasks = 0  # (each takes a slot once it runs: no more are served here than are free)
         try:
-            while parked and link.alive and link.serving_limiter.available_tokens > tasks:
-                req, request = parked.popleft()
+            while self._parked and link.alive and link.serving_limiter.available_tokens > tasks:
+                req, request = self._parked.popleft()
+                if link.serving.get(req.req_id) is not req:
+                    continue  # (aborted while parked)
+                self._live -= 1
                 req.done_event.callback = None
-                if link.serving.get(req.req_id) is req:
-                    del link.serving[req.req_id]
-                try:
-                    served = link.server.serve_now(link, request)
-                except BaseException:
-                    self._release_queued(req)
-                    raise
+                del link.serving[req.req_id]
+                served = self._serve_unparked(req, request)
+                if served is Served.NO_SLOT:  # (older anyio: a woken waiter has the slot)
+                    link.serving[req.req_id] = req
+                    self._park(req, request, first=True)
+                    break
                 if served is Served.NOW:
                     self._release_queued(req)
                 else:  # a task serves it (and releases what it holds)
@@ -302,6 +318,26 @@ class FrameRouter:
             link.fail(exc)
         finally:
             self._unparking = False
+
+    def _serve_unparked(self, req: Serving, request: XferRequest) -> Served:
+        """Serve a request that waited parked, within what is left of its deadline (out of
+        time: the initiator is told, as for any request past its budget). Its early bytes
+        (an eager push's) were discarded meanwhile (nothing received them: see ``eager``),
+        so it is granted, never taken as sent."""
+        link = self.link
+        left_ms = math.ceil(((req.deadline or 0) - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            text = f"cluster {link.host.cluster_id} stopped serving the request: "
+            text += "it ran past its budget"
+            abort = Abort(req.req_id, link.host.timeout_code, text, to_initiator=True)
+            link.send_soon([abort.encode()], [], _nothing)
+            return Served.NOW
+        request = dataclasses.replace(request, eager=None, timeout_ms=left_ms)
+        try:
+            return link.server.serve_now(link, request)
+        except BaseException:
+            self._release_queued(req)
+            raise
 
     def _aborted(self, msg: Message) -> None:
         """The peer stopped a request (and, with ``broken``, the link)."""
@@ -355,3 +391,7 @@ class FrameRouter:
             ),
             expected=True,
         )
+
+
+def _nothing() -> None:
+    return None

@@ -340,7 +340,10 @@ def _grant_now(
     req = Serving(request.req_id, time.monotonic() + budget_s)
     if not _slot_free(link):
         return Served.NO_SLOT
-    link.serving_limiter.acquire_on_behalf_of_nowait(req)
+    try:
+        link.serving_limiter.acquire_on_behalf_of_nowait(req)
+    except anyio.WouldBlock:  # (older anyio: a waiter it woke is yet to take the slot)
+        return Served.NO_SLOT
     pull = request.op is Op.PULL
     registry = engine.registry
     for e in entries:

@@ -23,10 +23,10 @@ import anyio
 import helpers
 import numpy as np
 import pytest
-from helpers import RawPeer, cluster, endpoint_options, link
+from helpers import RawPeer, blocks_request, cluster, endpoint_options, link
 
 import llmdd_async as dd
-from llmdd_async._messages import Abort, Grant, wire_status
+from llmdd_async._messages import Abort, Done, Grant, wire_status
 from llmdd_async._protocol import MT, Message, encode
 from llmdd_async._transports.tcp import INLINE_BYTES
 from llmdd_async.testing import (
@@ -361,10 +361,12 @@ async def _push_holding_the_slot(p: dd.LLMDataDist, peer: RawPeer, cache_id: int
     return lnk
 
 
-async def test_a_parked_request_its_peer_aborts_leaves_the_queue_unserved() -> None:
-    """A request waiting for a serving slot is parked in the link's queue. Its peer aborts it:
-    it leaves the queue (its place and its bytes) and is never granted; the next request takes
-    its place, and is granted once the slot is freed."""
+@pytest.mark.parametrize("stop", ["abort", "done"])
+async def test_a_parked_request_its_peer_aborts_leaves_the_queue_unserved(stop: str) -> None:
+    """A request waiting for a serving slot is parked in the link's queue. Its peer aborts it
+    (or says it is done with it, unasked): it leaves the queue (its place and its bytes) and
+    is never granted; the next request takes its place, and is granted once the slot is
+    freed."""
     opts = _server_options(**{"llm.LinkQueue": "2", "llm.LinkServing": "1"})
     async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
         cache = p.cache_manager.allocate_cache(_u8([1, 256]))
@@ -373,7 +375,10 @@ async def test_a_parked_request_its_peer_aborts_leaves_the_queue_unserved() -> N
             lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
             queued = lnk._link.queued_bytes
             assert queued > 0
-            await peer.send(Abort(2, S.LLM_TIMEOUT, "gave up", to_initiator=False).encode())
+            if stop == "abort":
+                await peer.send(Abort(2, S.LLM_TIMEOUT, "gave up", to_initiator=False).encode())
+            else:
+                await peer.send(Done(2, S.LLM_SUCCESS).encode())
             await wait_until(lambda: lnk.serving == 1, 5)
             assert lnk._link.queued_bytes == 0
             await peer.send(pull_request(3, cache.cache_id, 256, op="push"))  # not refused
@@ -422,6 +427,142 @@ async def test_parked_requests_that_cannot_be_served_are_each_refused() -> None:
             ]  # fmt: skip
             await wait_until(lambda: lnk.serving == 0, 5)
             assert lnk.alive
+        finally:
+            peer.close()
+
+
+async def _answers(peer: RawPeer, n: int) -> list[tuple[int, MT, Any]]:
+    """The next ``n`` frames of the peer: request id, type and status."""
+    got: list[tuple[int, MT, Any]] = []
+    with anyio.fail_after(10):
+        while len(got) < n:
+            msg = await peer.frame()
+            got.append((msg.req_id, msg.type, wire_status(msg)))
+    return got
+
+
+async def _data(peer: RawPeer, rid: int, n: int) -> None:
+    await peer.send(Message(MT.DATA, rid, {"off": 0}, payload_len=n))
+    await peer.send_bytes(bytes(n))
+
+
+async def test_requests_a_task_serves_wait_behind_parked_ones() -> None:
+    """Requests served by a task (of many ranges, or refused) take a serving slot too: one
+    that comes while others are parked waits behind them, never ahead."""
+    opts = _server_options(**{"llm.LinkQueue": "8", "llm.LinkServing": "1"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
+            big = pull_request(3, cache.cache_id, 256)  # more tensors than INLINE_PIECES
+            big.arrays["local_addrs"] = np.arange(1 << 14 | 1, dtype="<u8") << np.uint64(20)
+            await peer.send(big)
+            await peer.send(pull_request(4, 1 << 40, 256))  # no such cache
+            await wait_until(lambda: lnk.serving == 4, 5)
+            await _data(peer, 1, 256)
+            ok = S.LLM_SUCCESS
+            assert await _answers(peer, 2) == [(1, MT.RESULT, ok), (2, MT.GRANT, ok)]
+            await _data(peer, 2, 256)
+            got = await _answers(peer, 3)
+            assert [g[:2] for g in got] == [(2, MT.RESULT), (3, MT.GRANT), (4, MT.GRANT)]
+            assert got[1][2] != ok and got[2][2] == S.LLM_KV_CACHE_NOT_EXIST
+            await wait_until(lambda: lnk.serving == 0, 5)
+            assert lnk.alive
+        finally:
+            peer.close()
+
+
+async def test_a_drain_of_parked_requests_serves_no_more_than_the_free_slots() -> None:
+    """Parked pushes of thousands of ranges each (more than the reader streams: their tasks
+    move them): a freed slot lets one of them in at a time, not every one at once (each is
+    planned on the loop when let in)."""
+    opts = _server_options(**{"llm.LinkQueue": "16", "llm.LinkServing": "1"})
+    blocks, size = 5000, 64
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_blocks_cache(_u8([blocks, size]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            await peer.send(blocks_request("push", 1, cache.cache_id, [0], [0], 1, size, blocks))
+            grant = await peer.recv(MT.GRANT)
+            assert grant.req_id == 1 and wire_status(grant) == S.LLM_SUCCESS
+            lnk = link_of(p, 66, alive=False)
+            served: list[list[int]] = []
+            router, server = lnk._link.router, lnk._link.server
+            drain, serve_now = router.serve_parked, server.serve_now
+
+            def counted_drain() -> None:
+                served.append([])
+                drain()
+
+            def counted(link: Any, request: Any) -> Any:
+                if served:
+                    served[-1].append(request.req_id)
+                return serve_now(link, request)
+
+            router.serve_parked, server.serve_now = counted_drain, counted
+            order = np.random.default_rng(5).permutation(blocks)
+            for rid in range(2, 8):
+                await peer.send(
+                    blocks_request("push", rid, cache.cache_id, order, order, 1, size, blocks)
+                )
+            await wait_until(lambda: lnk.serving == 7, 5)
+            await _data(peer, 1, size)
+            assert (await _answers(peer, 1))[0][:2] == (1, MT.RESULT)
+            for rid in range(2, 8):  # in order; each let go by its peer once granted
+                assert await _answers(peer, 1) == [(rid, MT.GRANT, S.LLM_SUCCESS)]
+                await peer.send(Abort(rid, S.LLM_TIMEOUT, "enough", to_initiator=False).encode())
+            await wait_until(lambda: lnk.serving == 0, 5)
+            assert max(len(s) for s in served) == 1, served
+        finally:
+            peer.close()
+
+
+async def test_a_parked_request_keeps_its_deadline() -> None:
+    """The time a request waited parked counts against its deadline: one that runs out while
+    parked is not granted afresh once let in; its initiator is told it ran past its budget."""
+    opts = _server_options(**{"llm.LinkQueue": "4", "llm.LinkServing": "1"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            await peer.send(pull_request(1, cache.cache_id, 256, op="push"))
+            assert (await _answers(peer, 1))[0][:2] == (1, MT.GRANT)
+            await peer.send(pull_request(2, cache.cache_id, 256, timeout_ms=200, op="push"))
+            lnk = link_of(p, 66, alive=False)
+            await wait_until(lambda: lnk.serving == 2, 5)
+            await anyio.sleep(0.4)
+            await _data(peer, 1, 256)
+            got = await _answers(peer, 2)
+            assert got == [(1, MT.RESULT, S.LLM_SUCCESS), (2, MT.ABORT, S.LLM_TIMEOUT)], got
+            await wait_until(lambda: lnk.serving == 0, 5)
+            assert lnk._link.queued_bytes == 0
+        finally:
+            peer.close()
+
+
+async def test_a_peer_that_parks_and_aborts_requests_again_and_again_holds_no_more() -> None:
+    """Aborted parked requests leave the queue at once; what is left of them is dropped as the
+    queue goes, so a peer that parks and aborts requests without end grows nothing."""
+    opts = _server_options(**{"llm.LinkQueue": "4", "llm.LinkServing": "1"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
+            await peer.send(Abort(2, S.LLM_TIMEOUT, "no", to_initiator=False).encode())
+            router = lnk._link.router
+            for rid in range(3, 203):
+                await peer.send(pull_request(rid, cache.cache_id, 256, op="push"))
+                await peer.send(Abort(rid, S.LLM_TIMEOUT, "no", to_initiator=False).encode())
+            await wait_until(lambda: lnk.serving == 1, 5)
+            await peer.send(pull_request(203, cache.cache_id, 256, op="push"))
+            await wait_until(lambda: lnk.serving == 2, 5)
+            assert len(router._parked) <= 18, len(router._parked)
+            await _data(peer, 1, 256)
+            got = await _answers(peer, 2)
+            assert got == [(1, MT.RESULT, S.LLM_SUCCESS), (203, MT.GRANT, S.LLM_SUCCESS)]
+            assert lnk._link.queued_bytes == 0 and lnk.alive
         finally:
             peer.close()
 
