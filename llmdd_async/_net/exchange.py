@@ -24,7 +24,7 @@ from .grant_checks import checks_in_worker, grant_fault, layer_spans, raise_unle
 from .grants import TransferRequest
 from .host import LinkHost
 from .link import Link
-from .requests import Pending
+from .requests import Pending, nothing
 from .streams import VIEWS_INLINE
 
 __all__ = ["KEYS", "Exchange"]
@@ -35,9 +35,6 @@ _STREAM_HANDOVER = threading.Lock()
 
 #: how a pull names a cache by the key that grants it
 KEYS = (By.REQ_KEY, By.PREFIX_KEY, By.BLOCKS_KEY)
-
-
-def _nothing() -> None: ...
 
 
 class Exchange:
@@ -130,7 +127,7 @@ class Exchange:
         if plan is not None:
             sent = self._send_eager(plan, caps, timeout_ms)
         else:
-            sent = link.send_soon([spec.to_wire(req.req_id, caps, timeout_ms, eager)], [], _nothing)
+            sent = link.send_soon([spec.to_wire(req.req_id, caps, timeout_ms, eager)], [], nothing)
         if not sent:
             self._end(link.down_error())
             return
@@ -304,7 +301,7 @@ class Exchange:
             return True
         if done is None:
             return False
-        if not link.send_soon([Done(req.req_id).encode()], [], _nothing):
+        if not link.send_soon([Done(req.req_id).encode()], [], nothing):
             self.stop(link.down_error())
             return True
         self._succeed(grant)
@@ -358,7 +355,7 @@ class Exchange:
             # scratch, and a DONE now would let the target consume a key for bytes not kept.
             self.stop(CopyCancelled())
             return
-        if grant.done and not self.link.send_soon([Done(req.req_id).encode()], [], _nothing):
+        if grant.done and not self.link.send_soon([Done(req.req_id).encode()], [], nothing):
             self.stop(self.link.down_error())
             return
         self._succeed(grant)
@@ -392,7 +389,7 @@ class Exchange:
                 self._running = False  # the engine stopped: its threads are done with us
         if self.link.alive and not isinstance(exc, LinkBroken):
             abort = Abort(req.req_id, status_from_exception(exc), str(exc))
-            self.link.send_soon([abort.encode()], [], _nothing)
+            self.link.send_soon([abort.encode()], [], nothing)
         self._end(self._reason(exc))
 
     def _succeed(self, grant: Grant) -> None:

@@ -207,6 +207,7 @@ class RequestServer(Protocol):
 
     async def serve_request(self, link: Link, req: Serving, request: XferRequest) -> None:
         """Serve ``request`` (recorded as ``req`` in ``link.serving``) in a task of its
-        own: resolve, check, plan, grant, move, finish. Never raises: failures go back to
-        the peer."""
+        own: resolve, check, plan, grant, move, finish. It holds a serving slot taken for
+        ``req`` (``link.serving_limiter``), and gives it back when it ends. Never raises:
+        failures go back to the peer."""
         ...

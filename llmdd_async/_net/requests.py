@@ -25,7 +25,12 @@ __all__ = [
     "Serving",
     "Signal",
     "TransferRecord",
+    "nothing",
 ]
+
+
+def nothing() -> None:
+    """A callback that does nothing (a frame sent with nothing to let go of once it is out)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from .._messages import Abort, Grant, Pong, UnlinkAck
 from .._messages import Request as XferRequest
 from .._protocol import MT, UNCHARGED_META, Message
 from .host import Served
-from .requests import Pending, Request, Serving
+from .requests import Pending, Request, Serving, nothing
 
 if TYPE_CHECKING:
     from .link import Link
@@ -64,14 +64,16 @@ class FrameRouter:
         self._replies = anyio.Semaphore(_MAX_REPLIES)
         #: requests served from the reader once a serving slot is free, in order (each also
         #: in ``link.serving``: counted in the link's queue, failed with the link)
-        self._parked: deque[tuple[Serving, XferRequest]] = deque()
-        self._live = 0  # (those of them not aborted)
+        self._parked: deque[Serving] = deque()
+        #: ... those of them still waiting (an aborted one leaves its place in the queue
+        #: behind, skipped, until the queue is compacted), with what they asked
+        self._waiting: dict[Serving, XferRequest] = {}
         self._unparking = False
 
     @property
     def parked(self) -> bool:
         """Requests wait for a serving slot (apart from one being served now)."""
-        return self._live > 0 and not self._unparking
+        return bool(self._waiting) and not self._unparking
 
     def unwanted(self, kind: MT) -> bool:
         """A reply nobody waits for now (the decoder then leaves its fields unparsed)."""
@@ -234,9 +236,7 @@ class FrameRouter:
             if charged and budget is not None:
                 budget.release(charged)
             return
-        if served is Served.TASK and not (
-            link.serving_limiter.available_tokens >= 1 and not self.parked
-        ):
+        if served is Served.TASK and not self.slot_free():
             # Its task would wait for a slot, ahead of requests parked for one before it.
             served = Served.NO_SLOT
         # The peer's deadline, but never more than this side would give itself: one
@@ -250,32 +250,52 @@ class FrameRouter:
         link.queued_bytes += meta_bytes
         link.serving[msg.req_id] = req
         if served is Served.TASK:
-            link.host.spawn(link.server.serve_request, link, req, request)
+            self._spawn(req, request)
         else:
             # Parked: a task each would cost more than serving them (many small requests in
             # flight to one target).
             self._park(req, request)
 
+    def slot_free(self) -> bool:
+        """A serving slot is free, and no earlier request waits for one (requests keep their
+        order)."""
+        return self.link.serving_limiter.available_tokens >= 1 and not self.parked
+
+    def _spawn(self, req: Serving, request: XferRequest) -> None:
+        """Hand a request to a task of its own, with a serving slot taken for it now (so that
+        a request the reader serves next cannot take it first; the task gives it back)."""
+        link = self.link
+        link.serving_limiter.acquire_on_behalf_of_nowait(req)
+        try:
+            link.host.spawn(link.server.serve_request, link, req, request)
+        except BaseException:
+            link.serving_limiter.release_on_behalf_of(req)
+            raise
+
     def _park(self, req: Serving, request: XferRequest, first: bool = False) -> None:
         """Queue a request (recorded in ``link.serving``) until a serving slot is free."""
         if first:
-            self._parked.appendleft((req, request))
+            self._parked.appendleft(req)
         else:
-            self._parked.append((req, request))
-        self._live += 1
+            self._parked.append(req)
+        self._waiting[req] = request
         # Aborted, or the link failed: it leaves the queue unserved.
         req.done_event.callback = lambda: self._unpark(req)
 
     def _unpark(self, req: Serving) -> None:
-        """A parked request was aborted, or its link failed: it leaves the queue unserved (its
-        entry stays behind in the queue, skipped, until the queue is compacted)."""
+        """A parked request was aborted, or its link failed: it leaves the queue unserved, and
+        lets go of what it asked (its place in the queue is skipped, and dropped when the
+        queue is compacted)."""
         serving = self.link.serving
         if serving.get(req.req_id) is req:
             del serving[req.req_id]
         self._release_queued(req)
-        self._live -= 1
-        if len(self._parked) > 2 * self._live + 16:
-            self._parked = deque(p for p in self._parked if serving.get(p[0].req_id) is p[0])
+        self._waiting.pop(req, None)
+        waiting = self._waiting
+        if not waiting:
+            self._parked.clear()
+        elif len(self._parked) > 2 * len(waiting) + 16:
+            self._parked = deque(r for r in self._parked if r in waiting)
 
     def _release_queued(self, req: Serving) -> None:
         """What a queued request held of the link's and the endpoint's budgets."""
@@ -294,26 +314,22 @@ class FrameRouter:
             return  # (one ended while another is served: the loop below goes on)
         link = self.link
         self._unparking = True
-        tasks = 0  # (each takes a slot once it runs: no more are served here than are free)
         try:
-            while self._parked and link.alive and link.serving_limiter.available_tokens > tasks:
-                req, request = self._parked.popleft()
-                if link.serving.get(req.req_id) is not req:
+            while self._parked and link.alive and link.serving_limiter.available_tokens >= 1:
+                req = self._parked.popleft()
+                request = self._waiting.pop(req, None)
+                if request is None:
                     continue  # (aborted while parked)
-                self._live -= 1
                 req.done_event.callback = None
                 del link.serving[req.req_id]
                 served = self._serve_unparked(req, request)
-                if served is Served.NO_SLOT:  # (older anyio: a woken waiter has the slot)
+                if served is Served.NO_SLOT:  # (not expected: a slot is free)
                     link.serving[req.req_id] = req
                     self._park(req, request, first=True)
                     break
-                if served is Served.NOW:
-                    self._release_queued(req)
-                else:  # a task serves it (and releases what it holds)
+                if served is Served.TASK:  # (it keeps what it holds until the task ends)
                     link.serving[req.req_id] = req
-                    link.host.spawn(link.server.serve_request, link, req, request)
-                    tasks += 1
+                    self._spawn(req, request)
         except Exception as exc:
             link.fail(exc)
         finally:
@@ -323,21 +339,28 @@ class FrameRouter:
         """Serve a request that waited parked, within what is left of its deadline (out of
         time: the initiator is told, as for any request past its budget). Its early bytes
         (an eager push's) were discarded meanwhile (nothing received them: see ``eager``),
-        so it is granted, never taken as sent."""
+        so it is granted, never taken as sent. Served now, or on failure, what it held of
+        the budgets is released.
+
+        Raises:
+            Exception: only a bug's (the caller then breaks the link).
+        """
         link = self.link
-        left_ms = math.ceil(((req.deadline or 0) - time.monotonic()) * 1000)
-        if left_ms <= 0:
-            text = f"cluster {link.host.cluster_id} stopped serving the request: "
-            text += "it ran past its budget"
-            abort = Abort(req.req_id, link.host.timeout_code, text, to_initiator=True)
-            link.send_soon([abort.encode()], [], _nothing)
-            return Served.NOW
-        request = dataclasses.replace(request, eager=None, timeout_ms=left_ms)
+        served = Served.NOW
         try:
-            return link.server.serve_now(link, request)
-        except BaseException:
-            self._release_queued(req)
-            raise
+            left_ms = math.ceil(((req.deadline or 0) - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                text = f"cluster {link.host.cluster_id} stopped serving the request: "
+                text += "it ran past its budget"
+                abort = Abort(req.req_id, link.host.timeout_code, text, to_initiator=True)
+                link.send_soon([abort.encode()], [], nothing)
+                return served
+            request = dataclasses.replace(request, eager=None, timeout_ms=left_ms)
+            served = link.server.serve_now(link, request)
+            return served
+        finally:
+            if served is Served.NOW:
+                self._release_queued(req)
 
     def _aborted(self, msg: Message) -> None:
         """The peer stopped a request (and, with ``broken``, the link)."""
@@ -391,7 +414,3 @@ class FrameRouter:
             ),
             expected=True,
         )
-
-
-def _nothing() -> None:
-    return None

@@ -33,7 +33,7 @@ from .grants import INLINE_PIECES, finish, plan_checked, resolve
 from .host import LinkHost, Served
 from .link import Link
 from .prepared import plan_on_loop
-from .requests import Serving
+from .requests import Serving, nothing
 from .streams import VIEWS_INLINE
 
 __all__ = ["Target", "resolve_and_plan", "serve_now", "serve_request"]
@@ -77,19 +77,20 @@ async def _resolve_and_plan_async(engine: LinkHost, link: Link, req: Request) ->
 
 
 async def serve_request(engine: LinkHost, link: Link, req: Serving, request: Request) -> None:
-    """Handle one request from the peer: resolve, check, plan, grant, move, finish.
+    """Handle one request from the peer: resolve, check, plan, grant, move, finish. It holds
+    the serving slot the link's router took for ``req``, and gives it back at the end.
 
     Never raises: failures go back to the initiator (in the GRANT, or as an ABORT later).
     """
     try:
-        async with link.serving_limiter:
-            if pieces_bound(request) <= INLINE_PIECES:
-                await _serve(engine, link, req, request)
-                return
-            async with _large_limiters(link)[1]:
-                await _serve(engine, link, req, request)
+        if pieces_bound(request) <= INLINE_PIECES:
+            await _serve(engine, link, req, request)
+            return
+        async with _large_limiters(link)[1]:
+            await _serve(engine, link, req, request)
     finally:
-        link.router.serve_parked()  # (a slot was freed)
+        link.serving_limiter.release_on_behalf_of(req)
+        link.router.serve_parked()
 
 
 #: large requests of one link in flight at once (each holds its plan; their frames share the
@@ -165,7 +166,7 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
         ).encode()
         # (with the GRANTs of the loop turn in one syscall: requests in flight are granted
         # together; a link found down ends the request, as a failed send would)
-        if not streamed_pull and not link.send_soon([grant], [], _nothing):
+        if not streamed_pull and not link.send_soon([grant], [], nothing):
             return
         granted = True
         remaining = max(0.0, (req.deadline or 0) - time.monotonic())
@@ -186,7 +187,7 @@ async def _serve(engine: LinkHost, link: Link, req: Serving, request: Request) -
             elif mode is Mode.STREAM:
                 await req.data_event.wait()
                 if req.error is None:
-                    link.send_soon([Result(req.req_id).encode()], [], _nothing)
+                    link.send_soon([Result(req.req_id).encode()], [], nothing)
                 return
             else:
                 await req.done_event.wait()
@@ -254,7 +255,7 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> Served:
         not direct and bound_bytes(request) > INLINE_BYTES
     ):
         return Served.TASK
-    if (direct or request.op is Op.PUSH) and not _slot_free(link):
+    if (direct or request.op is Op.PUSH) and not link.router.slot_free():
         # A local grant or a push holds a serving slot: planned once one is free.
         return Served.NO_SLOT
     try:
@@ -304,12 +305,6 @@ def serve_now(engine: LinkHost, link: Link, request: Request) -> Served:
     return Served.NOW
 
 
-def _slot_free(link: Link) -> bool:
-    """A serving slot is free for a request served from the reader, and no earlier request
-    of the link waits for one (they keep their order)."""
-    return link.serving_limiter.available_tokens >= 1 and not link.router.parked
-
-
 def _grant_now(
     engine: LinkHost,
     link: Link,
@@ -338,7 +333,7 @@ def _grant_now(
     if request.timeout_ms > 0:
         budget_s = min(budget_s, request.timeout_ms / 1000)
     req = Serving(request.req_id, time.monotonic() + budget_s)
-    if not _slot_free(link):
+    if not link.router.slot_free():
         return Served.NO_SLOT
     try:
         link.serving_limiter.acquire_on_behalf_of_nowait(req)
@@ -365,7 +360,7 @@ def _grant_now(
 
     def landed() -> None:
         if req.error is None and not req.token.cancelled:
-            link.send_soon([Result(req.req_id).encode()], [], _nothing)
+            link.send_soon([Result(req.req_id).encode()], [], nothing)
         end()
 
     def expired() -> None:
@@ -374,7 +369,7 @@ def _grant_now(
             status_code=engine.timeout_code,
         )
         abort = Abort(req.req_id, exc.status_code, str(exc), to_initiator=True)
-        link.send_soon([abort.encode()], [], _nothing)
+        link.send_soon([abort.encode()], [], nothing)
         if not local:
             end()
             return
@@ -408,13 +403,9 @@ def _grant_now(
         nbytes=plan.nbytes,
         remote=target_side if local else None,
     )
-    if not link.send_soon([grant], [], _nothing):
+    if not link.send_soon([grant], [], nothing):
         end()
     return Served.NOW
-
-
-def _nothing() -> None:
-    return None
 
 
 def pieces_bound(req: Request) -> int:

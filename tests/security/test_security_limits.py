@@ -381,6 +381,8 @@ async def test_a_parked_request_its_peer_aborts_leaves_the_queue_unserved(stop: 
                 await peer.send(Done(2, S.LLM_SUCCESS).encode())
             await wait_until(lambda: lnk.serving == 1, 5)
             assert lnk._link.queued_bytes == 0
+            router = lnk._link.router
+            assert not router._waiting and not router._parked  # nothing of it is held
             await peer.send(pull_request(3, cache.cache_id, 256, op="push"))  # not refused
             await wait_until(lambda: lnk.serving == 2, 5)
             await peer.send(Message(MT.DATA, 1, {"off": 0}, payload_len=256))
@@ -469,6 +471,33 @@ async def test_requests_a_task_serves_wait_behind_parked_ones() -> None:
             assert got[1][2] != ok and got[2][2] == S.LLM_KV_CACHE_NOT_EXIST
             await wait_until(lambda: lnk.serving == 0, 5)
             assert lnk.alive
+        finally:
+            peer.close()
+
+
+async def test_a_request_a_task_serves_keeps_its_place_ahead_of_the_next_one() -> None:
+    """A slot free, a request a task serves (here refused: no such cache) then a push, in
+    one write: the task takes the slot as it is handed the request, so the push waits for
+    it, and the answers come in order."""
+    opts = _server_options(**{"llm.LinkQueue": "8", "llm.LinkServing": "1"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            await peer.send_bytes(
+                encode(pull_request(1, 1 << 40, 256, op="push"))
+                + encode(pull_request(2, cache.cache_id, 256, op="push"))
+            )
+            assert await _answers(peer, 2) == [
+                (1, MT.GRANT, S.LLM_KV_CACHE_NOT_EXIST),
+                (2, MT.GRANT, S.LLM_SUCCESS),
+            ]
+            lnk = link_of(p, 66, alive=False)
+            assert lnk._link.serving_limiter.borrowed_tokens == 1  # (push 2's)
+            await _data(peer, 2, 256)
+            assert await _answers(peer, 1) == [(2, MT.RESULT, S.LLM_SUCCESS)]
+            await wait_until(lambda: lnk.serving == 0, 5)
+            assert lnk._link.serving_limiter.borrowed_tokens == 0
         finally:
             peer.close()
 
