@@ -272,12 +272,9 @@ class FrameRouter:
             link.serving_limiter.release_on_behalf_of(req)
             raise
 
-    def _park(self, req: Serving, request: XferRequest, first: bool = False) -> None:
+    def _park(self, req: Serving, request: XferRequest) -> None:
         """Queue a request (recorded in ``link.serving``) until a serving slot is free."""
-        if first:
-            self._parked.appendleft(req)
-        else:
-            self._parked.append(req)
+        self._parked.append(req)
         self._waiting[req] = request
         # Aborted, or the link failed: it leaves the queue unserved.
         req.done_event.callback = lambda: self._unpark(req)
@@ -323,10 +320,8 @@ class FrameRouter:
                 req.done_event.callback = None
                 del link.serving[req.req_id]
                 served = self._serve_unparked(req, request)
-                if served is Served.NO_SLOT:  # (not expected: a slot is free)
-                    link.serving[req.req_id] = req
-                    self._park(req, request, first=True)
-                    break
+                if served is Served.NO_SLOT:  # (a bug: parked again, nothing would drain it)
+                    raise RuntimeError("a request let in found no serving slot free")
                 if served is Served.TASK:  # (it keeps what it holds until the task ends)
                     link.serving[req.req_id] = req
                     self._spawn(req, request)

@@ -89,8 +89,10 @@ async def serve_request(engine: LinkHost, link: Link, req: Serving, request: Req
         async with _large_limiters(link)[1]:
             await _serve(engine, link, req, request)
     finally:
-        link.serving_limiter.release_on_behalf_of(req)
-        link.router.serve_parked()
+        try:
+            link.serving_limiter.release_on_behalf_of(req)
+        finally:
+            link.router.serve_parked()
 
 
 #: large requests of one link in flight at once (each holds its plan; their frames share the
@@ -335,10 +337,7 @@ def _grant_now(
     req = Serving(request.req_id, time.monotonic() + budget_s)
     if not link.router.slot_free():
         return Served.NO_SLOT
-    try:
-        link.serving_limiter.acquire_on_behalf_of_nowait(req)
-    except anyio.WouldBlock:  # (older anyio: a waiter it woke is yet to take the slot)
-        return Served.NO_SLOT
+    link.serving_limiter.acquire_on_behalf_of_nowait(req)
     pull = request.op is Op.PULL
     registry = engine.registry
     for e in entries:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import random
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -592,6 +593,93 @@ async def test_a_peer_that_parks_and_aborts_requests_again_and_again_holds_no_mo
             got = await _answers(peer, 2)
             assert got == [(1, MT.RESULT, S.LLM_SUCCESS), (203, MT.GRANT, S.LLM_SUCCESS)]
             assert lnk._link.queued_bytes == 0 and lnk.alive
+        finally:
+            peer.close()
+
+
+def _mixed_request(rng: random.Random, rid: int, cache_id: int) -> tuple[str, Message]:
+    """A push (some with a deadline of milliseconds), a push naming no cache (refused by a
+    task), a request of more ranges than the reader plans (a task's) or a small pull."""
+    kind = rng.choice(["push", "push", "nocache", "big", "pull"])
+    if kind == "push":
+        timeout = rng.choice([600_000, 600_000, rng.randint(1, 30)])
+        return kind, pull_request(rid, cache_id, 256, op="push", timeout_ms=timeout)
+    if kind == "nocache":
+        return kind, pull_request(rid, 1 << 40, 256, op="push")
+    msg = pull_request(rid, cache_id, 256)
+    if kind == "big":
+        msg.arrays["local_addrs"] = np.arange(1 << 14 | 1, dtype="<u8") << np.uint64(20)
+    return kind, msg
+
+
+@pytest.mark.parametrize(("serving", "seed"), [(1, 0), (1, 1), (3, 2)])
+async def test_a_peer_that_mixes_requests_and_aborts_gets_each_answered_in_order(
+    serving: int, seed: int
+) -> None:
+    """Bursts of pushes, refusals, requests a task serves and small pulls, some aborted by the
+    peer at any point, some out of time while they wait: every request not aborted is
+    answered once (at most one GRANT), those that need a serving slot are granted in the
+    order they came (one slot), and the link ends with nothing held (slots, queue, bytes)."""
+    rng = random.Random(seed)
+    opts = _server_options(**{"llm.LinkQueue": "64", "llm.LinkServing": str(serving)})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
+        peer = await raw_link(p.listen_address, 66)
+        kinds: dict[int, str] = {}
+        aborted: set[int] = set()
+        grants: list[int] = []
+        answers: dict[int, list[tuple[MT, Any]]] = {}
+
+        def settled(rid: int) -> bool:
+            return any(a != (MT.GRANT, S.LLM_SUCCESS) for a in answers.get(rid, []))
+
+        async def read() -> None:
+            while True:
+                msg = await peer.frame()
+                rid, status = msg.req_id, wire_status(msg)
+                answers.setdefault(rid, []).append((msg.type, status))
+                if msg.type == MT.GRANT:
+                    grants.append(rid)
+                    if status == S.LLM_SUCCESS and kinds[rid] == "push" and rid not in aborted:
+                        await _data(peer, rid, 256)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                rid = 0
+                for _ in range(40):
+                    for _ in range(rng.randint(1, 6)):
+                        rid += 1
+                        kinds[rid], msg = _mixed_request(rng, rid, cache.cache_id)
+                        await peer.send(msg)
+                    open_ = [r for r in kinds if r not in aborted and not settled(r)]
+                    if open_ and rng.random() < 0.5:
+                        gone = rng.choice(open_)
+                        aborted.add(gone)
+                        await peer.send(Abort(gone, S.LLM_TIMEOUT, "x").encode())
+                    await anyio.sleep(rng.random() * 0.003)
+                lnk = link_of(p, 66, alive=False)
+                await wait_until(lambda: lnk.serving == 0, 10)
+                await anyio.sleep(0.2)  # (any late frame would show)
+                tg.cancel_scope.cancel()
+            link = lnk._link
+            assert lnk.alive and link.serving_limiter.borrowed_tokens == 0
+            assert not link.router._waiting and not link.router._parked
+            assert link.queued_bytes == 0
+            for rid, kind in kinds.items():
+                if rid not in aborted:
+                    got = answers.get(rid)
+                    assert got and (kind == "pull" or settled(rid)), (rid, kind, got)
+            assert len(grants) == len(set(grants))
+            if serving == 1:
+                slotted = [
+                    r
+                    for r in grants
+                    if kinds[r] != "pull"
+                    and r not in aborted
+                    and answers[r][0][1] != S.LLM_LINK_BUSY
+                ]
+                assert slotted == sorted(slotted)
         finally:
             peer.close()
 
