@@ -79,6 +79,20 @@ def _count_serving_tasks(prompt: dd.LLMDataDist, monkeypatch: pytest.MonkeyPatch
     return calls
 
 
+def _record_outcomes(prompt: dd.LLMDataDist, monkeypatch: pytest.MonkeyPatch) -> list[Served]:
+    """What the reader did with each request of the prompt's peers (:class:`Served`)."""
+    server = engine_of(prompt).links.server
+    outcomes: list[Served] = []
+    serve_now = server.serve_now
+
+    def recorded(link: Any, request: Any) -> Served:
+        outcomes.append(serve_now(link, request))
+        return outcomes[-1]
+
+    monkeypatch.setattr(server, "serve_now", recorded)
+    return outcomes
+
+
 @pytest.mark.parametrize("keyed", [False, True], ids=["plain", "keyed"])
 async def test_a_small_pull_is_served_without_a_task(
     keyed: bool, monkeypatch: pytest.MonkeyPatch
@@ -481,15 +495,7 @@ async def test_pushes_in_flight_past_the_serving_slots_are_parked_and_land(
         mine = np.random.default_rng(3).integers(0, 255, (BLOCKS, BLOCK), dtype=np.uint8)
         cache = decoder.cache_manager.register_blocks_cache(desc, [mine])
         tasks = _count_serving_tasks(prompt, monkeypatch)
-        server = engine_of(prompt).links.server
-        outcomes: list[Served] = []
-        serve_now = server.serve_now
-
-        def recorded(link: Any, request: Any) -> Served:
-            outcomes.append(serve_now(link, request))
-            return outcomes[-1]
-
-        monkeypatch.setattr(server, "serve_now", recorded)
+        outcomes = _record_outcomes(prompt, monkeypatch)
         key = dd.BlocksCacheKey(1, 0)
         served = link_of(prompt, 2)
         slots = served._link.serving_limiter
@@ -533,15 +539,7 @@ async def test_a_local_grant_waiting_for_a_serving_slot_is_parked_and_planned_on
     async with linked_pair(opts) as (prompt, decoder):
         cache, src, dst = await _setup(prompt, decoder)
         tasks = _count_serving_tasks(prompt, monkeypatch)
-        server = engine_of(prompt).links.server
-        outcomes: list[Served] = []
-        serve_now = server.serve_now
-
-        def recorded(link: Any, request: Any) -> Served:
-            outcomes.append(serve_now(link, request))
-            return outcomes[-1]
-
-        monkeypatch.setattr(server, "serve_now", recorded)
+        outcomes = _record_outcomes(prompt, monkeypatch)
         await _eight_pulls_in_flight(decoder, cache, src, dst)
         assert Served.NO_SLOT in outcomes, "no request waited for the one slot"
         assert tasks == []

@@ -350,6 +350,20 @@ async def test_requests_that_arrive_together_are_queued_not_refused() -> None:
             peer.close()
 
 
+@contextlib.asynccontextmanager
+async def _one_slot(queue: int) -> AsyncIterator[tuple[dd.LLMDataDist, Any, RawPeer]]:
+    """An endpoint serving one request of a link at a time (``llm.LinkServing`` = 1) with a
+    queue of ``queue``, a one-tensor cache of it, and a raw peer linked as cluster 66."""
+    opts = _server_options(**{"llm.LinkQueue": str(queue), "llm.LinkServing": "1"})
+    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
+        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
+        peer = await raw_link(p.listen_address, 66)
+        try:
+            yield p, cache, peer
+        finally:
+            peer.close()
+
+
 async def _push_holding_the_slot(p: dd.LLMDataDist, peer: RawPeer, cache_id: int) -> Any:
     """With ``llm.LinkServing`` = 1: the peer's push 1 granted (holding the one slot until its
     bytes come), push 2 parked behind it; returns the link."""
@@ -368,70 +382,58 @@ async def test_a_parked_request_its_peer_aborts_leaves_the_queue_unserved(stop: 
     (or says it is done with it, unasked): it leaves the queue (its place and its bytes) and
     is never granted; the next request takes its place, and is granted once the slot is
     freed."""
-    opts = _server_options(**{"llm.LinkQueue": "2", "llm.LinkServing": "1"})
-    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
-        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
-        peer = await raw_link(p.listen_address, 66)
-        try:
-            lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
-            queued = lnk._link.queued_bytes
-            assert queued > 0
-            if stop == "abort":
-                await peer.send(Abort(2, S.LLM_TIMEOUT, "gave up", to_initiator=False).encode())
-            else:
-                await peer.send(Done(2, S.LLM_SUCCESS).encode())
-            await wait_until(lambda: lnk.serving == 1, 5)
-            assert lnk._link.queued_bytes == 0
-            router = lnk._link.router
-            assert not router._waiting and not router._parked  # nothing of it is held
-            await peer.send(pull_request(3, cache.cache_id, 256, op="push"))  # not refused
-            await wait_until(lambda: lnk.serving == 2, 5)
-            await peer.send(Message(MT.DATA, 1, {"off": 0}, payload_len=256))
-            await peer.send_bytes(bytes(256))
-            seen: list[tuple[int, MT]] = []
-            with anyio.fail_after(10):
-                while len(seen) < 2:
-                    msg = await peer.frame()
-                    seen.append((msg.req_id, msg.type))
-            assert seen == [(1, MT.RESULT), (3, MT.GRANT)]
-            assert wire_status(msg) == S.LLM_SUCCESS
-            with anyio.move_on_after(0.3):  # nothing for the aborted request, ever
+    async with _one_slot(2) as (p, cache, peer):
+        lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
+        queued = lnk._link.queued_bytes
+        assert queued > 0
+        if stop == "abort":
+            await peer.send(Abort(2, S.LLM_TIMEOUT, "gave up", to_initiator=False).encode())
+        else:
+            await peer.send(Done(2, S.LLM_SUCCESS).encode())
+        await wait_until(lambda: lnk.serving == 1, 5)
+        assert lnk._link.queued_bytes == 0
+        router = lnk._link.router
+        assert not router._waiting and not router._parked  # nothing of it is held
+        await peer.send(pull_request(3, cache.cache_id, 256, op="push"))  # not refused
+        await wait_until(lambda: lnk.serving == 2, 5)
+        await peer.send(Message(MT.DATA, 1, {"off": 0}, payload_len=256))
+        await peer.send_bytes(bytes(256))
+        seen: list[tuple[int, MT]] = []
+        with anyio.fail_after(10):
+            while len(seen) < 2:
                 msg = await peer.frame()
-                raise AssertionError(f"answered: {msg.req_id} {msg.type} {msg.fields}")
-            assert lnk.alive and lnk.serving == 1
-        finally:
-            peer.close()
+                seen.append((msg.req_id, msg.type))
+        assert seen == [(1, MT.RESULT), (3, MT.GRANT)]
+        assert wire_status(msg) == S.LLM_SUCCESS
+        with anyio.move_on_after(0.3):  # nothing for the aborted request, ever
+            msg = await peer.frame()
+            raise AssertionError(f"answered: {msg.req_id} {msg.type} {msg.fields}")
+        assert lnk.alive and lnk.serving == 1
 
 
 async def test_parked_requests_that_cannot_be_served_are_each_refused() -> None:
     """Parked requests are planned only once a slot is free: those that name no cache of ours
     are then refused (LLM_KV_CACHE_NOT_EXIST), each one, in order, and the link serves on."""
-    opts = _server_options(**{"llm.LinkQueue": "8", "llm.LinkServing": "1"})
-    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
-        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
-        peer = await raw_link(p.listen_address, 66)
-        try:
-            lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
-            for rid in range(3, 7):
-                await peer.send(pull_request(rid, 1 << 40, 256, op="push"))
-            await wait_until(lambda: lnk.serving == 6, 5)
-            answers: list[tuple[int, MT, Any]] = []
-            for rid, n in ((1, 2), (2, 7)):  # each push's bytes, and what follows them
-                await peer.send(Message(MT.DATA, rid, {"off": 0}, payload_len=256))
-                await peer.send_bytes(bytes(256))
-                with anyio.fail_after(10):
-                    while len(answers) < n:
-                        msg = await peer.frame()
-                        answers.append((msg.req_id, msg.type, wire_status(msg)))
-            ok, gone = S.LLM_SUCCESS, S.LLM_KV_CACHE_NOT_EXIST
-            assert answers == [
-                (1, MT.RESULT, ok), (2, MT.GRANT, ok), (2, MT.RESULT, ok),
-                *[(rid, MT.GRANT, gone) for rid in range(3, 7)],
-            ]  # fmt: skip
-            await wait_until(lambda: lnk.serving == 0, 5)
-            assert lnk.alive
-        finally:
-            peer.close()
+    async with _one_slot(8) as (p, cache, peer):
+        lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
+        for rid in range(3, 7):
+            await peer.send(pull_request(rid, 1 << 40, 256, op="push"))
+        await wait_until(lambda: lnk.serving == 6, 5)
+        answers: list[tuple[int, MT, Any]] = []
+        for rid, n in ((1, 2), (2, 7)):  # each push's bytes, and what follows them
+            await peer.send(Message(MT.DATA, rid, {"off": 0}, payload_len=256))
+            await peer.send_bytes(bytes(256))
+            with anyio.fail_after(10):
+                while len(answers) < n:
+                    msg = await peer.frame()
+                    answers.append((msg.req_id, msg.type, wire_status(msg)))
+        ok, gone = S.LLM_SUCCESS, S.LLM_KV_CACHE_NOT_EXIST
+        assert answers == [
+            (1, MT.RESULT, ok), (2, MT.GRANT, ok), (2, MT.RESULT, ok),
+            *[(rid, MT.GRANT, gone) for rid in range(3, 7)],
+        ]  # fmt: skip
+        await wait_until(lambda: lnk.serving == 0, 5)
+        assert lnk.alive
 
 
 async def _answers(peer: RawPeer, n: int) -> list[tuple[int, MT, Any]]:
@@ -452,55 +454,43 @@ async def _data(peer: RawPeer, rid: int, n: int) -> None:
 async def test_requests_a_task_serves_wait_behind_parked_ones() -> None:
     """Requests served by a task (of many ranges, or refused) take a serving slot too: one
     that comes while others are parked waits behind them, never ahead."""
-    opts = _server_options(**{"llm.LinkQueue": "8", "llm.LinkServing": "1"})
-    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
-        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
-        peer = await raw_link(p.listen_address, 66)
-        try:
-            lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
-            big = pull_request(3, cache.cache_id, 256)  # more tensors than INLINE_PIECES
-            big.arrays["local_addrs"] = np.arange(1 << 14 | 1, dtype="<u8") << np.uint64(20)
-            await peer.send(big)
-            await peer.send(pull_request(4, 1 << 40, 256))  # no such cache
-            await wait_until(lambda: lnk.serving == 4, 5)
-            await _data(peer, 1, 256)
-            ok = S.LLM_SUCCESS
-            assert await _answers(peer, 2) == [(1, MT.RESULT, ok), (2, MT.GRANT, ok)]
-            await _data(peer, 2, 256)
-            got = await _answers(peer, 3)
-            assert [g[:2] for g in got] == [(2, MT.RESULT), (3, MT.GRANT), (4, MT.GRANT)]
-            assert got[1][2] != ok and got[2][2] == S.LLM_KV_CACHE_NOT_EXIST
-            await wait_until(lambda: lnk.serving == 0, 5)
-            assert lnk.alive
-        finally:
-            peer.close()
+    async with _one_slot(8) as (p, cache, peer):
+        lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
+        big = pull_request(3, cache.cache_id, 256)  # more tensors than INLINE_PIECES
+        big.arrays["local_addrs"] = np.arange(1 << 14 | 1, dtype="<u8") << np.uint64(20)
+        await peer.send(big)
+        await peer.send(pull_request(4, 1 << 40, 256))  # no such cache
+        await wait_until(lambda: lnk.serving == 4, 5)
+        await _data(peer, 1, 256)
+        ok = S.LLM_SUCCESS
+        assert await _answers(peer, 2) == [(1, MT.RESULT, ok), (2, MT.GRANT, ok)]
+        await _data(peer, 2, 256)
+        got = await _answers(peer, 3)
+        assert [g[:2] for g in got] == [(2, MT.RESULT), (3, MT.GRANT), (4, MT.GRANT)]
+        assert got[1][2] != ok and got[2][2] == S.LLM_KV_CACHE_NOT_EXIST
+        await wait_until(lambda: lnk.serving == 0, 5)
+        assert lnk.alive
 
 
 async def test_a_request_a_task_serves_keeps_its_place_ahead_of_the_next_one() -> None:
     """A slot free, a request a task serves (here refused: no such cache) then a push, in
     one write: the task takes the slot as it is handed the request, so the push waits for
     it, and the answers come in order."""
-    opts = _server_options(**{"llm.LinkQueue": "8", "llm.LinkServing": "1"})
-    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
-        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
-        peer = await raw_link(p.listen_address, 66)
-        try:
-            await peer.send_bytes(
-                encode(pull_request(1, 1 << 40, 256, op="push"))
-                + encode(pull_request(2, cache.cache_id, 256, op="push"))
-            )
-            assert await _answers(peer, 2) == [
-                (1, MT.GRANT, S.LLM_KV_CACHE_NOT_EXIST),
-                (2, MT.GRANT, S.LLM_SUCCESS),
-            ]
-            lnk = link_of(p, 66, alive=False)
-            assert lnk._link.serving_limiter.borrowed_tokens == 1  # (push 2's)
-            await _data(peer, 2, 256)
-            assert await _answers(peer, 1) == [(2, MT.RESULT, S.LLM_SUCCESS)]
-            await wait_until(lambda: lnk.serving == 0, 5)
-            assert lnk._link.serving_limiter.borrowed_tokens == 0
-        finally:
-            peer.close()
+    async with _one_slot(8) as (p, cache, peer):
+        await peer.send_bytes(
+            encode(pull_request(1, 1 << 40, 256, op="push"))
+            + encode(pull_request(2, cache.cache_id, 256, op="push"))
+        )
+        assert await _answers(peer, 2) == [
+            (1, MT.GRANT, S.LLM_KV_CACHE_NOT_EXIST),
+            (2, MT.GRANT, S.LLM_SUCCESS),
+        ]
+        lnk = link_of(p, 66, alive=False)
+        assert lnk._link.serving_limiter.borrowed_tokens == 1  # (push 2's)
+        await _data(peer, 2, 256)
+        assert await _answers(peer, 1) == [(2, MT.RESULT, S.LLM_SUCCESS)]
+        await wait_until(lambda: lnk.serving == 0, 5)
+        assert lnk._link.serving_limiter.borrowed_tokens == 0
 
 
 async def test_a_drain_of_parked_requests_serves_no_more_than_the_free_slots() -> None:
@@ -551,50 +541,38 @@ async def test_a_drain_of_parked_requests_serves_no_more_than_the_free_slots() -
 async def test_a_parked_request_keeps_its_deadline() -> None:
     """The time a request waited parked counts against its deadline: one that runs out while
     parked is not granted afresh once let in; its initiator is told it ran past its budget."""
-    opts = _server_options(**{"llm.LinkQueue": "4", "llm.LinkServing": "1"})
-    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
-        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
-        peer = await raw_link(p.listen_address, 66)
-        try:
-            await peer.send(pull_request(1, cache.cache_id, 256, op="push"))
-            assert (await _answers(peer, 1))[0][:2] == (1, MT.GRANT)
-            await peer.send(pull_request(2, cache.cache_id, 256, timeout_ms=200, op="push"))
-            lnk = link_of(p, 66, alive=False)
-            await wait_until(lambda: lnk.serving == 2, 5)
-            await anyio.sleep(0.4)
-            await _data(peer, 1, 256)
-            got = await _answers(peer, 2)
-            assert got == [(1, MT.RESULT, S.LLM_SUCCESS), (2, MT.ABORT, S.LLM_TIMEOUT)], got
-            await wait_until(lambda: lnk.serving == 0, 5)
-            assert lnk._link.queued_bytes == 0
-        finally:
-            peer.close()
+    async with _one_slot(4) as (p, cache, peer):
+        await peer.send(pull_request(1, cache.cache_id, 256, op="push"))
+        assert (await _answers(peer, 1))[0][:2] == (1, MT.GRANT)
+        await peer.send(pull_request(2, cache.cache_id, 256, timeout_ms=200, op="push"))
+        lnk = link_of(p, 66, alive=False)
+        await wait_until(lambda: lnk.serving == 2, 5)
+        await anyio.sleep(0.4)
+        await _data(peer, 1, 256)
+        got = await _answers(peer, 2)
+        assert got == [(1, MT.RESULT, S.LLM_SUCCESS), (2, MT.ABORT, S.LLM_TIMEOUT)], got
+        await wait_until(lambda: lnk.serving == 0, 5)
+        assert lnk._link.queued_bytes == 0
 
 
 async def test_a_peer_that_parks_and_aborts_requests_again_and_again_holds_no_more() -> None:
     """Aborted parked requests leave the queue at once; what is left of them is dropped as the
     queue goes, so a peer that parks and aborts requests without end grows nothing."""
-    opts = _server_options(**{"llm.LinkQueue": "4", "llm.LinkServing": "1"})
-    async with dd.LLMDataDist(dd.LLMRole.PROMPT, 1).running(opts) as p:
-        cache = p.cache_manager.allocate_cache(_u8([1, 256]))
-        peer = await raw_link(p.listen_address, 66)
-        try:
-            lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
-            await peer.send(Abort(2, S.LLM_TIMEOUT, "no", to_initiator=False).encode())
-            router = lnk._link.router
-            for rid in range(3, 203):
-                await peer.send(pull_request(rid, cache.cache_id, 256, op="push"))
-                await peer.send(Abort(rid, S.LLM_TIMEOUT, "no", to_initiator=False).encode())
-            await wait_until(lambda: lnk.serving == 1, 5)
-            await peer.send(pull_request(203, cache.cache_id, 256, op="push"))
-            await wait_until(lambda: lnk.serving == 2, 5)
-            assert len(router._parked) <= 18, len(router._parked)
-            await _data(peer, 1, 256)
-            got = await _answers(peer, 2)
-            assert got == [(1, MT.RESULT, S.LLM_SUCCESS), (203, MT.GRANT, S.LLM_SUCCESS)]
-            assert lnk._link.queued_bytes == 0 and lnk.alive
-        finally:
-            peer.close()
+    async with _one_slot(4) as (p, cache, peer):
+        lnk = await _push_holding_the_slot(p, peer, cache.cache_id)
+        await peer.send(Abort(2, S.LLM_TIMEOUT, "no", to_initiator=False).encode())
+        router = lnk._link.router
+        for rid in range(3, 203):
+            await peer.send(pull_request(rid, cache.cache_id, 256, op="push"))
+            await peer.send(Abort(rid, S.LLM_TIMEOUT, "no", to_initiator=False).encode())
+        await wait_until(lambda: lnk.serving == 1, 5)
+        await peer.send(pull_request(203, cache.cache_id, 256, op="push"))
+        await wait_until(lambda: lnk.serving == 2, 5)
+        assert len(router._parked) <= 18, len(router._parked)
+        await _data(peer, 1, 256)
+        got = await _answers(peer, 2)
+        assert got == [(1, MT.RESULT, S.LLM_SUCCESS), (203, MT.GRANT, S.LLM_SUCCESS)]
+        assert lnk._link.queued_bytes == 0 and lnk.alive
 
 
 def _mixed_request(rng: random.Random, rid: int, cache_id: int) -> tuple[str, Message]:
