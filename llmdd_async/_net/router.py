@@ -321,6 +321,7 @@ class FrameRouter:
                 del link.serving[req.req_id]
                 served = self._serve_unparked(req, request)
                 if served is Served.NO_SLOT:  # (a bug: parked again, nothing would drain it)
+                    self._release_queued(req)
                     raise RuntimeError("a request let in found no serving slot free")
                 if served is Served.TASK:  # (it keeps what it holds until the task ends)
                     link.serving[req.req_id] = req
