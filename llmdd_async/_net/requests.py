@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
 
-from .._errors import LinkBroken
+from .._errors import LinkBroken, LLMException
 from .._memory import CancelToken
 from .._protocol import Message
 from .._transports.tcp import Fence, StreamPlan
+
+if TYPE_CHECKING:
+    from .host import LinkHost
 
 __all__ = [
     "LinkStatistics",
@@ -26,11 +30,21 @@ __all__ = [
     "Signal",
     "TransferRecord",
     "nothing",
+    "past_budget",
 ]
 
 
 def nothing() -> None:
     """A callback that does nothing (a frame sent with nothing to let go of once it is out)."""
+
+
+def past_budget(host: LinkHost) -> LLMException:
+    """Why this side stopped serving a peer's request: it ran past the budget this side gives
+    it (its status: the transfer timeout's)."""
+    return LLMException(
+        f"cluster {host.cluster_id} stopped serving the request: it ran past its budget",
+        status_code=host.timeout_code,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from .._messages import Abort, Grant, Pong, UnlinkAck
 from .._messages import Request as XferRequest
 from .._protocol import MT, UNCHARGED_META, Message
 from .host import Served
-from .requests import Pending, Request, Serving, nothing
+from .requests import Pending, Request, Serving, nothing, past_budget
 
 if TYPE_CHECKING:
     from .link import Link
@@ -261,6 +261,20 @@ class FrameRouter:
         order)."""
         return self.link.serving_limiter.available_tokens >= 1 and not self.parked
 
+    def take_slot(self, req: Serving) -> bool:
+        """Take a serving slot for ``req`` if :meth:`slot_free`; False if not."""
+        if not self.slot_free():
+            return False
+        self.link.serving_limiter.acquire_on_behalf_of_nowait(req)
+        return True
+
+    def give_slot(self, req: Serving) -> None:
+        """Give back the slot taken for ``req``, and let parked requests in."""
+        try:
+            self.link.serving_limiter.release_on_behalf_of(req)
+        finally:
+            self.serve_parked()
+
     def _spawn(self, req: Serving, request: XferRequest) -> None:
         """Hand a request to a task of its own, with a serving slot taken for it now (so that
         a request the reader serves next cannot take it first; the task gives it back)."""
@@ -346,9 +360,8 @@ class FrameRouter:
         try:
             left_ms = math.ceil(((req.deadline or 0) - time.monotonic()) * 1000)
             if left_ms <= 0:
-                text = f"cluster {link.host.cluster_id} stopped serving the request: "
-                text += "it ran past its budget"
-                abort = Abort(req.req_id, link.host.timeout_code, text, to_initiator=True)
+                exc = past_budget(link.host)
+                abort = Abort(req.req_id, exc.status_code, str(exc), to_initiator=True)
                 link.send_soon([abort.encode()], [], nothing)
                 return served
             request = dataclasses.replace(request, eager=None, timeout_ms=left_ms)

@@ -21,7 +21,7 @@ import anyio.to_thread
 import numpy as np
 
 from .._enums import LLMStatusCode
-from .._errors import LinkBroken, LLMException, is_caller_facing
+from .._errors import LinkBroken, is_caller_facing
 from .._messages import FLAG_TO_INITIATOR, Abort, Data, Done, Grant, Mode, Op, Request, Result
 from .._planner import Plan
 from .._protocol import Framed, Message
@@ -33,7 +33,7 @@ from .grants import INLINE_PIECES, finish, plan_checked, resolve
 from .host import LinkHost, Served
 from .link import Link
 from .prepared import plan_on_loop
-from .requests import Serving, nothing
+from .requests import Serving, nothing, past_budget
 from .streams import VIEWS_INLINE
 
 __all__ = ["Target", "resolve_and_plan", "serve_now", "serve_request"]
@@ -89,10 +89,7 @@ async def serve_request(engine: LinkHost, link: Link, req: Serving, request: Req
         async with _large_limiters(link)[1]:
             await _serve(engine, link, req, request)
     finally:
-        try:
-            link.serving_limiter.release_on_behalf_of(req)
-        finally:
-            link.router.serve_parked()
+        link.router.give_slot(req)
 
 
 #: large requests of one link in flight at once (each holds its plan; their frames share the
@@ -335,9 +332,8 @@ def _grant_now(
     if request.timeout_ms > 0:
         budget_s = min(budget_s, request.timeout_ms / 1000)
     req = Serving(request.req_id, time.monotonic() + budget_s)
-    if not link.router.slot_free():
+    if not link.router.take_slot(req):
         return Served.NO_SLOT
-    link.serving_limiter.acquire_on_behalf_of_nowait(req)
     pull = request.op is Op.PULL
     registry = engine.registry
     for e in entries:
@@ -352,10 +348,9 @@ def _grant_now(
         req.token.cancel()  # what still comes of it goes to scratch: nothing lands after this
         if link.serving.get(req.req_id) is req:
             del link.serving[req.req_id]
-            link.serving_limiter.release_on_behalf_of(req)
             for e in entries:
                 registry.unpin(e)
-            link.router.serve_parked()
+            link.router.give_slot(req)
 
     def landed() -> None:
         if req.error is None and not req.token.cancelled:
@@ -363,10 +358,7 @@ def _grant_now(
         end()
 
     def expired() -> None:
-        exc = LLMException(
-            f"cluster {engine.cluster_id} stopped serving the request: it ran past its budget",
-            status_code=engine.timeout_code,
-        )
+        exc = past_budget(engine)
         abort = Abort(req.req_id, exc.status_code, str(exc), to_initiator=True)
         link.send_soon([abort.encode()], [], nothing)
         if not local:
@@ -443,11 +435,7 @@ async def _out_of_budget(engine: LinkHost, link: Link, req: Serving, mode: Mode)
     """The request ran past what this side grants a peer: tell the initiator now (it would
     otherwise wait for its own deadline). In local mode it copies straight into our memory,
     so the caches stay pinned until it says it stopped, or the link goes."""
-    exc = LLMException(
-        f"cluster {engine.cluster_id} stopped serving the request: it ran past its budget",
-        status_code=engine.timeout_code,
-    )
-    await link.abort(req.req_id, exc, flags=FLAG_TO_INITIATOR)
+    await link.abort(req.req_id, past_budget(engine), flags=FLAG_TO_INITIATOR)
     if mode is Mode.LOCAL:
         with anyio.move_on_after(engine.stall_timeout_s):
             await req.done_event.wait()
