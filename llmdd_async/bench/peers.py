@@ -373,18 +373,21 @@ def _point(
 
 def bench_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """The bench's sweep through ``spec["engine"]``'s own API (in this process, with its own
-    target process per block size): K and V halves of each block, as ours."""
+    target process per block size and tensor count): each block split over the tensors, as
+    ours."""
     engine = spec["engine"]
     most = max(spec["blocks"]) * max(spec["concurrency"])
+    tensors = spec.get("tensors", [2])
     if engine == "mooncake-raw":
-        mooncake_env(most, 2, max(spec["concurrency"]) * max(spec["blocks"]) * 2)
+        in_flight = max(spec["concurrency"]) * max(spec["blocks"]) * max(tensors)
+        mooncake_env(most, max(tensors), in_flight)
     else:
         from llmdd_async._transports._nixl_agent import skip_unusable_ib
 
         skip_unusable_ib()  # as llm.Transport=nixl does, so both see the same UCX
     rows = []
-    for kib in spec["block_kib"]:
-        lay = Layout(most, 2, (kib << 10) // 2)
+    for kib, n in [(kib, n) for kib in spec["block_kib"] for n in tensors]:
+        lay = Layout(most, n, (kib << 10) // n)
         drv = Mooncake(lay) if engine == "mooncake-raw" else Nixl(lay)
         try:
             rng = np.random.default_rng(0)
@@ -392,7 +395,7 @@ def bench_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 for per in spec["blocks"]:
                     for conc in spec["concurrency"]:
                         row = _point(drv, op, per, conc, spec["requests"], most, rng)
-                        row.update(transport=engine, loop="-", block_kib=kib)
+                        row.update(transport=engine, loop="-", block_kib=kib, tensors=n)
                         rows.append(row)
         finally:
             drv.close()

@@ -1,5 +1,6 @@
 """``llmdd-async bench``: pulls and pushes against a real peer process, swept over block size,
-blocks per request, requests in flight, operation, transport and event loop.
+tensors a block is split over, blocks per request, requests in flight, operation, transport
+and event loop.
 
 Transports: ours over ``llm.Transport`` ``tcp``, ``same-host``, ``nixl`` (NIXL over UCX as
 the environment configures it, e.g. ``UCX_NET_DEVICES=lo UCX_TLS=cma,tcp,self``) or
@@ -103,6 +104,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.description = p.description or (__doc__ or "").replace("``", "")  # plain --help
     p.add_argument("--block-kib", type=_ints, default=[64], help="block sizes (KiB, K+V)")
+    p.add_argument(
+        "--tensors",
+        type=_ints,
+        default=[2],
+        help="tensors a block is split over, as a model's K and V of each layer are (a block "
+        "of each: more tensors, more and smaller ranges per request, the same bytes)",
+    )
     p.add_argument("--blocks", type=_ints, default=[1, 16], help="blocks per request")
     p.add_argument("--concurrency", type=_ints, default=[1, 64], help="requests in flight")
     p.add_argument("--ops", type=_choices(*_OPS), default=list(_OPS), help="operations")
@@ -154,49 +162,63 @@ async def _measure(
         "llm.BusyPoll": str(args.busy_poll),
     }
     rows: list[dict[str, Any]] = []
-    nreq = args.requests[0]
     for kib in args.block_kib:
-        block = kib << 10
-        nblocks = max(args.blocks) * max(args.concurrency)
-        shape = [nblocks, block // 2]  # K and V: two tensors of half a block each
-        peer_opts = {
-            **opts,
-            "llm.listenIpInfo": "127.0.0.1:0",
-            "llm.MemPoolConfig": json.dumps({"memory_size": nblocks * block + (16 << 20)}),
-        }
-        async with PeerProcess.start(dd.LLMRole.PROMPT, 1, peer_opts, loop) as peer:
-            await peer.request(
-                "alloc",
-                kind="blocks",
-                num_tensors=2,
-                shape=shape,
-                blocks_key=encode_key(dd.BlocksCacheKey(1, 0)),
-                seed=1,
+        for tensors in args.tensors:
+            for r in await _measure_layout(opts, loop, mode, args, progress, kib, tensors):
+                r.update(transport=transport, loop=loop, mode=mode, block_kib=kib, tensors=tensors)
+                rows.append(r)
+    return rows
+
+
+async def _measure_layout(
+    opts: dict[str, str],
+    loop: str,
+    mode: str,
+    args: argparse.Namespace,
+    progress: Any,
+    kib: int,
+    tensors: int,
+) -> list[dict[str, Any]]:
+    """The sweep's points for blocks of ``kib`` KiB split over ``tensors`` tensors, against a
+    peer process of their own."""
+    rows: list[dict[str, Any]] = []
+    nreq = args.requests[0]
+    block = kib << 10
+    nblocks = max(args.blocks) * max(args.concurrency)
+    shape = [nblocks, block // tensors]  # a block of each tensor: K and V of tensors/2 layers
+    peer_opts = {
+        **opts,
+        "llm.listenIpInfo": "127.0.0.1:0",
+        "llm.MemPoolConfig": json.dumps({"memory_size": nblocks * block + (16 << 20)}),
+    }
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, peer_opts, loop) as peer:
+        await peer.request(
+            "alloc",
+            kind="blocks",
+            num_tensors=tensors,
+            shape=shape,
+            blocks_key=encode_key(dd.BlocksCacheKey(1, 0)),
+            seed=1,
+        )
+        async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(opts) as d:
+            code, _ = await d.link_clusters([peer.cluster_info()], 10000)
+            if code != dd.LLMStatusCode.LLM_SUCCESS:
+                raise RuntimeError(f"could not link to the bench peer: {code!r}")
+            cm = d.cache_manager
+            # Memory the "framework" allocated itself: numpy arrays, registered; every page
+            # written once, as the peer engines' arrays are (requests scatter over them all).
+            arrays = [np.full(shape, 1, np.uint8) for _ in range(tensors)]
+            cache = cm.register_blocks_cache(
+                dd.CacheDesc(tensors, shape, dd.DataType.DT_UINT8), arrays
             )
-            async with dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(opts) as d:
-                code, _ = await d.link_clusters([peer.cluster_info()], 10000)
-                if code != dd.LLMStatusCode.LLM_SUCCESS:
-                    raise RuntimeError(f"could not link to the bench peer: {code!r}")
-                cm = d.cache_manager
-                # Memory the "framework" allocated itself: numpy arrays, registered; every page
-                # written once, as the peer engines' arrays are (requests scatter over them all).
-                arrays = [np.full(shape, 1, np.uint8) for _ in range(2)]
-                cache = cm.register_blocks_cache(
-                    dd.CacheDesc(2, shape, dd.DataType.DT_UINT8), arrays
-                )
-                rng = np.random.default_rng(0)
-                for op in _ops_of(mode, args.ops):
-                    for per in args.blocks:
-                        for conc in args.concurrency:
-                            rows.append(
-                                await _point(
-                                    cm, cache, peer, op, per, conc, nreq, nblocks, block, rng
-                                )
-                            )
-                            rows[-1].update(
-                                transport=transport, loop=loop, mode=mode, block_kib=kib
-                            )
-                            progress()
+            rng = np.random.default_rng(0)
+            for op in _ops_of(mode, args.ops):
+                for per in args.blocks:
+                    for conc in args.concurrency:
+                        rows.append(
+                            await _point(cm, cache, peer, op, per, conc, nreq, nblocks, block, rng)
+                        )
+                        progress()
     return rows
 
 
@@ -307,6 +329,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
             "python": platform.python_version(),
         },
         "loops": list(args.loops),
+        "tensors": list(args.tensors),
         "modes": list(args.modes),
         "busy_poll_us": args.busy_poll,
         "transports": list(args.transports),
@@ -335,6 +358,11 @@ def run(args: argparse.Namespace) -> int:
             f"the sweep needs about {need / 2**30:.1f} GiB, more than {MEMORY_FRACTION:.0%} of "
             f"the {free / 2**30:.1f} GiB available: lower --blocks, --concurrency or --block-kib"
         )
+    for t in args.tensors:
+        uneven = [str(kib) for kib in args.block_kib if (kib << 10) % t]
+        if uneven:
+            kibs = ", ".join(uneven)
+            problems.append(f"--tensors {t} does not split a block of {kibs} KiB evenly")
     ours = [t for t in args.transports if t not in peers.ENGINES]
     if (
         ours
@@ -358,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
         for m in args.modes
     ]
     combos = list(dict.fromkeys(combos))  # a peer engine runs once, whatever the loops
-    per_op = len(args.block_kib) * len(args.blocks) * len(args.concurrency)
+    per_op = len(args.block_kib) * len(args.tensors) * len(args.blocks) * len(args.concurrency)
     points = per_op * len(args.ops)
     progress = _Progress(
         sum(per_op * len(_ops_of(m, args.ops)) if m != "-" else points for _, _, m in combos),
@@ -387,7 +415,8 @@ def run(args: argparse.Namespace) -> int:
         r["floor_p50_us"] = floor
         r["latency_ratio"] = r["p50_us"] / floor if floor else None
         r["bandwidth_ratio"] = None if latency_bound else r["gb_per_s"] / lim
-    cols = ["loop", "transport", "mode", "op", "block_kib", "blocks", "concurrency", "limit"]
+    cols = ["loop", "transport", "mode", "op", "block_kib", "tensors", "blocks", "concurrency"]
+    cols += ["limit"]
     cols += ["p50_us", "p99_us", "req_per_s", "gb_per_s", "latency_ratio", "bandwidth_ratio"]
     cols += ["cpu_us", "peer_cpu_us"]
     print("  ".join(f"{c:>15}" for c in cols), file=table)
@@ -458,6 +487,7 @@ def _peer_spec(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "engine": engine,
         "block_kib": args.block_kib,
+        "tensors": args.tensors,
         "blocks": args.blocks,
         "concurrency": args.concurrency,
         "ops": args.ops,
@@ -533,19 +563,19 @@ def _plot(rows: list[dict[str, Any]], limits: dict[str, Any], path: str) -> None
     styles = {"asyncio": "-", "uvloop": "--", "trio": ":", "-": "-."}
     markers = {"pull": "o", "push": "s"}
     fig, (lat_ax, bw_ax) = plt.subplots(1, 2, figsize=(12, 4.8))
-    series: dict[tuple[str, str, str, int, int], list[dict[str, Any]]] = {}
+    series: dict[tuple[str, str, str, int, int, int], list[dict[str, Any]]] = {}
     for r in rows:
-        key = (r["transport"], r["loop"], r["op"], r["blocks"], r["block_kib"])
+        key = (r["transport"], r["loop"], r["op"], r["blocks"], r["block_kib"], r["tensors"])
         series.setdefault(key, []).append(r)
-    sizes = sorted({blocks * kib for _, _, _, blocks, kib in series})
-    for (transport, loop, op, blocks, kib), pts in sorted(series.items()):
+    sizes = sorted({blocks * kib for _, _, _, blocks, kib, _ in series})
+    for (transport, loop, op, blocks, kib, tensors), pts in sorted(series.items()):
         pts.sort(key=lambda r: r["concurrency"])
         style = {
             "color": colours.get(transport, "tab:gray"),
             "linestyle": styles.get(loop, "-"),
             "marker": markers.get(op, "x"),
             "linewidth": 1.0 + 1.5 * sizes.index(blocks * kib),  # thicker: larger requests
-            "label": f"{transport} {loop} {op} {blocks}x{kib} KiB",
+            "label": f"{transport} {loop} {op} {blocks}x{kib} KiB / {tensors} tensors",
         }
         xs = [r["concurrency"] for r in pts]
         lat_ax.plot(xs, [r["p50_us"] for r in pts], **style)

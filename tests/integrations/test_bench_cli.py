@@ -116,6 +116,24 @@ def test_both_modes_run_in_one_sweep(tmp_path: Path) -> None:
     assert "peer_cpu_us" in done.stderr  # the table, on stderr with --json -
 
 
+def test_tensors_split_each_block_and_every_row_says_over_how_many(tmp_path: Path) -> None:
+    """``--tensors 2,8``: the same blocks split over two tensors, then over eight (a model's K
+    and V of four layers: more, smaller ranges per request), each layout a row of its own."""
+    done = _bench(
+        "--block-kib", "16", "--tensors", "2,8", "--blocks", "1,2", "--concurrency", "1",
+        "--requests", "8", "--ops", "pull", "--transports", "tcp,same-host",
+        "--loops", "asyncio", "--modes", "default", "--json", "-", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert sorted((r["transport"], r["tensors"], r["blocks"]) for r in result["rows"]) == [
+        (t, n, b) for t in ("same-host", "tcp") for n in (2, 8) for b in (1, 2)
+    ]
+    _check_ratios(result)  # (one floor per size: the layout does not change the bytes)
+    assert result["meta"]["tensors"] == [2, 8]
+    assert " tensors " in done.stderr.splitlines()[0]  # a column of the table
+
+
 def test_json_to_stdout_and_no_file_unless_asked(tmp_path: Path) -> None:
     done = _bench(
         "--block-kib", "16", "--blocks", "1", "--concurrency", "1", "--requests", "4",
@@ -176,12 +194,16 @@ def test_pushes_alone_in_default_mode_are_refused_before_the_sweep(tmp_path: Pat
     assert "pulls only" in done.stderr and "Traceback" not in done.stderr
 
 
+_UNEVEN = "does not split a block of"
+
+
 def test_outputs_and_memory_are_checked_before_the_sweep(tmp_path: Path) -> None:
     for bad, words in [
         (["--plot", str(tmp_path / "nope" / "x.png")], "no such directory"),
         (["--json", str(tmp_path)], "is a directory"),
         (["--plot", "-"], "needs a file name"),
         (["--block-kib", "1048576", "--blocks", "64", "--concurrency", "64"], "more than 50%"),
+        (["--block-kib", "16,64", "--tensors", "2,3"], f"--tensors 3 {_UNEVEN} 16, 64 KiB"),
     ]:
         t0 = time.monotonic()
         done = _bench(*bad, cwd=tmp_path)
@@ -193,12 +215,15 @@ def test_outputs_and_memory_are_checked_before_the_sweep(tmp_path: Path) -> None
 
 
 def test_bench_options_are_validated_and_documented() -> None:
-    bad_args = (["--blocks", "0"], ["--ops", "copy"], ["--loops", "tokio"], ["--transports", "x"])
+    bad_args = (
+        ["--blocks", "0"], ["--tensors", "0"], ["--ops", "copy"], ["--loops", "tokio"],
+        ["--transports", "x"],
+    )  # fmt: skip
     for bad in bad_args:
         done = _bench(*bad)
         assert done.returncode == 2 and "usage:" in done.stderr and "Traceback" not in done.stderr
     helptext = _bench("--help").stdout
-    for option in ("--block-kib", "--concurrency", "--transports", "--plot", "--json"):
+    for option in ("--block-kib", "--tensors", "--concurrency", "--transports", "--plot", "--json"):
         assert option in helptext
     assert "default: [1, 64]" in helptext
     for transport in ("nixl", "nixl-raw", "mooncake-raw"):
@@ -268,14 +293,16 @@ def test_a_transport_not_installed_is_refused_before_the_sweep(tmp_path: Path) -
 def test_mooncake_runs_in_the_same_sweep_as_ours(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     done = _bench(
-        *_TINY, "--ops", "pull,push", "--transports", "tcp,mooncake-raw",
+        *_TINY, "--ops", "pull,push", "--transports", "tcp,mooncake-raw", "--tensors", "2,4",
         "--loops", "asyncio", "--json", str(out), cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     rows = [r for r in result["rows"] if r["transport"] == "mooncake-raw"]
-    points = {(op, b, c) for op in ("pull", "push") for b in (1, 2) for c in (1, 2)}
-    assert {(r["op"], r["blocks"], r["concurrency"]) for r in rows} == points
+    points = {
+        (op, b, c, n) for op in ("pull", "push") for b in (1, 2) for c in (1, 2) for n in (2, 4)
+    }
+    assert {(r["op"], r["blocks"], r["concurrency"], r["tensors"]) for r in rows} == points
     assert {(r["loop"], r["limit"]) for r in rows} == {("-", "raw_socket")}  # TCP: the socket
     assert len(result["rows"]) == 2 * len(points)  # ours too, in the same run
     _check_ratios(result)
