@@ -55,6 +55,7 @@ from .requests import (
     Request,
     Serving,
     TransferRecord,
+    nothing,
 )
 from .router import FrameRouter
 from .writer import LinkWriter
@@ -394,7 +395,7 @@ class Link:
         self,
         timeout_s: float,
         turns: BuildTurns | None = None,
-        answered: Callable[[], None] = lambda: None,
+        answered: Callable[[], None] = nothing,
     ) -> TableSnapshot | None:
         """Ask the peer for its cache table; None if no answer came in ``timeout_s``
         (``answered()`` is called when it came). The answer is parsed in a worker thread: a

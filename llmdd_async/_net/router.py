@@ -279,7 +279,8 @@ class FrameRouter:
         """Hand a request to a task of its own, with a serving slot taken for it now (so that
         a request the reader serves next cannot take it first; the task gives it back)."""
         link = self.link
-        link.serving_limiter.acquire_on_behalf_of_nowait(req)
+        if not self.take_slot(req):  # (its caller found one free: a bug)
+            raise RuntimeError("a request handed to a task found no serving slot free")
         try:
             link.host.spawn(link.server.serve_request, link, req, request)
         except BaseException:

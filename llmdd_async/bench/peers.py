@@ -377,7 +377,7 @@ def bench_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
     ours."""
     engine = spec["engine"]
     most = max(spec["blocks"]) * max(spec["concurrency"])
-    tensors = spec.get("tensors", [2])
+    tensors = spec["tensors"]
     if engine == "mooncake-raw":
         in_flight = max(spec["concurrency"]) * max(spec["blocks"]) * max(tensors)
         mooncake_env(most, max(tensors), in_flight)
