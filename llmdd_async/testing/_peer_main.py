@@ -18,6 +18,7 @@ import numpy as np
 
 import llmdd_async as dd
 from llmdd_async._childproc import CommandServer, run_server
+from llmdd_async.bench.timeline import SocketStamps
 from llmdd_async.testing import decode_key, options_of, pattern, wait_link_down
 
 
@@ -28,6 +29,7 @@ class Peer(CommandServer):
         self.keep: dict[int, list[np.ndarray]] = {}
         self.tasks: dict[int, dd.CacheTask] = {}
         self.stop = anyio.Event()
+        self.stamps = SocketStamps()
 
     # Commands -------------------------------------------------------------------
     async def start(self, role: int, cluster_id: int, options: dict[str, str]) -> Any:
@@ -107,6 +109,15 @@ class Peer(CommandServer):
         """This process's CPU time so far (user and system, every thread), for benchmarks
         that report what a request costs both sides."""
         return time.process_time()
+
+    async def stamp_sockets(self, on: bool) -> list[list[Any]] | None:
+        """Start (``on``) or stop stamping this process's socket calls, for benchmarks that
+        split a request's time between the processes (:mod:`llmdd_async.bench.timeline`);
+        stopping returns the stamps."""
+        if on:
+            self.stamps.start()
+            return None
+        return [list(e) for e in self.stamps.stop()]
 
     async def digest(self, cache_id: int) -> list[str]:
         return [hashlib.sha256(t.tobytes()).hexdigest() for t in self.caches[cache_id].tensors]

@@ -147,7 +147,7 @@ def test_smallest_small_requests_run(tmp_path: Path) -> None:
     out = _bench(
         str(BENCH / "small_requests.py"),
         *("--cases", "tcp-16,same-host-1", "--loops", "asyncio", "--requests", "20"),
-        *("--pool", "32", "--repeat", "2", "--json", str(result)),
+        *("--pool", "32", "--repeat", "2", "--timeline", "--json", str(result)),
     )
     assert out.returncode == 0, out.stderr
     rows = json.loads(result.read_text())["rows"]
@@ -158,6 +158,13 @@ def test_smallest_small_requests_run(tmp_path: Path) -> None:
     for r in rows:
         assert r["p99_us"] >= r["p50_us"] > 0 and r["cpu_us"] > 0 and r["floor_us"] > 0
     assert rows[0]["peer_cpu_us"] > 0  # the target served the streamed pulls
+    # --timeline: the streamed pulls split into phases from both sides' stamps; the one-sided
+    # same-host pulls send nothing, so none of theirs is split
+    tcp, same_host = rows[0], rows[1]
+    assert 0 <= tcp["phases_skipped"] < 40 and tcp["stamped_p50_us"] > 0
+    assert all(v > 0 for v in tcp["phases_us"].values()), tcp["phases_us"]
+    assert same_host["phases_skipped"] == 40 and set(same_host["phases_us"].values()) == {None}
+    assert "Where a request's time goes" in out.stdout
     assert _bench(str(BENCH / "small_requests.py"), "--cases", "tcp-2").returncode == 2
 
 
