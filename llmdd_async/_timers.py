@@ -76,7 +76,14 @@ class Timers:
             return
         timer.cancel()
         self._dead += 1
-        if self._dead > _COMPACT_AT and self._dead * 2 > len(self._heap):
+        # Timers mostly end in the order they were set (one deadline for every transfer):
+        # those on top go now. Kept until a compaction, every transfer's timer would outlive
+        # the collector's young passes and set off its full ones (tens of ms on the loop).
+        heap = self._heap
+        while heap and heap[0][2].fn is None:
+            heapq.heappop(heap)
+            self._dead -= 1
+        if self._dead > _COMPACT_AT and self._dead * 2 > len(heap):
             self._heap = [item for item in self._heap if not item[2].cancelled]
             heapq.heapify(self._heap)
             self._dead = 0

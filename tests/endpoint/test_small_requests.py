@@ -250,6 +250,26 @@ async def test_small_requests_leave_no_garbage_for_the_collector(mode: str, op: 
             assert np.array_equal(src[(last + 1) % 4], dst[last % 4])
 
 
+@pytest.mark.parametrize("mode", ["remote-accessible", "default"])
+async def test_small_requests_one_after_another_keep_nothing_of_theirs(mode: str) -> None:
+    """Nothing a finished request made stays behind for long, its deadline's timer included:
+    kept, what every request leaves outlives the collector's young passes and sets off its
+    full ones, tens of milliseconds each on the loop (a cancelled timer was kept until 4,096
+    of them piled up)."""
+    opts = _options(False)
+    if mode == "remote-accessible":
+        opts["llm.EnableRemoteCacheAccessible"] = "1"
+    async with linked_pair(opts) as (prompt, decoder):
+        cache, src, dst = await _setup(prompt, decoder)
+        cm = decoder.cache_manager
+        key = dd.BlocksCacheKey(1, 0)
+        for i in range(300):
+            await cm.pull_blocks(key, cache, [i % 4], [(i + 1) % 4])
+        for d in (prompt, decoder):
+            assert len(engine_of(d).timers) <= 2
+        assert np.array_equal(dst[0], src[3])
+
+
 @pytest.fixture
 async def hostile_target() -> AsyncIterator[tuple[dd.LLMDataDist, Any, Any, np.ndarray]]:
     """An endpoint (default mode, 300 ms transfer deadline) linked to a hand-made peer that

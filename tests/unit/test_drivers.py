@@ -281,6 +281,22 @@ async def test_many_cancelled_timers_do_not_pile_up() -> None:
         tg.cancel_scope.cancel()
 
 
+async def test_timers_cancelled_in_the_order_they_were_set_leave_at_once() -> None:
+    """Every transfer sets a timer for its deadline and cancels it when it ends, mostly in the
+    order they were set: kept until a compaction, each would outlive the collector's young
+    passes (and their numbers set off its full ones)."""
+    timers = Timers()
+    far = anyio.current_time() + 3600
+    for _ in range(1000):  # one transfer after another
+        timers.cancel(timers.call_at(far, lambda: None))
+        assert len(timers) == 0
+    first, second = timers.call_at(far, lambda: None), timers.call_at(far + 1, lambda: None)
+    timers.cancel(second)  # (under a live timer: it waits for it, or for a compaction)
+    assert len(timers) == 2
+    timers.cancel(first)
+    assert len(timers) == 0
+
+
 async def test_the_loop_clock_is_anyios_clock() -> None:
     clock = loop_clock()
     before = anyio.current_time()
