@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import statistics
+import sys
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
@@ -54,8 +55,17 @@ class SocketStamps:
     """
 
     def __init__(self) -> None:
-        self.events: list[Stamp] = []
+        # Two lists of ints and interned strings, not a list of tuples: a tuple per stamp
+        # would be the garbage collector's to track, and its passes would land in the
+        # requests timed.
+        self._times: list[int] = []
+        self._whats: list[str] = []
         self._saved: dict[str, Any] = {}
+
+    @property
+    def events(self) -> list[Stamp]:
+        """The stamps so far, in order."""
+        return list(zip(self._times, self._whats, strict=True))
 
     @property
     def started(self) -> bool:
@@ -71,10 +81,11 @@ class SocketStamps:
             getattr(getattr(socket.socket, name), "_stamped", False) for name in _CALLS
         ):
             raise RuntimeError("socket calls are already being stamped in this process")
-        self.events = []
+        self._times, self._whats = [], []
         for name, what in _CALLS.items():
             self._saved[name] = socket.socket.__dict__.get(name, _INHERITED)
-            setattr(socket.socket, name, _stamped(getattr(socket.socket, name), what, self.events))
+            call = getattr(socket.socket, name)
+            setattr(socket.socket, name, _stamped(call, what, self._times, self._whats))
 
     def stop(self) -> list[Stamp]:
         """Stop stamping (socket calls cost what they did before); returns the events."""
@@ -88,21 +99,26 @@ class SocketStamps:
 
     def mark(self, what: str) -> None:
         """Stamp an event of the caller's (``call>`` / ``call<`` around each request)."""
-        self.events.append((time.perf_counter_ns(), what))
+        self._times.append(time.perf_counter_ns())
+        self._whats.append(what)
 
 
 _INHERITED = object()
 
 
-def _stamped(call: Callable[..., Any], what: str, events: list[Stamp]) -> Callable[..., Any]:
-    now, start, end = time.perf_counter_ns, what + ">", what + "<"
+def _stamped(
+    call: Callable[..., Any], what: str, times: list[int], whats: list[str]
+) -> Callable[..., Any]:
+    now, start, end = time.perf_counter_ns, sys.intern(what + ">"), sys.intern(what + "<")
 
     def stamped(self: socket.socket, *args: Any, **kwargs: Any) -> Any:
-        events.append((now(), start))
+        times.append(now())
+        whats.append(start)
         try:
             return call(self, *args, **kwargs)
         finally:
-            events.append((now(), end))
+            times.append(now())
+            whats.append(end)
 
     stamped._stamped = True  # type: ignore[attr-defined]
     return stamped
