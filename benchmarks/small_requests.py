@@ -15,8 +15,9 @@ With ``--timeline`` each case runs its requests a second time with every socket 
 processes stamped (``llmdd_async.bench.timeline``), and a second table splits a request's wall
 time into phases: this process's work before its send, the send, the peer's wake-up, the
 peer's work, its send, our wake-up, and our work after our first read (medians, µs). A
-one-sided same-host pull sends nothing and is not split; a default-mode one's ``receive``
-holds the copy and the DONE; a reply of many frames (``tcp-16``) overlaps its phases.
+one-sided same-host pull sends nothing and is not split; a same-host default-mode one's
+``receive`` holds the grant's checks, the copy and the DONE; a reply of many frames
+(``tcp-16``) overlaps its phases.
 
 Run: ``python benchmarks/small_requests.py [--loops uvloop,asyncio,trio] [--cases ...]
 [--requests N] [--repeat N] [--timeline] [--json PATH]`` (about 10 s per case, loop and
@@ -131,9 +132,9 @@ async def _timeline(
     """The same requests again, with both processes' socket calls stamped: each phase's
     median (µs), how many requests were left out (a stamp missing), and the p50 meanwhile."""
     stamps = SocketStamps()
-    await peer.request("stamp_sockets", on=True)
-    stamps.start()
     try:
+        await peer.request("stamp_sockets", on=True)
+        stamps.start()
         for src, dst in lists:
             stamps.mark("call>")
             await move(key, cache, src, dst)

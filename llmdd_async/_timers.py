@@ -2,8 +2,9 @@
 
 A transfer that runs without a task of its own (a small pull or push the link's reader
 finishes) still has a deadline: :meth:`Timers.call_at` schedules its expiry at the cost of a
-heap push, and :meth:`Timer.cancel` (it finished first) of an attribute write. One task sleeps
-until the earliest live timer; a timer earlier than that moves its cancel scope's deadline.
+heap push, and :meth:`Timers.cancel` (it finished first) of an attribute write, and a heap pop
+where it was the earliest. One task sleeps until the earliest timer; a timer earlier than that
+moves its cancel scope's deadline.
 Backend-neutral (anyio), so asyncio, uvloop and trio share it; :attr:`Timers.now` is the
 loop's clock as a plain function.
 """
@@ -71,18 +72,20 @@ class Timers:
         return timer
 
     def cancel(self, timer: Timer) -> None:
-        """Cancel ``timer`` and drop it from the heap once many cancelled ones pile up."""
+        """Cancel ``timer``: it leaves the heap now with every cancelled one above it (timers
+        mostly end in the order they were set), else at a compaction, once many cancelled
+        ones pile up."""
         if timer.fn is None:
             return
         timer.cancel()
         self._dead += 1
-        # Timers mostly end in the order they were set (one deadline for every transfer):
-        # those on top go now. Kept until a compaction, every transfer's timer would outlive
-        # the collector's young passes and set off its full ones (tens of ms on the loop).
+        # Kept until a compaction, every transfer's timer would outlive the collector's young
+        # passes and set off its full ones (tens of ms on the loop).
         heap = self._heap
         while heap and heap[0][2].fn is None:
             heapq.heappop(heap)
-            self._dead -= 1
+            # (one cancelled through Timer.cancel was never counted)
+            self._dead = max(0, self._dead - 1)
         if self._dead > _COMPACT_AT and self._dead * 2 > len(heap):
             self._heap = [item for item in self._heap if not item[2].cancelled]
             heapq.heapify(self._heap)

@@ -1,6 +1,6 @@
 """Where one small request's wall time goes, process by process, from stamps at socket calls.
 
-Each process of a benchmark notes when each socket call a link makes starts and ends
+Each process of a benchmark notes when each of its socket calls starts and ends
 (:class:`SocketStamps`), and the caller notes when each request starts and ends. Both use
 ``time.perf_counter_ns``, on Linux the monotonic clock all processes share, so
 :func:`phases` can line the two up into the phases of one request/response, which add up to
@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import socket
 import statistics
-import sys
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
@@ -42,6 +41,10 @@ PHASES = ("call", "send", "to_peer", "peer", "peer_send", "to_us", "receive")
 
 #: the socket calls a link makes, and what each is
 _CALLS = {"sendmsg": "send", "send": "send", "recv_into": "recv", "recvmsg_into": "recv"}
+#: what a stamp says, by its code (its low bits)
+_WHATS = ("send>", "send<", "recv>", "recv<", "call>", "call<")
+_CODE = {w: i for i, w in enumerate(_WHATS)}
+_BITS = 3
 
 Stamp = tuple[int, str]
 
@@ -50,22 +53,23 @@ class SocketStamps:
     """Stamps of every socket call made in this process while started: ``(ns, what)`` with
     ``what`` one of ``send>``, ``send<``, ``recv>``, ``recv<``, or a caller's :meth:`mark`.
 
-    It wraps the methods of :class:`socket.socket` itself, for every socket of the process:
+    It wraps the methods of :class:`socket.socket` itself, for every socket of the process
+    (the event loop's own wake-up socket too, which a wake-up from another thread writes to):
     meant for a benchmark's own processes only.
     """
 
     def __init__(self) -> None:
-        # Two lists of ints and interned strings, not a list of tuples: a tuple per stamp
-        # would be the garbage collector's to track, and its passes would land in the
-        # requests timed.
-        self._times: list[int] = []
-        self._whats: list[str] = []
+        # One int a stamp (its time and what it says): a tuple would be the garbage
+        # collector's to track, and its passes would land in the requests timed; one append
+        # keeps stamps of other threads (a worker's receive) whole.
+        self._stamps: list[int] = []
         self._saved: dict[str, Any] = {}
 
     @property
     def events(self) -> list[Stamp]:
-        """The stamps so far, in order."""
-        return list(zip(self._times, self._whats, strict=True))
+        """The stamps so far, in time order."""
+        mask = (1 << _BITS) - 1
+        return [(x >> _BITS, _WHATS[x & mask]) for x in sorted(self._stamps)]
 
     @property
     def started(self) -> bool:
@@ -81,11 +85,10 @@ class SocketStamps:
             getattr(getattr(socket.socket, name), "_stamped", False) for name in _CALLS
         ):
             raise RuntimeError("socket calls are already being stamped in this process")
-        self._times, self._whats = [], []
+        self._stamps = []
         for name, what in _CALLS.items():
             self._saved[name] = socket.socket.__dict__.get(name, _INHERITED)
-            call = getattr(socket.socket, name)
-            setattr(socket.socket, name, _stamped(call, what, self._times, self._whats))
+            setattr(socket.socket, name, _stamped(getattr(socket.socket, name), what, self._stamps))
 
     def stop(self) -> list[Stamp]:
         """Stop stamping (socket calls cost what they did before); returns the events."""
@@ -98,27 +101,29 @@ class SocketStamps:
         return self.events
 
     def mark(self, what: str) -> None:
-        """Stamp an event of the caller's (``call>`` / ``call<`` around each request)."""
-        self._times.append(time.perf_counter_ns())
-        self._whats.append(what)
+        """Stamp an event of the caller's: ``call>`` / ``call<`` around each request.
+
+        Raises:
+            ValueError: any other ``what``.
+        """
+        code = _CODE.get(what)
+        if code is None or code < _CODE["call>"]:
+            raise ValueError(f"a caller marks call> or call<, not {what!r}")
+        self._stamps.append(time.perf_counter_ns() << _BITS | code)
 
 
 _INHERITED = object()
 
 
-def _stamped(
-    call: Callable[..., Any], what: str, times: list[int], whats: list[str]
-) -> Callable[..., Any]:
-    now, start, end = time.perf_counter_ns, sys.intern(what + ">"), sys.intern(what + "<")
+def _stamped(call: Callable[..., Any], what: str, stamps: list[int]) -> Callable[..., Any]:
+    now, start, end = time.perf_counter_ns, _CODE[what + ">"], _CODE[what + "<"]
 
     def stamped(self: socket.socket, *args: Any, **kwargs: Any) -> Any:
-        times.append(now())
-        whats.append(start)
+        stamps.append(now() << _BITS | start)
         try:
             return call(self, *args, **kwargs)
         finally:
-            times.append(now())
-            whats.append(end)
+            stamps.append(now() << _BITS | end)
 
     stamped._stamped = True  # type: ignore[attr-defined]
     return stamped

@@ -77,6 +77,8 @@ def test_socket_calls_are_stamped_while_started_and_cost_what_they_did_after() -
         with pytest.raises(RuntimeError, match="already being stamped"):
             SocketStamps().start()
         stamps.mark("call>")
+        with pytest.raises(ValueError, match="call> or call<"):
+            stamps.mark("send>")  # (only the calls' own stamps say that)
         a.sendmsg([b"ab", b"c"])
         buf = bytearray(8)
         assert b.recv_into(buf) == 3

@@ -272,6 +272,7 @@ async def test_many_cancelled_timers_do_not_pile_up() -> None:
         tg.start_soon(timers.run)
         await anyio.lowlevel.checkpoint()
         far = anyio.current_time() + 3600
+        timers.call_at(far - 1, lambda: None)  # live, on top: those below wait for a compaction
         for _ in range(20_000):
             timers.cancel(timers.call_at(far, lambda: None))
         assert len(timers) < 10_000
@@ -295,6 +296,25 @@ async def test_timers_cancelled_in_the_order_they_were_set_leave_at_once() -> No
     assert len(timers) == 2
     timers.cancel(first)
     assert len(timers) == 0
+
+
+async def test_a_timer_after_the_earliest_runs_on_time_when_that_one_is_cancelled() -> None:
+    """The runner sleeps until the earliest timer; cancelled, it leaves the heap at once, and
+    the next one still runs when due (not before, not never)."""
+    timers = Timers()
+    ran: list[float] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timers.run)
+        await anyio.lowlevel.checkpoint()
+        now = anyio.current_time()
+        first = timers.call_at(now + 0.03, lambda: ran.append(-1.0))
+        await anyio.sleep(0.005)  # the runner sleeps until it
+        timers.call_at(now + 0.08, lambda: ran.append(anyio.current_time()))
+        timers.cancel(first)
+        assert len(timers) == 1
+        await _wait(lambda: bool(ran))
+        tg.cancel_scope.cancel()
+    assert len(ran) == 1 and ran[0] >= now + 0.08
 
 
 async def test_the_loop_clock_is_anyios_clock() -> None:
