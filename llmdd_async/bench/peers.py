@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import logging
 import multiprocessing as mp
@@ -386,7 +387,7 @@ def bench_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
         skip_unusable_ib()  # as llm.Transport=nixl does, so both see the same UCX
     rows = []
-    for kib, n in [(kib, n) for kib in spec["block_kib"] for n in tensors]:
+    for kib, n in itertools.product(spec["block_kib"], tensors):
         lay = Layout(most, n, (kib << 10) // n)
         drv = Mooncake(lay) if engine == "mooncake-raw" else Nixl(lay)
         try:

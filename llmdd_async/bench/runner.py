@@ -415,8 +415,8 @@ def run(args: argparse.Namespace) -> int:
         r["floor_p50_us"] = floor
         r["latency_ratio"] = r["p50_us"] / floor if floor else None
         r["bandwidth_ratio"] = None if latency_bound else r["gb_per_s"] / lim
-    cols = ["loop", "transport", "mode", "op", "block_kib", "tensors", "blocks", "concurrency"]
-    cols += ["limit"]
+    cols = ["loop", "transport", "mode", "op", "block_kib", "tensors", "blocks"]
+    cols += ["concurrency", "limit"]
     cols += ["p50_us", "p99_us", "req_per_s", "gb_per_s", "latency_ratio", "bandwidth_ratio"]
     cols += ["cpu_us", "peer_cpu_us"]
     print("  ".join(f"{c:>15}" for c in cols), file=table)

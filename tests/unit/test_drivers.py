@@ -243,12 +243,20 @@ async def test_a_driver_of_the_running_loop_reads_without_a_task_switch_per_fram
         assert len(set(seen)) == 1 and seen[0] is not None  # the one reader task
 
 
-async def test_timers_run_in_order_once_and_cancelled_ones_never() -> None:
-    timers = Timers()
-    ran: list[str] = []
+@contextlib.asynccontextmanager
+async def _running(timers: Timers) -> AsyncIterator[None]:
+    """``timers`` run by a task of their own for the block, stopped after it."""
     async with anyio.create_task_group() as tg:
         tg.start_soon(timers.run)
         await anyio.lowlevel.checkpoint()
+        yield
+        tg.cancel_scope.cancel()
+
+
+async def test_timers_run_in_order_once_and_cancelled_ones_never() -> None:
+    timers = Timers()
+    ran: list[str] = []
+    async with _running(timers):
         now = anyio.current_time()
         timers.call_at(now + 0.06, lambda: ran.append("late"))
         gone = timers.call_at(now + 0.03, lambda: ran.append("cancelled"))
@@ -256,7 +264,6 @@ async def test_timers_run_in_order_once_and_cancelled_ones_never() -> None:
         timers.cancel(gone)
         await _wait(lambda: len(ran) == 2)
         await anyio.sleep(0.05)
-        tg.cancel_scope.cancel()
     assert ran == ["early", "late"]
 
 
@@ -268,9 +275,7 @@ def _live_timers() -> int:
 async def test_many_cancelled_timers_do_not_pile_up() -> None:
     before = _live_timers()  # (any other test's still alive)
     timers = Timers()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(timers.run)
-        await anyio.lowlevel.checkpoint()
+    async with _running(timers):
         far = anyio.current_time() + 3600
         timers.call_at(far - 1, lambda: None)  # live, on top: those below wait for a compaction
         for _ in range(20_000):
@@ -279,7 +284,6 @@ async def test_many_cancelled_timers_do_not_pile_up() -> None:
         # Nor are the ones a compaction dropped kept alive elsewhere (before: the sleeping
         # runner held the list it woke with, cancelled timers and all: ~4,100 more here).
         assert _live_timers() - before <= len(timers)
-        tg.cancel_scope.cancel()
 
 
 async def test_timers_cancelled_in_the_order_they_were_set_leave_at_once() -> None:
@@ -303,9 +307,7 @@ async def test_a_timer_after_the_earliest_runs_on_time_when_that_one_is_cancelle
     the next one still runs when due (not before, not never)."""
     timers = Timers()
     ran: list[float] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(timers.run)
-        await anyio.lowlevel.checkpoint()
+    async with _running(timers):
         now = anyio.current_time()
         first = timers.call_at(now + 0.03, lambda: ran.append(-1.0))
         await anyio.sleep(0.005)  # the runner sleeps until it
@@ -313,7 +315,6 @@ async def test_a_timer_after_the_earliest_runs_on_time_when_that_one_is_cancelle
         timers.cancel(first)
         assert len(timers) == 1
         await _wait(lambda: bool(ran))
-        tg.cancel_scope.cancel()
     assert len(ran) == 1 and ran[0] >= now + 0.08
 
 
@@ -330,13 +331,10 @@ async def test_timers_on_the_loop_clock_run_when_due() -> None:
     timers = Timers()
     timers.now = loop_clock()
     ran: list[float] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(timers.run)
-        await anyio.lowlevel.checkpoint()
+    async with _running(timers):
         t0 = anyio.current_time()
         timers.call_later(0.03, lambda: ran.append(anyio.current_time()))
         await _wait(lambda: bool(ran))
-        tg.cancel_scope.cancel()
     assert ran[0] - t0 >= 0.025
 
 
