@@ -43,6 +43,7 @@ import numpy as np
 
 import llmdd_async as dd
 from llmdd_async._childproc import run_on_loop
+from llmdd_async._doctor import cpu_idle
 from llmdd_async._options import parse_busy_poll_us
 from llmdd_async.bench import peers
 from llmdd_async.bench.limits import (
@@ -327,6 +328,8 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            # (how idle CPUs wait moves small requests' latency by half on a VM)
+            "cpu_idle": cpu_idle().detail,
         },
         "loops": list(args.loops),
         "tensors": list(args.tensors),

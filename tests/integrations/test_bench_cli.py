@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import llmdd_async as dd
+from llmdd_async._doctor import cpu_idle
 from llmdd_async._transports.nixl import available as nixl_available
 
 #: NIXL over loopback, with cma between the processes of this host
@@ -90,6 +91,7 @@ def test_the_smallest_sweep_writes_rows_with_their_limits(tmp_path: Path) -> Non
     meta = result["meta"]
     assert meta["version"] == dd.__version__ and meta["loops"] == ["asyncio"]
     assert meta["host"]["cpus"] == os.cpu_count() and meta["time"].endswith("+00:00")
+    assert meta["host"]["cpu_idle"] == cpu_idle().detail
     assert "req_per_s" in done.stdout
     assert "ETA" not in done.stderr  # no progress bar where stderr is no terminal
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # only what was asked

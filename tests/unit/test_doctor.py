@@ -1,5 +1,6 @@
 """``llmdd-async doctor``: every optional dependency reported ok, missing or broken, with the
-fix; a module that imports and then fails (a torchvision of another torch build) is broken."""
+fix; a module that imports and then fails (a torchvision of another torch build) is broken; a
+VM whose idle CPUs halt at once (``haltpoll`` without polling) is slow, with the fix."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmdd_async._doctor import _probe
+from llmdd_async._doctor import _probe, cpu_idle
 
 
 def test_missing_broken_and_ok_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,8 +43,41 @@ def test_the_command_lists_every_check() -> None:
     )
     assert done.returncode == 0, done.stderr
     names = [line.split()[0] for line in done.stdout.splitlines() if not line.startswith(" ")]
-    assert names == ["python", "uvloop", "trio", "torch", "vllm", "nixl", "mooncake", "matplotlib"]
+    assert names == [
+        "python", "uvloop", "trio", "torch", "vllm", "nixl", "mooncake", "matplotlib", "cpu-idle",
+    ]  # fmt: skip
     assert "python      ok" in done.stdout
     for line in done.stdout.splitlines():
         state = line.split()[1] if not line.startswith(" ") else None
-        assert state in (None, "ok", "missing", "broken"), line
+        assert state in (None, "ok", "missing", "broken", "slow"), line
+    # This machine's own answer, read the way the check reads it.
+    assert f"cpu-idle    {cpu_idle().state}" in done.stdout
+
+
+def _sysfs(root: Path, driver: str | None, poll_ns: str | None) -> Path:
+    if driver is not None:
+        d = root / "devices/system/cpu/cpuidle"
+        d.mkdir(parents=True)
+        (d / "current_driver").write_text(driver + "\n")
+    if poll_ns is not None:
+        m = root / "module/haltpoll/parameters"
+        m.mkdir(parents=True)
+        (m / "guest_halt_poll_ns").write_text(poll_ns + "\n")
+    return root
+
+
+def test_a_vm_whose_idle_cpus_halt_at_once_is_slow_with_the_fix(tmp_path: Path) -> None:
+    slow = cpu_idle(_sysfs(tmp_path / "a", "haltpoll", "0"))
+    assert slow.state == "slow" and "guest_halt_poll_ns=0" in slow.detail
+    assert "guest_halt_poll_ns" in slow.fix and "llm.BusyPoll" in slow.fix
+    polls = cpu_idle(_sysfs(tmp_path / "b", "haltpoll", "200000"))
+    assert (polls.state, polls.detail) == ("ok", "haltpoll, polls 200 us before halting")
+    assert polls.fix == ""
+    # Bare metal, or a VM with another driver: reported as it is, never slow.
+    assert cpu_idle(_sysfs(tmp_path / "c", "intel_idle", None)).detail == (
+        "cpuidle driver intel_idle"
+    )
+    assert cpu_idle(tmp_path / "none").detail == "no cpuidle driver"
+    # A haltpoll driver whose parameter cannot be read: not called slow on a guess.
+    assert cpu_idle(_sysfs(tmp_path / "d", "haltpoll", None)).state == "ok"
+    assert cpu_idle(_sysfs(tmp_path / "e", "haltpoll", "junk")).state == "ok"
