@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmdd_async._doctor import cpu_idle
 from llmdd_async.bench.limits import median_time, memcpy_gbps, raw_socket_gbps
 
 __all__ = ["median_time", "memcpy_gbps", "raw_socket_gbps"]
@@ -91,7 +92,12 @@ def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> P
     payload = {
         "benchmark": name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            # (how idle CPUs wait moves small requests' latency by half on a VM)
+            "cpu_idle": cpu_idle().detail,
+        },
         **payload,
     }
     out.write_text(json.dumps(payload, indent=2))

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
+from llmdd_async._doctor import cpu_idle
+
 BENCH = REPO / "benchmarks"
 
 #: Prints, for every benchmark, each option's (dest, help, default).
@@ -103,7 +105,10 @@ def test_smallest_layerwise_run(tmp_path: Path, compute: str) -> None:
         *("--transports", "tcp", "--repeat", "1", "--json", str(result)),
     )
     assert out.returncode == 0, out.stderr
-    (row,) = json.loads(result.read_text())["rows"]
+    written = json.loads(result.read_text())
+    (row,) = written["rows"]
+    # how idle CPUs wait, as `llmdd-async doctor` reads it: it moves small requests' latency
+    assert written["machine"]["cpu_idle"] == cpu_idle().detail
     assert row["KiB/layer"] == 1024 and row["layers"] == 2 and row["compute"] == compute
     assert 0.0 <= row["hidden %"] <= 100.0
     assert row["transfer CPU us/layer"] > 0  # a transfer costs its process some CPU
