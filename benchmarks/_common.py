@@ -95,7 +95,7 @@ def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> P
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
-            # (how idle CPUs wait moves small requests' latency by half on a VM)
+            # (how idle CPUs wait moves small requests' latency by a third on a VM)
             "cpu_idle": cpu_idle().detail,
         },
         **payload,

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_parser(
         sub.add_parser(
             "doctor",
-            help="check the optional dependencies (vLLM, torch, NIXL, uvloop) and print fixes",
+            help="check the optional dependencies (vLLM, torch, NIXL, uvloop) and how idle CPUs "
+            "wait, and print fixes",
         )
     )
     return parser

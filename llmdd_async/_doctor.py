@@ -23,8 +23,8 @@ __all__ = ["Check", "build_parser", "checks", "cpu_idle", "run"]
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-    """One finding: what was checked, its state (``ok``, ``missing``, ``broken``), what was
-    seen, and the fix when it is not ok."""
+    """One finding: what was checked, its state (``ok``, ``missing``, ``broken``, or ``slow``:
+    it works, at a cost the fix removes), what was seen, and the fix when it is not ok."""
 
     name: str
     state: str
@@ -93,31 +93,42 @@ _HALTPOLL_FIX = (
 
 
 def cpu_idle(sys_root: Path = Path("/sys")) -> Check:
-    """How an idle CPU waits for work: a KVM guest's ``haltpoll`` driver with polling off
-    (``guest_halt_poll_ns`` 0) halts the virtual CPU at once, and every answer a waiting
-    endpoint gets wakes it, at about the cost of the round trip itself. Anything else is
-    reported as it is."""
-    try:
-        driver = (sys_root / "devices/system/cpu/cpuidle/current_driver").read_text().strip()
-    except OSError:
+    """How an idle CPU waits for work: a KVM guest's ``haltpoll`` cpuidle driver and governor
+    with polling off (``guest_halt_poll_ns`` 0) halt the virtual CPU at once, and every answer
+    a waiting endpoint gets wakes it, at about the cost of the round trip itself. Anything
+    else, or anything that cannot be read, is reported as it is, never as slow."""
+    cpuidle = sys_root / "devices/system/cpu/cpuidle"
+    driver = _read_sys(cpuidle / "current_driver")
+    if driver is None:
         return Check("cpu-idle", "ok", "no cpuidle driver")
-    if driver != "haltpoll":
-        return Check("cpu-idle", "ok", f"cpuidle driver {driver}")
-    try:
-        text = (sys_root / "module/haltpoll/parameters/guest_halt_poll_ns").read_text()
-        poll_ns = int(text.strip())
-    except (OSError, ValueError):
-        return Check("cpu-idle", "ok", "cpuidle driver haltpoll")
+    # (guest_halt_poll_ns is the haltpoll governor's: another governor ignores it)
+    governor = _read_sys(cpuidle / "current_governor_ro") or _read_sys(cpuidle / "current_governor")
+    if driver != "haltpoll" or governor != "haltpoll":
+        return Check("cpu-idle", "ok", f"cpuidle driver {driver}, governor {governor or '?'}")
+    text = _read_sys(sys_root / "module/haltpoll/parameters/guest_halt_poll_ns")
+    if text is None or not text.isdigit():
+        return Check("cpu-idle", "ok", "cpuidle driver and governor haltpoll")
+    poll_ns = int(text)
     if poll_ns > 0:
-        return Check("cpu-idle", "ok", f"haltpoll, polls {poll_ns // 1000} us before halting")
+        return Check(
+            "cpu-idle", "ok", f"haltpoll, polls up to {poll_ns / 1000:g} us before halting"
+        )
     return Check(
         "cpu-idle",
         "slow",
         "haltpoll with guest_halt_poll_ns=0: an idle virtual CPU halts at once and each "
-        "answer to a small request wakes it (one-block pulls took 1.3-1.7x as long as with "
+        "answer to a small request wakes it (one-block pulls took about 1.5x as long as with "
         "the kernel's default polling on a 2-vCPU VM)",
         _HALTPOLL_FIX,
     )
+
+
+def _read_sys(path: Path) -> str | None:
+    """A sysfs value, stripped; None where it cannot be read or decoded."""
+    try:
+        return path.read_text().strip()
+    except (OSError, ValueError):  # (ValueError: UnicodeDecodeError)
+        return None
 
 
 def checks() -> list[Check]:

@@ -328,7 +328,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
-            # (how idle CPUs wait moves small requests' latency by half on a VM)
+            # (how idle CPUs wait moves small requests' latency by a third on a VM)
             "cpu_idle": cpu_idle().detail,
         },
         "loops": list(args.loops),

@@ -54,11 +54,15 @@ def test_the_command_lists_every_check() -> None:
     assert f"cpu-idle    {cpu_idle().state}" in done.stdout
 
 
-def _sysfs(root: Path, driver: str | None, poll_ns: str | None) -> Path:
+def _sysfs(
+    root: Path, driver: str | None, poll_ns: str | None, governor: str | None = "haltpoll"
+) -> Path:
+    d = root / "devices/system/cpu/cpuidle"
+    d.mkdir(parents=True)
     if driver is not None:
-        d = root / "devices/system/cpu/cpuidle"
-        d.mkdir(parents=True)
         (d / "current_driver").write_text(driver + "\n")
+    if governor is not None:
+        (d / "current_governor_ro").write_text(governor + "\n")
     if poll_ns is not None:
         m = root / "module/haltpoll/parameters"
         m.mkdir(parents=True)
@@ -71,13 +75,26 @@ def test_a_vm_whose_idle_cpus_halt_at_once_is_slow_with_the_fix(tmp_path: Path) 
     assert slow.state == "slow" and "guest_halt_poll_ns=0" in slow.detail
     assert "guest_halt_poll_ns" in slow.fix and "llm.BusyPoll" in slow.fix
     polls = cpu_idle(_sysfs(tmp_path / "b", "haltpoll", "200000"))
-    assert (polls.state, polls.detail) == ("ok", "haltpoll, polls 200 us before halting")
+    assert (polls.state, polls.detail) == ("ok", "haltpoll, polls up to 200 us before halting")
     assert polls.fix == ""
+    assert cpu_idle(_sysfs(tmp_path / "b2", "haltpoll", "500")).detail == (
+        "haltpoll, polls up to 0.5 us before halting"
+    )
     # Bare metal, or a VM with another driver: reported as it is, never slow.
-    assert cpu_idle(_sysfs(tmp_path / "c", "intel_idle", None)).detail == (
-        "cpuidle driver intel_idle"
+    assert cpu_idle(_sysfs(tmp_path / "c", "intel_idle", None, "menu")).detail == (
+        "cpuidle driver intel_idle, governor menu"
     )
     assert cpu_idle(tmp_path / "none").detail == "no cpuidle driver"
-    # A haltpoll driver whose parameter cannot be read: not called slow on a guess.
-    assert cpu_idle(_sysfs(tmp_path / "d", "haltpoll", None)).state == "ok"
-    assert cpu_idle(_sysfs(tmp_path / "e", "haltpoll", "junk")).state == "ok"
+    # guest_halt_poll_ns is the haltpoll governor's: under another one it means nothing.
+    menu = cpu_idle(_sysfs(tmp_path / "f", "haltpoll", "0", "menu"))
+    assert (menu.state, menu.detail) == ("ok", "cpuidle driver haltpoll, governor menu")
+    # Whatever cannot be read is not called slow on a guess.
+    for name, poll, governor in (
+        ("d", None, "haltpoll"),
+        ("e", "junk", "haltpoll"),
+        ("g", "0", None),
+    ):
+        assert cpu_idle(_sysfs(tmp_path / name, "haltpoll", poll, governor)).state == "ok"
+    undecodable = _sysfs(tmp_path / "h", None, None)
+    (undecodable / "devices/system/cpu/cpuidle/current_driver").write_bytes(b"\xff\xfe\n")
+    assert cpu_idle(undecodable).detail == "no cpuidle driver"
