@@ -319,7 +319,7 @@ def _limit_bytes(args: argparse.Namespace) -> int:
     return min(max(wave, 16 << 20), 256 << 20)
 
 
-def _meta(args: argparse.Namespace) -> dict[str, Any]:
+def _meta(args: argparse.Namespace, cpu_idle_detail: str) -> dict[str, Any]:
     return {
         "version": dd.__version__,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -329,7 +329,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
             "platform": platform.platform(),
             "python": platform.python_version(),
             # (how idle CPUs wait moves small requests' latency by a third on a VM)
-            "cpu_idle": cpu_idle().detail,
+            "cpu_idle": cpu_idle_detail,
         },
         "loops": list(args.loops),
         "tensors": list(args.tensors),
@@ -433,7 +433,10 @@ def run(args: argparse.Namespace) -> int:
         "the peer's",
         file=table,
     )
-    result = {"meta": _meta(args), "limits": limits, "rows": rows}
+    idle = cpu_idle()
+    if idle.state != "ok":  # (it moves every one-request row: say so beside them)
+        print(f"cpu-idle {idle.state}: {idle.detail}; fix: {idle.fix}", file=table)
+    result = {"meta": _meta(args, idle.detail), "limits": limits, "rows": rows}
     if args.json == "-":
         json.dump(result, sys.stdout, indent=1)
         print()
