@@ -328,8 +328,7 @@ def _meta(args: argparse.Namespace, cpu_idle_detail: str) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
-            # (how idle CPUs wait moves small requests' latency by a third on a VM)
-            "cpu_idle": cpu_idle_detail,
+            "cpu_idle": cpu_idle_detail,  # (it moves one-request latency by a third on a VM)
         },
         "loops": list(args.loops),
         "tensors": list(args.tensors),
@@ -418,10 +417,9 @@ def run(args: argparse.Namespace) -> int:
         r["floor_p50_us"] = floor
         r["latency_ratio"] = r["p50_us"] / floor if floor else None
         r["bandwidth_ratio"] = None if latency_bound else r["gb_per_s"] / lim
-    cols = ["loop", "transport", "mode", "op", "block_kib", "tensors", "blocks"]
-    cols += ["concurrency", "limit"]
-    cols += ["p50_us", "p99_us", "req_per_s", "gb_per_s", "latency_ratio", "bandwidth_ratio"]
-    cols += ["cpu_us", "peer_cpu_us"]
+    cols = ["loop", "transport", "mode", "op", "block_kib", "tensors", "blocks", "concurrency"]
+    cols += ["limit", "p50_us", "p99_us", "req_per_s", "gb_per_s", "latency_ratio"]
+    cols += ["bandwidth_ratio", "cpu_us", "peer_cpu_us"]
     print("  ".join(f"{c:>15}" for c in cols), file=table)
     for r in rows:
         print("  ".join(_cell(r[c]) for c in cols), file=table)
