@@ -18,9 +18,11 @@ to_us      its end ... our first read after it (our process being woken)
 receive    that read ... the call's return (landing the bytes, completing the request)
 ========== ============================================================================
 
-A request is left out (:attr:`Phases.skipped`) where a stamp is missing: no send, no read
-of the peer's in between (a one-sided same-host pull), or no read of ours after the peer's
-send. Each stamp costs a fraction of a microsecond, which the phases include; unlike a
+A read that starts before the send it answers has returned (the reader's CPU was awake; a
+reply of many frames) ends that send's phase, and its wake-up phase is then zero. A request is
+left out (:attr:`Phases.skipped`) where a stamp is missing: no send, no read of the peer's
+after ours started (a one-sided same-host pull), or no read of ours after the peer's send
+started. Each stamp costs a fraction of a microsecond, which the phases include; unlike a
 profiler's, it does not multiply what each Python call costs.
 """
 
@@ -183,14 +185,18 @@ def _one(
 ) -> tuple[int, ...] | None:
     s0 = _first(ours, "send>", t0)
     s1 = None if s0 is None else _first(ours, "send<", s0)
-    p0 = None if s1 is None else _first(theirs, "recv>", s1, peer_t)
+    # A read may start before the send it answers has returned (a CPU that was awake, a
+    # reply of many frames): it is then searched from the send's start, and the send's phase
+    # ends where the read starts.
+    p0 = None if s1 is None else _first(theirs, "recv>", s0, peer_t)
     q0 = None if p0 is None else _first(theirs, "send>", p0, peer_t)
     q1 = None if q0 is None else _first(theirs, "send<", q0, peer_t)
-    r0 = None if q1 is None else _first(ours, "recv>", q1)
+    r0 = None if q1 is None else _first(ours, "recv>", q0)
     if s0 is None or s1 is None or p0 is None or q0 is None or q1 is None or r0 is None:
         return None
     if r0 > t1:
         return None
+    s1, q1 = min(s1, p0), min(q1, r0)
     return (s0 - t0, s1 - s0, p0 - s1, q0 - p0, q1 - q0, r0 - q1, t1 - r0)
 
 

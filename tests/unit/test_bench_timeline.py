@@ -68,6 +68,19 @@ def test_a_request_without_the_peers_stamps_between_is_left_out_but_timed() -> N
     assert empty.medians() == dict.fromkeys(PHASES) and empty.means() == dict.fromkeys(PHASES)
 
 
+def test_a_read_that_starts_before_the_send_returns_ends_the_sends_phase() -> None:
+    # A busy machine (CPUs awake) or a reply of many frames: the peer reads while our send
+    # call is still returning, and we read while its send is.
+    ours = [(0, "call>"), (10, "send>"), (40, "send<"), (120, "recv>"), (300, "recv<"),
+            (320, "call<")]  # fmt: skip
+    theirs = [(25, "recv>"), (30, "recv<"), (70, "send>"), (250, "send<")]
+    got = phases([(t * US, w) for t, w in ours], [(t * US, w) for t, w in theirs])
+    assert got.skipped == 0 and got.requests == 1
+    expect = {"call": 10, "send": 15, "to_peer": 0, "peer": 45, "peer_send": 50,
+              "to_us": 0, "receive": 200}  # fmt: skip
+    assert got.medians() == expect and sum(expect.values()) == got.calls_us[0] == 320
+
+
 def test_socket_calls_are_stamped_while_started_and_cost_what_they_did_after() -> None:
     a, b = socket.socketpair()
     stamps = SocketStamps()
