@@ -185,16 +185,18 @@ def _one(
 ) -> tuple[int, ...] | None:
     s0 = _first(ours, "send>", t0)
     s1 = None if s0 is None else _first(ours, "send<", s0)
+    if s0 is None or s1 is None:
+        return None
     # A read may start before the send it answers has returned (a CPU that was awake, a
     # reply of many frames): it is then searched from the send's start, and the send's phase
     # ends where the read starts.
-    p0 = None if s1 is None else _first(theirs, "recv>", s0, peer_t)
+    p0 = _first(theirs, "recv>", s0, peer_t)
     q0 = None if p0 is None else _first(theirs, "send>", p0, peer_t)
     q1 = None if q0 is None else _first(theirs, "send<", q0, peer_t)
-    r0 = None if q1 is None else _first(ours, "recv>", q0)
-    if s0 is None or s1 is None or p0 is None or q0 is None or q1 is None or r0 is None:
+    if p0 is None or q0 is None or q1 is None:
         return None
-    if r0 > t1:
+    r0 = _first(ours, "recv>", q0)
+    if r0 is None or r0 > t1:
         return None
     s1, q1 = min(s1, p0), min(q1, r0)
     return (s0 - t0, s1 - s0, p0 - s1, q0 - p0, q1 - q0, r0 - q1, t1 - r0)
