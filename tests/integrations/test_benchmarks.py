@@ -167,7 +167,9 @@ def test_smallest_small_requests_run(tmp_path: Path) -> None:
     # same-host pulls send nothing, so none of theirs is split
     tcp, same_host = rows[0], rows[1]
     assert 0 <= tcp["phases_skipped"] < 40 and tcp["stamped_p50_us"] > 0
-    assert all(v > 0 for v in tcp["phases_us"].values()), tcp["phases_us"]
+    # (a wake-up counts 0 where the read started before the send returned: a busy machine)
+    assert all(v >= 0 for v in tcp["phases_us"].values()), tcp["phases_us"]
+    assert all(tcp["phases_us"][k] > 0 for k in ("call", "peer", "receive")), tcp["phases_us"]
     assert same_host["phases_skipped"] == 40 and set(same_host["phases_us"].values()) == {None}
     assert "Where a request's time goes" in out.stdout
     assert _bench(str(BENCH / "small_requests.py"), "--cases", "tcp-2").returncode == 2
