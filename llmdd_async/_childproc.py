@@ -102,6 +102,10 @@ class CommandServer:
 
 T = TypeVar("T")
 
+#: starts ``python -m module`` with an environment (and stderr inherited or not) some faster
+#: way, or returns None where it cannot
+Launcher = Callable[[str, dict[str, str], bool], Awaitable["anyio.abc.Process | None"]]
+
 #: the longest reply line (base64 tensors of test caches)
 _MAX_REPLY = 1 << 30
 
@@ -144,19 +148,26 @@ class ChildProcess:
         env: dict[str, str] | None = None,
         inherit_stderr: bool = False,
         prefix: Sequence[str] = (),
+        launch: Launcher | None = None,
     ) -> AsyncIterator[Any]:
         """Start ``python -m module``; on exit ask it to stop, and kill it if it does not.
 
         ``inherit_stderr``: the child writes to this process's stderr (its log lines, say)
         instead of a pipe. ``prefix``: a command line the interpreter runs under (``ip netns
         exec NAME``, say); it must exec the interpreter in place, so that :meth:`pause` and
-        :meth:`kill` reach the child itself."""
+        :meth:`kill` reach the child itself. ``launch``: starts the child some other way
+        (``launch(module, env, inherit_stderr)``, a fork server's, say) or returns None, and
+        then it is started as above; not with a prefix."""
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", LLMDD_PEER_LOOP=loop, **(env or {}))
-        process = await anyio.open_process(
-            [*prefix, sys.executable, "-m", module],
-            env=full_env,
-            stderr=None if inherit_stderr else subprocess.PIPE,
-        )
+        process: anyio.abc.Process | None = None
+        if launch is not None and not prefix:
+            process = await launch(module, full_env, inherit_stderr)
+        if process is None:
+            process = await anyio.open_process(
+                [*prefix, sys.executable, "-m", module],
+                env=full_env,
+                stderr=None if inherit_stderr else subprocess.PIPE,
+            )
         child = cls(process)
         body_error: BaseException | None = None
         async with anyio.create_task_group() as tg:
