@@ -237,15 +237,21 @@ class ChildProcess:
 
     def pause(self) -> None:
         """SIGSTOP the child: a peer that hangs without closing its sockets."""
-        os.kill(self.process.pid, signal.SIGSTOP)
+        self._signal(signal.SIGSTOP)
 
     def resume(self) -> None:
-        os.kill(self.process.pid, signal.SIGCONT)
+        self._signal(signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL the child: a peer that dies mid-transfer."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.process.pid, signal.SIGKILL)
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        # Through the process object, never by pid: one that has exited (and was reaped)
+        # is not signalled, so its pid, free again, never reaches another process.
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(sig)
 
     async def close(self) -> None:
         if self.process.returncode is None:

@@ -50,8 +50,9 @@ NATIVE = ("nixl", "nixl_cu12", "mooncake", "torch")
 #: what the server imports before it forks, where installed: what the peer's module imports,
 #: not the module itself (it runs once, as ``__main__``)
 PRELOAD = ("llmdd_async.testing", "llmdd_async.bench.timeline", "uvloop", "trio")
-#: how long the server may take to start
+#: how long the server may take to start, and to fork a child
 START_S = 60.0
+FORK_S = 30.0
 
 
 def _ignored_signals() -> list[int]:
@@ -179,7 +180,7 @@ class ForkedProcess(anyio.abc.Process):
     def returncode(self) -> int | None:
         """Its exit code, -N for signal N; None while it runs. ``-SIGKILL`` where the server
         ended before it (its code is then unknown)."""
-        if self._returncode is None:
+        if self._returncode is None and self._pidfd >= 0:
             try:
                 data = self._status.recv(64, socket.MSG_DONTWAIT | socket.MSG_PEEK)
             except (BlockingIOError, InterruptedError):
@@ -195,7 +196,11 @@ class ForkedProcess(anyio.abc.Process):
         return bool(select.select([self._pidfd], [], [], 0)[0])
 
     async def wait(self) -> int:
+        """Raises:
+        anyio.ClosedResourceError: it was closed before its exit was seen."""
         while self.returncode is None:
+            if self._pidfd < 0:
+                raise anyio.ClosedResourceError
             try:
                 eof = not self._status.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
             except (BlockingIOError, InterruptedError):
@@ -227,14 +232,24 @@ class ForkedProcess(anyio.abc.Process):
         return None
 
     async def aclose(self) -> None:
+        """Close its streams and wait for it to exit (killed if this is cancelled), as
+        anyio's processes do."""
         await self._stdin.aclose()
         await self._stdout.aclose()
         if self._stderr_sock is not None:
             self._stderr_sock.close()
-        self._status.close()
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
+        try:
+            await self.wait()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                self.kill()
+                await self.wait()
+            raise
+        finally:
+            self._status.close()
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
 
 
 class ForkServer:
@@ -256,82 +271,100 @@ class ForkServer:
         """The server's pid (None before it runs)."""
         return None if self._proc is None else self._proc.pid
 
-    def usable(self, env: Mapping[str, str]) -> bool:
-        """Whether a child with environment ``env`` may be forked (once the server runs)."""
+    def usable(self, env: Mapping[str, str], here: tuple[Any, ...] | None = None) -> bool:
+        """Whether a child with environment ``env`` may be forked (once the server runs) by
+        the calling thread (``here``: what :func:`_inherited` says there)."""
         if self.broken is not None:
             return False
         if self._sock is None or self._owner != os.getpid():
             return True  # started for this environment
-        return _early(env) == _early(self._env) and _inherited() == self._inherited
+        here = _inherited() if here is None else here
+        return _early(env) == _early(self._env) and here == self._inherited
 
     async def spawn(
         self, module: str, env: Mapping[str, str], inherit_stderr: bool
     ) -> ForkedProcess | None:
         """Fork ``python -m module`` with ``env``; None where a fresh interpreter is needed
         (see the module's docstring) or the server cannot run."""
-        if not self.usable(env):
+        # (on the caller's thread: CPU affinity and priority are a thread's)
+        here = _inherited()
+        if not self.usable(env, here):
             return None
-        forked = await anyio.to_thread.run_sync(self._spawn, module, dict(env), inherit_stderr)
+        forked = await anyio.to_thread.run_sync(
+            self._spawn, module, dict(env), inherit_stderr, here
+        )
         return None if forked is None else ForkedProcess(forked)
 
-    def _spawn(self, module: str, env: dict[str, str], inherit_stderr: bool) -> _Forked | None:
+    def _spawn(
+        self, module: str, env: dict[str, str], inherit_stderr: bool, here: tuple[Any, ...]
+    ) -> _Forked | None:
         with self._lock:
-            if not self._running(env):
+            if not self._running(env, here):
                 return None
-            if not self.usable(env):
+            if not self.usable(env, here):
                 return None
             assert self._sock is not None
             ours: list[socket.socket] = []
             theirs: list[socket.socket] = []
-            for _ in range(3 if inherit_stderr else 4):
-                a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                ours.append(a)
-                theirs.append(b)
-            fds = [s.fileno() for s in theirs]
-            if inherit_stderr:
-                fds.append(2)
+            reply: bytes = b""
+            got: list[int] = []
             try:
+                for _ in range(3 if inherit_stderr else 4):
+                    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                    ours.append(a)
+                    theirs.append(b)
+                fds = [s.fileno() for s in theirs]
+                if inherit_stderr:
+                    fds.append(2)
                 req = {"module": module, "env": env, "ignored": _ignored_signals()}
-                msg = json.dumps(req).encode()
-                socket.send_fds(self._sock, [msg], fds)
+                self._sock.settimeout(FORK_S)
+                socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
                 reply, got, _, _ = socket.recv_fds(self._sock, 256, 1)
-            except OSError as exc:
-                self._break(f"the fork server is gone: {exc}")
-                for s in ours:
-                    s.close()
-                return None
+            except OSError as exc:  # (a timeout too: the server is stuck)
+                self._break(f"the fork server failed: {exc!r}")
             finally:
                 for s in theirs:
                     s.close()
+            for fd in got:
+                os.set_inheritable(fd, False)
             if not reply or not got:
-                self._break("the fork server did not fork")
+                if self.broken is None:
+                    self._break("the fork server did not fork")
                 for s in ours:
                     s.close()
+                for fd in got:
+                    os.close(fd)
                 return None
             ours[0].setblocking(False)
             stderr = None if inherit_stderr else ours[3]
             return _Forked(json.loads(reply)["pid"], got[0], ours[0], ours[1], ours[2], stderr)
 
-    def _running(self, env: dict[str, str]) -> bool:
+    def _running(self, env: dict[str, str], here: tuple[Any, ...]) -> bool:
         if self.broken is not None:
             return False
         if self._sock is not None and self._owner == os.getpid():
             return True
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Its stdin and stdout: a socket nobody reads or writes. Its children's standard
+        # streams are sockets: Python's objects for them, made here, must see one (not
+        # seekable, say).
+        stdio, idle = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         server_env = dict(env)
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _SERVER_MAIN, str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 env=server_env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
+                stdin=stdio.fileno(),
+                stdout=stdio.fileno(),
             )
         except OSError as exc:
             self._break(f"the fork server did not start: {exc}")
             return False
         finally:
             theirs.close()
+            stdio.close()
+            idle.close()
         ours.settimeout(START_S)
         try:
             ready = ours.recv(64)
@@ -345,8 +378,15 @@ class ForkServer:
             return False
         ours.settimeout(None)
         self._sock, self._proc, self._env = ours, proc, server_env
-        self._inherited, self._owner = _inherited(), os.getpid()
+        self._inherited, self._owner = here, os.getpid()
         return True
+
+    def _forget(self) -> None:
+        """In a forked copy of the parent: drop the parent's server without touching it."""
+        self._lock = threading.Lock()
+        if self._sock is not None:
+            self._sock.close()  # (this copy's descriptor only)
+        self._sock, self._proc = None, None
 
     def _break(self, why: str) -> None:
         self.broken = why
@@ -370,6 +410,8 @@ class ForkServer:
 _SERVER_MAIN = f"import {__name__} as f; f._main()"
 _SERVER = ForkServer()
 atexit.register(_SERVER.close)
+# A copy of this process made by fork() starts its own server (it must not share the pipe).
+os.register_at_fork(after_in_child=_SERVER._forget)
 
 
 def fork_server() -> ForkServer:
@@ -442,10 +484,15 @@ def _child(req: dict[str, Any], fds: list[int]) -> None:
         # As ``python -m`` has them (runpy sets argv[0] to the module's file):
         sys.argv[:] = ["-m"]
         sys.path[0] = os.getcwd()
+        # Generators seeded at import, which fork leaves the same in every child (the
+        # random module's own is reseeded at fork): numpy's legacy one, trio's scheduler's.
         with contextlib.suppress(ImportError):
             import numpy as np
 
-            np.random.seed()  # its legacy global generator is not reseeded at fork
+            np.random.seed()
+        trio_run = sys.modules.get("trio._core._run")
+        if trio_run is not None and hasattr(trio_run, "_r"):
+            trio_run._r.seed()
         runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
@@ -464,8 +511,10 @@ def _child(req: dict[str, Any], fds: list[int]) -> None:
 
 def _main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
-    # Ctrl-C reaches the whole process group: the parent decides when this ends.
+    # Ctrl-C reaches the whole process group: the parent decides when this ends. Children
+    # are reaped here (a SIGCHLD ignored since the parent started it would reap them first).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for name in PRELOAD:
         with contextlib.suppress(ImportError):
             __import__(name)

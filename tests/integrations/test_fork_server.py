@@ -3,11 +3,16 @@ a child that a fork could not start the same way gets a fresh interpreter."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import hashlib
 import os
 import signal
+import subprocess
 import sys
+import textwrap
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -78,11 +83,59 @@ async def test_a_forked_child_sees_what_a_fresh_interpreter_sees(server: ForkSer
     forked = await server.spawn("code", env, False)
     assert isinstance(forked, ForkedProcess), server.broken
     assert forked.pid != os.getpid() and _ppid(forked.pid) == server.pid
-    fresh = await anyio.open_process([sys.executable, "-m", "code"], env=env)
     got_forked, code_forked = await _run(forked, PROBE.encode())
-    got_fresh, code_fresh = await _run(fresh, PROBE.encode())
-    assert code_forked == code_fresh == 0
-    assert got_forked == got_fresh and b"'7'" in got_forked, (got_forked, got_fresh)
+    # The reference: as subprocess starts it (uvloop's spawn would also reset the signals
+    # this process ignores, which exec keeps ignored and the fork server does too).
+    fresh = await anyio.to_thread.run_sync(
+        functools.partial(
+            subprocess.run,
+            [sys.executable, "-m", "code"],
+            env=env,
+            input=PROBE.encode(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            timeout=30,
+        )
+    )
+    assert code_forked == fresh.returncode == 0
+    assert got_forked == fresh.stdout and b"'7'" in got_forked, (got_forked, fresh.stdout)
+
+
+#: what differs between two children: their generators, the descriptors they hold
+SEEDS = (
+    "import os, random, numpy, trio._core._run as r; print(repr((random.random(),"
+    " numpy.random.random(), r._r.random(), len(os.listdir('/proc/self/fd')))))\n"
+)
+
+
+async def test_two_children_draw_different_randoms_and_hold_only_their_own_streams(
+    server: ForkServer,
+) -> None:
+    """Generators seeded at import are reseeded in each child; a child holds no descriptor
+    a fresh interpreter would not (none of another child's, none of the server's)."""
+    pytest.importorskip("trio")
+    a = await server.spawn("code", _env(), False)
+    b = await server.spawn("code", _env(), False)
+    assert a is not None and b is not None
+    out_b, _ = await _run(b, SEEDS.encode())  # while a still runs
+    out_a, _ = await _run(a, SEEDS.encode())
+    fresh = await anyio.to_thread.run_sync(
+        functools.partial(
+            subprocess.run,
+            [sys.executable, "-m", "code"],
+            env=_env(),
+            input=SEEDS.encode(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            timeout=30,
+        )
+    )
+    (ra, na, ta, fds_a), (rb, nb, tb, fds_b), (*_, fds_fresh) = (
+        ast.literal_eval(out.decode().split(">>> ")[1].strip())
+        for out in (out_a, out_b, fresh.stdout)
+    )
+    assert ra != rb and na != nb and ta != tb
+    assert fds_a == fds_b == fds_fresh
 
 
 async def test_a_module_that_cannot_run_exits_1_as_with_python_m(server: ForkServer) -> None:
@@ -123,6 +176,14 @@ async def test_an_environment_read_before_the_fork_gets_a_fresh_interpreter(
         assert await server.spawn("code", _env(), False) is None
     finally:
         os.umask(old)
+    was = signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # an ignored signal stays ignored
+    try:
+        assert await server.spawn("code", _env(), False) is None
+    finally:
+        signal.signal(signal.SIGUSR2, was)
+    again = await server.spawn("code", _env(), False)
+    assert again is not None
+    await _run(again, b"")
 
 
 async def test_the_server_ends_with_its_parents_handle_and_its_children_run_on(
@@ -138,6 +199,49 @@ async def test_the_server_ends_with_its_parents_handle_and_its_children_run_on(
     out, code = await _run(forked, b"print(6 * 7)\n")
     # The code of a child that outlived the server is unknown: reported as a kill.
     assert b"42\n" in out and code == -signal.SIGKILL
+
+
+#: a parent that forks one child (it reads stdin), prints the two pids, and waits to be killed
+PARENT = textwrap.dedent(
+    """
+    import anyio, os, sys
+    from llmdd_async.testing._forkserver import ForkServer
+    async def main():
+        fs = ForkServer()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", LLMDD_PEER_LOOP="asyncio")
+        child = await fs.spawn("code", env, False)
+        print(fs.pid, child.pid, flush=True)
+        await anyio.sleep(60)
+    anyio.run(main)
+    """
+)
+
+
+def _wait_gone(pid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _state(pid) in (None, "Z"):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_parent_killed_takes_its_server_and_children_with_it() -> None:
+    """The server ends when its parent's end of the control socket closes; a child when
+    its stdin (held by the parent) does."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert parent.stdout is not None
+        line = parent.stdout.readline()
+        assert line, parent.stderr.read() if parent.stderr else ""
+        server_pid, child_pid = map(int, line.split())
+        assert _state(server_pid) not in (None, "Z") and _state(child_pid) not in (None, "Z")
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _wait_gone(server_pid) and _wait_gone(child_pid)
 
 
 @contextlib.asynccontextmanager
