@@ -251,7 +251,9 @@ async def run(
     pool = 2 * layers * -(-blocks * block // page) * page + (64 << 20)
     shape = [blocks, block]
     rows = []
-    async with PeerProcess.start(dd.LLMRole.DECODER, 2, options(transport, True, pool)) as dec:
+    async with PeerProcess.start(
+        dd.LLMRole.DECODER, 2, options(transport, True, pool), fork=False
+    ) as dec:
         await dec.request(
             "register",
             kind="blocks",

@@ -152,7 +152,7 @@ async def ours(transport: str, seed: int) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     key = dd.BlocksCacheKey(1, 0)
     async with (
-        PeerProcess.start(dd.LLMRole.PROMPT, 1, _options(transport, True)) as peer,
+        PeerProcess.start(dd.LLMRole.PROMPT, 1, _options(transport, True), fork=False) as peer,
         dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(_options(transport, False)) as d,
     ):
         code, _ = await d.link_clusters([peer.cluster_info()], 10000)

@@ -77,12 +77,14 @@ async def run(repeat: int, loop: str) -> list[dict[str, Any]]:
     speeds: dict[str, list[float]] = {name: [] for name in VARIANTS}
     raw: list[float] = []
     async with (
-        PeerProcess.start(dd.LLMRole.PROMPT, 1, options(VARIANTS["keyless"], True), loop) as p0,
         PeerProcess.start(
-            dd.LLMRole.PROMPT, 1, options(VARIANTS["keyed (default)"], True), loop
+            dd.LLMRole.PROMPT, 1, options(VARIANTS["keyless"], True), loop, fork=False
+        ) as p0,
+        PeerProcess.start(
+            dd.LLMRole.PROMPT, 1, options(VARIANTS["keyed (default)"], True), loop, fork=False
         ) as p1,
         PeerProcess.start(
-            dd.LLMRole.PROMPT, 1, options(VARIANTS["keyed + PayloadAuth"], True), loop
+            dd.LLMRole.PROMPT, 1, options(VARIANTS["keyed + PayloadAuth"], True), loop, fork=False
         ) as p2,
         dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(options(VARIANTS["keyless"], False)) as d0,
         dd.LLMDataDist(dd.LLMRole.DECODER, 2).running(

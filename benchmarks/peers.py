@@ -260,7 +260,7 @@ async def run_ours(transport: str, loop: str, sz: Sizes, plan: Plan) -> dict[str
         "llm.MemPoolConfig": json.dumps({"memory_size": 64 << 20}),  # user memory only
     }
     peer_opts = {**opts, "llm.listenIpInfo": "127.0.0.1:0"}
-    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, peer_opts, loop) as peer:
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, peer_opts, loop, fork=False) as peer:
         await peer.request(
             "register",
             kind="blocks",

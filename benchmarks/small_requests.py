@@ -78,7 +78,7 @@ async def _case(name: str, loop: str, requests: int, pool: int, timeline: bool) 
         "llm.MemPoolConfig": json.dumps({"memory_size": pool * block + (16 << 20)}),
     }
     key = dd.BlocksCacheKey(1, 0)
-    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, peer_opts, loop) as peer:
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, peer_opts, loop, fork=False) as peer:
         await peer.request(
             "alloc", kind="blocks", num_tensors=tensors, shape=shape, blocks_key=encode_key(key)
         )

@@ -91,7 +91,9 @@ async def run_case(
     rows: list[dict[str, Any]] = []
     cold_rows: list[dict[str, Any]] = []
     user_shape = [BLOCKS // user_tensors, BLOCK_BYTES]
-    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, options(transport, True), loop) as peer:
+    async with PeerProcess.start(
+        dd.LLMRole.PROMPT, 1, options(transport, True), loop, fork=False
+    ) as peer:
         if "pool" in memories:
             await peer.request(
                 "alloc",

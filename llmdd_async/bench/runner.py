@@ -192,7 +192,7 @@ async def _measure_layout(
         "llm.listenIpInfo": "127.0.0.1:0",
         "llm.MemPoolConfig": json.dumps({"memory_size": nblocks * block + (16 << 20)}),
     }
-    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, peer_opts, loop) as peer:
+    async with PeerProcess.start(dd.LLMRole.PROMPT, 1, peer_opts, loop, fork=False) as peer:
         await peer.request(
             "alloc",
             kind="blocks",

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.abc
@@ -66,10 +66,23 @@ def _ignored_signals() -> list[int]:
     return out
 
 
-def _inherited() -> tuple[Any, ...]:
-    """What a child started now would inherit from this process besides its environment:
-    the working directory, ids, umask, ignored signals, CPU affinity, priority and resource
-    limits."""
+class _Inherited(NamedTuple):
+    """What a child started now would inherit from this thread besides its environment."""
+
+    cwd: str
+    euid: int
+    egid: int
+    groups: tuple[int, ...]
+    umask: str
+    ignored: tuple[int, ...]
+    cpus: frozenset[int]
+    priority: int
+    limits: tuple[tuple[int, int], ...]
+
+
+def _inherited() -> _Inherited:
+    """What a child started now by this thread would inherit (CPU affinity and priority are
+    a thread's)."""
     umask = ""
     with contextlib.suppress(OSError), open("/proc/self/status") as f:
         umask = next((line for line in f if line.startswith("Umask:")), "")
@@ -78,7 +91,7 @@ def _inherited() -> tuple[Any, ...]:
         for name in sorted(dir(resource))
         if name.startswith("RLIMIT_")
     )
-    return (
+    return _Inherited(
         os.getcwd(),
         os.geteuid(),
         os.getegid(),
@@ -261,7 +274,7 @@ class ForkServer:
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._env: dict[str, str] = {}
-        self._inherited: tuple[Any, ...] = ()
+        self._inherited: _Inherited | None = None
         self._owner = 0
         #: why it cannot run (then every spawn gets a fresh interpreter)
         self.broken: str | None = None
@@ -271,7 +284,7 @@ class ForkServer:
         """The server's pid (None before it runs)."""
         return None if self._proc is None else self._proc.pid
 
-    def usable(self, env: Mapping[str, str], here: tuple[Any, ...] | None = None) -> bool:
+    def usable(self, env: Mapping[str, str], here: _Inherited | None = None) -> bool:
         """Whether a child with environment ``env`` may be forked (once the server runs) by
         the calling thread (``here``: what :func:`_inherited` says there)."""
         if self.broken is not None:
@@ -296,7 +309,7 @@ class ForkServer:
         return None if forked is None else ForkedProcess(forked)
 
     def _spawn(
-        self, module: str, env: dict[str, str], inherit_stderr: bool, here: tuple[Any, ...]
+        self, module: str, env: dict[str, str], inherit_stderr: bool, here: _Inherited
     ) -> _Forked | None:
         with self._lock:
             if not self._running(env, here):
@@ -316,7 +329,13 @@ class ForkServer:
                 fds = [s.fileno() for s in theirs]
                 if inherit_stderr:
                     fds.append(2)
-                req = {"module": module, "env": env, "ignored": _ignored_signals()}
+                req = {
+                    "module": module,
+                    "env": env,
+                    "ignored": _ignored_signals(),
+                    # the caller thread's: the server's may differ (started from a worker)
+                    "cpus": sorted(here.cpus),
+                }
                 self._sock.settimeout(FORK_S)
                 socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
                 reply, got, _, _ = socket.recv_fds(self._sock, 256, 1)
@@ -339,7 +358,7 @@ class ForkServer:
             stderr = None if inherit_stderr else ours[3]
             return _Forked(json.loads(reply)["pid"], got[0], ours[0], ours[1], ours[2], stderr)
 
-    def _running(self, env: dict[str, str], here: tuple[Any, ...]) -> bool:
+    def _running(self, env: dict[str, str], here: _Inherited) -> bool:
         if self.broken is not None:
             return False
         if self._sock is not None and self._owner == os.getpid():
@@ -479,6 +498,8 @@ def _child(req: dict[str, Any], fds: list[int]) -> None:
             signal.signal(sig, signal.SIG_IGN)
         if signal.SIGINT not in req["ignored"]:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, req["cpus"])
         os.environ.clear()
         os.environ.update(req["env"])
         # As ``python -m`` has them (runpy sets argv[0] to the module's file):

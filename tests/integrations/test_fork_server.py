@@ -138,6 +138,24 @@ async def test_two_children_draw_different_randoms_and_hold_only_their_own_strea
     assert fds_a == fds_b == fds_fresh
 
 
+async def test_a_child_runs_on_the_cpus_of_the_thread_that_started_it(server: ForkServer) -> None:
+    """CPU affinity is a thread's: the server, started from a worker thread, may have other
+    CPUs than the caller (a benchmark pins its loop's thread); the child gets the caller's."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("one CPU: nothing to pin to")
+    one = {min(cpus)}
+    await anyio.to_thread.run_sync(os.getpid)  # a worker thread, unpinned, starts the server
+    os.sched_setaffinity(0, one)
+    try:
+        forked = await server.spawn("code", _env(), False)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert forked is not None
+    out, _ = await _run(forked, b"import os; print(sorted(os.sched_getaffinity(0)))\n")
+    assert f"{sorted(one)}".encode() in out, out
+
+
 async def test_a_module_that_cannot_run_exits_1_as_with_python_m(server: ForkServer) -> None:
     forked = await server.spawn("llmdd_async_no_such_module", _env(), False)
     assert isinstance(forked, ForkedProcess)
