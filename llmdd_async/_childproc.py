@@ -134,6 +134,12 @@ class ChildProcess:
 
     def __init__(self, process: anyio.abc.Process) -> None:
         self.process = process
+        # Signals go through a pidfd: never to another process that took the pid of this one
+        # once reaped, and without polling it (a poll may reap it under asyncio's watcher).
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError):
+            own = getattr(process, "pidfd", None)  # (a fork server's child has one)
+            self._pidfd = os.pidfd_open(process.pid) if own is None else os.dup(own)
         self._ids = itertools.count(1)
         self._waiters: dict[int, anyio.Event] = {}
         self._results: dict[int, dict[str, Any]] = {}
@@ -247,11 +253,11 @@ class ChildProcess:
         self._signal(signal.SIGKILL)
 
     def _signal(self, sig: signal.Signals) -> None:
-        # Through the process object, never by pid: one that has exited (and was reaped)
-        # is not signalled, so its pid, free again, never reaches another process.
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(sig)
+        with contextlib.suppress(ProcessLookupError):
+            if self._pidfd is None:
+                os.kill(self.process.pid, sig)
+            else:
+                signal.pidfd_send_signal(self._pidfd, sig)
 
     async def close(self) -> None:
         if self.process.returncode is None:
@@ -265,3 +271,6 @@ class ChildProcess:
         with contextlib.suppress(Exception):
             await self.process.wait()
         await self.process.aclose()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None

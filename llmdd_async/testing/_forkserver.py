@@ -8,12 +8,12 @@ and sockets, standing where ``python -m MODULE`` would (its stdin, stdout and st
 sockets to the parent, its environment the one asked for, ``sys.argv`` as ``-m`` sets it).
 
 It is used only where a fresh interpreter would behave the same: what a child inherits from
-its parent (working directory, ids, umask, ignored signals, CPU affinity, priority, resource
-limits) is as it was when the server started, and the environment differs from the server's
-at most in variables read after the child starts (``LLMDD_PEER_LOOP``,
-``PYTEST_CURRENT_TEST``, ``UCX_*``, ``MC_*``, ``GLOG_*``: the native libraries that read them
-are never loaded in the server). Anything else (a command prefix, another ``PYTHONPATH``, a
-log level read at import, a test that pinned its CPUs) gets a fresh interpreter:
+its parent (working directory, ids, umask, ignored signals, priority, resource limits) is as it
+was when the server started (a child runs on the CPUs of the thread that asks for it), and the
+environment differs from the server's at most in variables read after the child starts
+(``LLMDD_PEER_LOOP``, ``PYTEST_CURRENT_TEST``, ``UCX_*``, ``MC_*``, ``GLOG_*``: the native
+libraries that read them are never loaded in the server). Anything else (a command prefix,
+another ``PYTHONPATH``, a log level read at import) gets a fresh interpreter:
 :meth:`ForkServer.spawn` returns None.
 """
 
@@ -190,6 +190,11 @@ class ForkedProcess(anyio.abc.Process):
         return self._pid
 
     @property
+    def pidfd(self) -> int:
+        """Its pidfd (-1 once closed): it names this process, never a later one."""
+        return self._pidfd
+
+    @property
     def returncode(self) -> int | None:
         """Its exit code, -N for signal N; None while it runs. ``-SIGKILL`` where the server
         ended before it (its code is then unknown)."""
@@ -292,7 +297,11 @@ class ForkServer:
         if self._sock is None or self._owner != os.getpid():
             return True  # started for this environment
         here = _inherited() if here is None else here
-        return _early(env) == _early(self._env) and here == self._inherited
+        assert self._inherited is not None
+        # (each child is given the CPUs of the thread that asks: no need for the same ones)
+        return _early(env) == _early(self._env) and here._replace(
+            cpus=frozenset()
+        ) == self._inherited._replace(cpus=frozenset())
 
     async def spawn(
         self, module: str, env: Mapping[str, str], inherit_stderr: bool
@@ -326,26 +335,30 @@ class ForkServer:
                     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                     ours.append(a)
                     theirs.append(b)
-                fds = [s.fileno() for s in theirs]
-                if inherit_stderr:
-                    fds.append(2)
+            except OSError:  # out of descriptors, say: this child only gets a fresh interpreter
+                for sock in ours + theirs:
+                    sock.close()
+                return None
+            fds = [sock.fileno() for sock in theirs]
+            if inherit_stderr:
+                fds.append(2)
+            try:
                 req = {
                     "module": module,
                     "env": env,
-                    "ignored": _ignored_signals(),
+                    "ignored": list(here.ignored),
                     # the caller thread's: the server's may differ (started from a worker)
                     "cpus": sorted(here.cpus),
+                    "priority": here.priority,
                 }
                 self._sock.settimeout(FORK_S)
                 socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
-                reply, got, _, _ = socket.recv_fds(self._sock, 256, 1)
+                reply, got, _, _ = socket.recv_fds(self._sock, 256, 1, socket.MSG_CMSG_CLOEXEC)
             except OSError as exc:  # (a timeout too: the server is stuck)
                 self._break(f"the fork server failed: {exc!r}")
             finally:
                 for s in theirs:
                     s.close()
-            for fd in got:
-                os.set_inheritable(fd, False)
             if not reply or not got:
                 if self.broken is None:
                     self._break("the fork server did not fork")
@@ -500,6 +513,8 @@ def _child(req: dict[str, Any], fds: list[int]) -> None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, req["cpus"])
+        with contextlib.suppress(OSError):  # (a lower one than the server's needs privilege)
+            os.setpriority(os.PRIO_PROCESS, 0, req["priority"])
         os.environ.clear()
         os.environ.update(req["env"])
         # As ``python -m`` has them (runpy sets argv[0] to the module's file):
