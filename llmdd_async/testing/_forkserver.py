@@ -15,6 +15,11 @@ environment differs from the server's at most in variables read after the child 
 libraries that read them are never loaded in the server). Anything else (a command prefix,
 another ``PYTHONPATH``, a log level read at import) gets a fresh interpreter:
 :meth:`ForkServer.spawn` returns None.
+
+What still differs from a fresh interpreter: every child has the server's string hash seed
+(set and dict orders of strings are the same in each), and a module that returns (instead of
+ending the process as a peer does, with ``os._exit``) runs its ``atexit`` handlers and then
+ends without joining its threads.
 """
 
 from __future__ import annotations
