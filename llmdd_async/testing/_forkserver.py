@@ -72,7 +72,8 @@ def _ignored_signals() -> list[int]:
 
 
 class _Inherited(NamedTuple):
-    """What a child started now would inherit from this thread besides its environment."""
+    """What a child started now would inherit from this thread besides its environment and
+    its CPUs (each child is given the CPUs of the thread that asks for it)."""
 
     cwd: str
     euid: int
@@ -80,14 +81,12 @@ class _Inherited(NamedTuple):
     groups: tuple[int, ...]
     umask: str
     ignored: tuple[int, ...]
-    cpus: frozenset[int]
     priority: int
     limits: tuple[tuple[int, int], ...]
 
 
 def _inherited() -> _Inherited:
-    """What a child started now by this thread would inherit (CPU affinity and priority are
-    a thread's)."""
+    """What a child started now by this thread would inherit (priority is a thread's)."""
     umask = ""
     with contextlib.suppress(OSError), open("/proc/self/status") as f:
         umask = next((line for line in f if line.startswith("Umask:")), "")
@@ -103,7 +102,6 @@ def _inherited() -> _Inherited:
         tuple(os.getgroups()),
         umask,
         tuple(_ignored_signals()),
-        frozenset(os.sched_getaffinity(0)),
         os.getpriority(os.PRIO_PROCESS, 0),
         limits,
     )
@@ -294,19 +292,14 @@ class ForkServer:
         """The server's pid (None before it runs)."""
         return None if self._proc is None else self._proc.pid
 
-    def usable(self, env: Mapping[str, str], here: _Inherited | None = None) -> bool:
+    def usable(self, env: Mapping[str, str], here: _Inherited) -> bool:
         """Whether a child with environment ``env`` may be forked (once the server runs) by
-        the calling thread (``here``: what :func:`_inherited` says there)."""
+        a thread whose :func:`_inherited` is ``here``."""
         if self.broken is not None:
             return False
         if self._sock is None or self._owner != os.getpid():
             return True  # started for this environment
-        here = _inherited() if here is None else here
-        assert self._inherited is not None
-        # (each child is given the CPUs of the thread that asks: no need for the same ones)
-        return _early(env) == _early(self._env) and here._replace(
-            cpus=frozenset()
-        ) == self._inherited._replace(cpus=frozenset())
+        return _early(env) == _early(self._env) and here == self._inherited
 
     async def spawn(
         self, module: str, env: Mapping[str, str], inherit_stderr: bool
@@ -314,16 +307,21 @@ class ForkServer:
         """Fork ``python -m module`` with ``env``; None where a fresh interpreter is needed
         (see the module's docstring) or the server cannot run."""
         # (on the caller's thread: CPU affinity and priority are a thread's)
-        here = _inherited()
+        here, cpus = _inherited(), sorted(os.sched_getaffinity(0))
         if not self.usable(env, here):
             return None
         forked = await anyio.to_thread.run_sync(
-            self._spawn, module, dict(env), inherit_stderr, here
+            self._spawn, module, dict(env), inherit_stderr, here, cpus
         )
         return None if forked is None else ForkedProcess(forked)
 
     def _spawn(
-        self, module: str, env: dict[str, str], inherit_stderr: bool, here: _Inherited
+        self,
+        module: str,
+        env: dict[str, str],
+        inherit_stderr: bool,
+        here: _Inherited,
+        cpus: list[int],
     ) -> _Forked | None:
         with self._lock:
             if not self._running(env, here):
@@ -353,7 +351,7 @@ class ForkServer:
                     "env": env,
                     "ignored": list(here.ignored),
                     # the caller thread's: the server's may differ (started from a worker)
-                    "cpus": sorted(here.cpus),
+                    "cpus": cpus,
                     "priority": here.priority,
                 }
                 self._sock.settimeout(FORK_S)
